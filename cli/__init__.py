@@ -1,0 +1,1 @@
+"""precast's command line: thin click commands, each calling one library function."""

@@ -1,0 +1,284 @@
+"""The subcommands. Each parses options, calls one library function, and prints the result."""
+
+from __future__ import annotations
+
+import json
+
+from pathlib import Path
+
+import click
+import numpy as np
+from rich.markup import escape
+from rich.table import Table
+
+from precast.cli.feeds_io import read_feeds
+from precast.cli.main import cli
+from precast.cli.output import Progress, emit_json, err_console, out_console
+from precast.runtime.errors import UsageError
+
+_KV = "KEY=VALUE"
+
+
+def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
+    out = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"bad {what} '{item}': expected {_KV}")
+        out[key.strip()] = value.strip()
+    return out
+
+
+def _config_defaults(path: str | None) -> dict:
+    """[compile] table of precast.toml (an explicit --config, or ./precast.toml when present)."""
+    import tomllib
+
+    cfg = Path(path) if path else Path("precast.toml")
+    if not cfg.is_file():
+        if path:
+            raise UsageError(f"config file not found: {cfg}")
+        return {}
+    try:
+        data = tomllib.loads(cfg.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise UsageError(f"{cfg}: invalid TOML ({e})") from e
+    section = data.get("compile", {})
+    allowed = {"passes", "targets", "atol", "rtol", "min_cosine"}
+    unknown = set(section) - allowed
+    if unknown:
+        raise UsageError(f"{cfg}: unknown key '{sorted(unknown)[0]}' in [compile] (allowed: {', '.join(sorted(allowed))})")
+    return section
+
+
+@cli.command("compile")
+@click.argument("model")
+@click.option("-o", "--output", required=True, type=click.Path(), help="Artifact directory to write.")
+@click.option("-t", "--target", "targets", multiple=True, help="Target (repeatable; default ort-cpu).")
+@click.option("-p", "--passes", default=None, help="Pipeline, e.g. 'default,fold-constants'. Default: the target's.")
+@click.option("-i", "--input", "inputs", multiple=True, help="Input spec for PyTorch callables: name:dtype[dims].")
+@click.option("--dim", "dims", multiple=True, help="Sample size of a symbolic dim for export/verification, NAME=INT.")
+@click.option("--task", default=None, help="Task for Hugging Face folders (default feature-extraction).")
+@click.option("--sample-inputs", type=click.Path(), default=None, help=".npz/.json of feeds to verify with.")
+@click.option("--atol", type=float, default=None, help="Absolute tolerance for parity.")
+@click.option("--rtol", type=float, default=None, help="Relative tolerance for parity.")
+@click.option("--min-cosine", type=float, default=None, help="Minimum cosine similarity per output.")
+@click.option("--target-option", "target_options", multiple=True, help="Target option KEY=VALUE (repeatable).")
+@click.option("--print-ir-after", "print_ir_after", multiple=True, help="Print the IR after this pass ('all').")
+@click.option("--config", "config", default=None, help="precast.toml with a [compile] table.")
+@click.option("--report", type=click.Path(), default=None, help="Write a JSON report here (also on failure).")
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+def compile_cmd(model, output, targets, passes, inputs, dims, task, sample_inputs, atol, rtol, min_cosine,
+                target_options, print_ir_after, config, report, as_json, quiet):
+    """Compile MODEL (.onnx file, Hugging Face folder, or module:callable) into a verified artifact."""
+    from precast.compiler.driver import CompileOptions, compile_model
+    from precast.compiler.source import parse_input_spec
+    from precast.runtime.errors import ParityError, PrecastError
+
+    cfg = _config_defaults(config)
+    dim_values = {}
+    for k, v in _kv_pairs(dims, "--dim").items():
+        if not v.isdigit() or int(v) < 1:
+            raise UsageError(f"bad --dim '{k}={v}': the size must be a positive integer")
+        dim_values[k] = int(v)
+    opts = CompileOptions(
+        targets=tuple(targets) or tuple(cfg.get("targets", ["ort-cpu"])),
+        passes=passes if passes is not None else cfg.get("passes"),
+        inputs=[parse_input_spec(s) for s in inputs],
+        dims=dim_values,
+        sample_inputs=read_feeds(sample_inputs) if sample_inputs else None,
+        atol=atol if atol is not None else cfg.get("atol"),
+        rtol=rtol if rtol is not None else cfg.get("rtol"),
+        min_cosine=min_cosine if min_cosine is not None else cfg.get("min_cosine"),
+        target_options=_kv_pairs(target_options, "--target-option"),
+        print_ir_after=frozenset(print_ir_after),
+        task=task,
+    )
+    try:
+        result = compile_model(model, output, opts, progress=Progress(quiet or as_json))
+    except PrecastError as e:
+        if report:
+            payload = {"ok": False, "error": str(e), "error_type": type(e).__name__, "exit_code": e.exit_code}
+            if isinstance(e, ParityError):
+                payload["parity"] = {k: v for k, v in e.report.items() if k not in ("inputs", "expected")}
+            Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+        raise
+    if report:
+        payload = {"ok": True, "output": str(result.output), "manifest": result.manifest,
+                   "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+                   "pass_seconds": {t: {r.spec: round(r.seconds, 4) for r in rs} for t, rs in result.records.items()}}
+        Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
+    if as_json:
+        emit_json(result.manifest)
+        return
+    if not quiet:
+        _print_parity(result.manifest)
+        err_console.print(f"[green]wrote[/green] {result.output} in {result.seconds['total']:.1f}s")
+
+
+def _parity_rows(manifest: dict):
+    if manifest.get("kind") == "multi-target":
+        return []
+    return list((manifest.get("parity") or {}).get("outputs", {}).items())
+
+
+def _print_parity(manifest: dict, title: str = "parity", console=err_console) -> None:
+    rows = _parity_rows(manifest)
+    if not rows:
+        return
+    table = Table(title=f"{title} vs {manifest['parity'].get('reference', '?')}", title_justify="left")
+    for col in ("output", "max abs", "max rel", "cosine", "ok"):
+        table.add_column(col)
+    for name, r in rows:
+        table.add_row(name, f"{r.get('max_abs', '-'):.3g}" if "max_abs" in r else "-",
+                      f"{r['max_rel']:.3g}" if "max_rel" in r else "-",
+                      f"{r['cosine']:.6f}" if "cosine" in r else "-", "yes" if r["ok"] else "[red]NO[/red]")
+    console.print(table)
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
+def inspect(artifact, as_json):
+    """Show an artifact's manifest: IO signature, pipeline, pass stats, parity, files."""
+    from precast.runtime.manifest import read_manifest
+
+    manifest = read_manifest(artifact)
+    if as_json:
+        emit_json(manifest)
+        return
+    if manifest.get("kind") == "multi-target":
+        out_console.print(f"[bold]{artifact}[/bold]: multi-target artifact, fallback order {manifest['fallback_order']}")
+        for name, entry in manifest["targets"].items():
+            out_console.print(f"\n[bold]== {name} ==[/bold]")
+            _inspect_one(Path(artifact) / entry["dir"], read_manifest(Path(artifact) / entry["dir"]))
+        return
+    _inspect_one(Path(artifact), manifest)
+
+
+def _inspect_one(path: Path, m: dict) -> None:
+    t = m["target"]
+    src = m.get("source", {})
+    out_console.print(f"[bold]{path}[/bold]  schema {m['schema_version']}, precast {m.get('precast_version')}")
+    out_console.print(f"source: {src.get('kind')} '{src.get('name')}' sha256 {str(src.get('sha256'))[:16]}...")
+    out_console.print(f"target: {t.get('name')} ({t.get('backend')}, {', '.join(t.get('providers', []))}, "
+                      f"{t.get('precision')}), session {t.get('session')}")
+    out_console.print(escape(f"pipeline: {m.get('pipeline') or '(none)'}"))
+    io = Table(title="IO signature", title_justify="left")
+    for col in ("", "name", "dtype", "shape"):
+        io.add_column(col)
+    for kind in ("inputs", "outputs"):
+        for s in m["io"][kind]:
+            shape = "?" if s["shape"] is None else "[" + ", ".join("?" if d is None else str(d) for d in s["shape"]) + "]"
+            io.add_row(kind[:-1], escape(s["name"]), s["dtype"], escape(shape))
+    out_console.print(io)
+    passes = Table(title="passes", title_justify="left")
+    for col in ("pass", "stats", "nodes"):
+        passes.add_column(col)
+    for p in m.get("passes", []):
+        passes.add_row(escape(p["pass"]), ", ".join(f"{k}={v}" for k, v in p["stats"].items()), f"{p['nodes_before']} -> {p['nodes_after']}")
+    out_console.print(passes)
+    _print_parity(m, console=out_console)
+    files = Table(title="files", title_justify="left")
+    files.add_column("file")
+    files.add_column("bytes", justify="right")
+    files.add_column("sha256")
+    for rel, digest in sorted(m["files"].items()):
+        p = path / rel
+        files.add_row(rel, str(p.stat().st_size) if p.exists() else "MISSING", digest[:16] + "...")
+    out_console.print(files)
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+def verify(artifact, as_json):
+    """Check integrity (sha256 of every file) and re-run the stored parity feeds."""
+    from precast.runtime.errors import ParityError
+    from precast.runtime.verify import verify_artifact
+
+    report = verify_artifact(artifact)
+    reports = report if "ok" not in report else {report["target"]: report}
+    if as_json:
+        emit_json(report)
+    else:
+        for target, r in reports.items():
+            for name, o in r["outputs"].items():
+                status = "ok" if o["ok"] else "FAIL"
+                out_console.print(f"{target} {name}: max abs {o.get('max_abs', 0):.3g}, cosine {o.get('cosine', 1):.6f} {status}")
+    bad = [(t, n) for t, r in reports.items() for n, o in r["outputs"].items() if not o["ok"]]
+    if bad:
+        raise ParityError(f"artifact {artifact}: target '{bad[0][0]}' output '{bad[0][1]}' no longer matches its stored reference")
+    if not as_json:
+        out_console.print(f"[green]verified[/green] {artifact}: all files intact, parity holds")
+
+
+@cli.command()
+@click.argument("artifact", type=click.Path())
+@click.option("-i", "--input", "input_file", required=True, type=click.Path(), help="Feeds: .npz or .json.")
+@click.option("-o", "--output", "output_file", type=click.Path(), default=None, help="Save outputs to .npz.")
+@click.option("--prefer", default=None, help="Target to prefer in a multi-target artifact.")
+@click.option("--threads", type=int, default=None, help="Intra-op threads (default: the artifact's setting).")
+@click.option("--json", "as_json", is_flag=True, help="Print outputs as JSON lists.")
+def run(artifact, input_file, output_file, prefer, threads, as_json):
+    """Run an artifact on feeds from a file and print (or save) the outputs."""
+    from precast.runtime import load
+
+    model = load(artifact, threads=threads, prefer=prefer)
+    feeds = read_feeds(input_file, model.inputs)
+    outputs = model.run(feeds)
+    if output_file:
+        np.savez(output_file, **outputs)
+    if as_json:
+        emit_json({k: v.tolist() for k, v in outputs.items()})
+        return
+    for name, arr in outputs.items():
+        flat = arr.ravel()
+        head = np.array2string(flat[:6], precision=5, separator=", ")
+        out_console.print(escape(f"{name}: {arr.dtype}{list(arr.shape)} {head}{' ...' if flat.size > 6 else ''}"))
+    if output_file:
+        err_console.print(f"saved outputs to {output_file}")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+def passes(as_json):
+    """List registered passes with their options."""
+    from precast.compiler.registry import all_passes, describe_options
+
+    items = all_passes()
+    if as_json:
+        emit_json({n: {"summary": c.summary(), "options": describe_options(c.Options)} for n, c in items.items()})
+        return
+    table = Table(title="passes", title_justify="left")
+    for col in ("pass", "what it does", "options"):
+        table.add_column(col)
+    for name, cls in items.items():
+        table.add_row(name, escape(cls.summary()), escape(describe_options(cls.Options) or "-"))
+    out_console.print(table)
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True)
+def targets(as_json):
+    """List targets and whether this host can build and run them (with the reason)."""
+    from precast.targets import all_targets
+
+    rows = {}
+    for name, cls in all_targets().items():
+        b, r = cls.can_build(), cls.can_run()
+        rows[name] = {"summary": cls.summary, "build": b.ok, "build_reason": b.reason, "run": r.ok, "run_reason": r.reason,
+                      "default_pipeline": cls.default_pipeline, "options": cls.option_defaults}
+    if as_json:
+        emit_json(rows)
+        return
+    table = Table(title="targets", title_justify="left")
+    for col in ("target", "what", "build here", "run here", "default pipeline"):
+        table.add_column(col)
+    for name, r in rows.items():
+        b = "yes" if r["build"] else f"unavailable: {r['build_reason']}"
+        x = "yes" if r["run"] else f"unavailable: {r['run_reason']}"
+        table.add_row(name, r["summary"], escape(b), escape(x), escape(r["default_pipeline"]))
+    out_console.print(table)
+
+

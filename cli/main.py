@@ -1,0 +1,72 @@
+"""``precast`` CLI entry point. Errors become one line on stderr and a documented exit code."""
+
+from __future__ import annotations
+
+import sys
+import traceback
+
+import click
+
+from precast.runtime.errors import EXIT_INTERNAL, EXIT_USAGE, PrecastError
+
+__all__ = ["cli", "main"]
+
+
+class _Group(click.Group):
+    def get_command(self, ctx, name):
+        cmd = super().get_command(ctx, name)
+        if cmd is None and name:
+            import difflib
+
+            close = difflib.get_close_matches(name, self.list_commands(ctx), n=1)
+            hint = f"; did you mean '{close[0]}'?" if close else ""
+            raise click.UsageError(f"unknown command '{name}'{hint}")
+        return cmd
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--debug", is_flag=True, help="Show tracebacks on errors.")
+@click.version_option(package_name="precast", prog_name="precast")
+def cli(debug: bool) -> None:
+    """precast: compile models into verified per-target artifacts, and run them.
+
+    \b
+    Exit codes: 0 ok, 1 usage or bad input, 2 parity failure, 3 artifact error
+    (missing, tampered, newer schema), 4 target unknown/unavailable, 5 export or pass failure,
+    70 internal error.
+    """
+
+
+def _register() -> None:
+    from precast.cli import commands  # noqa: F401  (defines the subcommands on `cli`)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = sys.argv[1:] if argv is None else argv
+    debug = "--debug" in args
+    _register()
+    try:
+        rv = cli.main(args=args, prog_name="precast", standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("error: aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as e:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"error: {e.format_message()}", err=True)
+        sys.exit(EXIT_USAGE)
+    except PrecastError as e:
+        if debug:
+            traceback.print_exc()
+        click.echo(f"error: {e}", err=True)
+        sys.exit(e.exit_code)
+    except KeyboardInterrupt:
+        click.echo("error: interrupted", err=True)
+        sys.exit(130)
+    except Exception as e:  # a bug in precast, not a user mistake
+        if debug:
+            traceback.print_exc()
+        first = str(e).splitlines()[0] if str(e) else ""
+        click.echo(f"internal error: {type(e).__name__}: {first} (re-run with --debug for the traceback)", err=True)
+        sys.exit(EXIT_INTERNAL)
+    sys.exit(rv if isinstance(rv, int) else 0)

@@ -1,0 +1,267 @@
+"""The compile driver: source -> passes -> target files -> verified artifact (or nothing, and an error)."""
+
+from __future__ import annotations
+
+import platform
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+import precast
+from precast.compiler.artifact import finalize_manifest, publish, save_tensors, staging_dir, write_index
+from precast.compiler.parity import DEFAULT_TOL, Tolerance, compare_outputs, io_signature, make_sample_feeds, ort_run_model
+from precast.compiler.pipeline import PassManager, PassRecord, PassSpec, clone_model, format_pipeline, parse_pipeline
+from precast.compiler.source import Source, load_source
+from precast.runtime.backends import explain_ort_error
+from precast.runtime.errors import InputError, ParityError, PrecastError, UnsupportedOpError, UsageError
+from precast.runtime.feeds import check_feeds
+from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
+from precast.targets.base import Target, get_target
+
+__all__ = ["CompileOptions", "CompileResult", "compile_model", "toolchain_versions", "bisect_parity"]
+
+
+@dataclass
+class CompileOptions:
+    targets: Sequence[str] = ("ort-cpu",)
+    passes: str | None = None  # None -> the target's default pipeline
+    inputs: Sequence[TensorSpec] = ()
+    dims: dict[str, int] = field(default_factory=dict)
+    sample_inputs: dict[str, np.ndarray] | None = None
+    atol: float | None = None
+    rtol: float | None = None
+    min_cosine: float | None = None
+    target_options: dict[str, str] = field(default_factory=dict)
+    print_ir_after: frozenset[str] = frozenset()
+    task: str | None = None
+    seed: int = 0
+    bisect: bool = True
+
+
+@dataclass
+class CompileResult:
+    output: Path
+    manifest: dict
+    records: dict[str, list[PassRecord]]  # per target
+    seconds: dict[str, float]
+
+
+Progress = Callable[[str], None]
+
+
+def toolchain_versions() -> dict[str, str]:
+    out = {"precast": precast.__version__}
+    for pkg in ("onnx", "onnx-ir", "onnxscript", "onnxruntime"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = "missing"
+    return out
+
+
+def _reference_outputs(source: Source, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if source.reference is not None:
+        return source.reference(feeds)
+    try:
+        return ort_run_model(source.model, feeds)
+    except PrecastError:
+        raise
+    except Exception as e:
+        node, op, first = explain_ort_error(e)
+        if op:
+            where = f"node '{node}' (op {op})" if node else f"op {op}"
+            raise UnsupportedOpError(f"{where} cannot run on onnxruntime: {first}") from e
+        raise UnsupportedOpError(f"onnxruntime cannot run the source model: {first}") from e
+
+
+def _tolerance(target_cls: type[Target], opts: CompileOptions) -> Tolerance:
+    base = DEFAULT_TOL.get(target_cls.precision, DEFAULT_TOL["fp32"])
+    return Tolerance(
+        atol=opts.atol if opts.atol is not None else base.atol,
+        rtol=opts.rtol if opts.rtol is not None else base.rtol,
+        min_cosine=opts.min_cosine if opts.min_cosine is not None else base.min_cosine,
+    )
+
+
+def _first_failure(report: dict[str, dict]) -> tuple[str, dict] | None:
+    return next(((n, r) for n, r in report.items() if not r.get("ok")), None)
+
+
+def _describe(name: str, r: dict, tol: Tolerance) -> str:
+    if "error" in r:
+        return f"output '{name}': {r['error']}"
+    if "mismatches" in r:
+        return f"output '{name}': {r['mismatches']} integer mismatches"
+    return (
+        f"output '{name}' max abs error {r['max_abs']:.3g} (atol {tol.atol:g}, rtol {tol.rtol:g}), "
+        f"cosine {r['cosine']:.6f} (min {tol.min_cosine:g})"
+    )
+
+
+def bisect_parity(
+    source_model: ir.Model,
+    specs: Sequence[PassSpec],
+    feeds: dict[str, np.ndarray],
+    expected: dict[str, np.ndarray],
+    tol: Tolerance,
+) -> tuple[int, str] | None:
+    """Re-run the pipeline prefix by prefix; (index, message) of the first pass that breaks tolerance."""
+    model = clone_model(source_model)
+    for i, spec in enumerate(specs):
+        model = PassManager([spec]).run(model, copy_input=False)
+        report = compare_outputs(expected, ort_run_model(model, feeds), tol)
+        bad = _first_failure(report)
+        if bad:
+            return i, _describe(bad[0], bad[1], tol)
+    return None
+
+
+def compile_model(model: str | Source, output: str | Path, opts: CompileOptions, progress: Progress | None = None) -> CompileResult:
+    say = progress or (lambda _msg: None)
+    output = Path(output)
+    timings: dict[str, float] = {}
+    t0 = time.perf_counter()
+    target_classes = [get_target(t) for t in opts.targets]  # unknown target fails before any work
+    if len(set(opts.targets)) != len(opts.targets):
+        raise UsageError("a target is named twice")
+    unknown = [k for k in opts.target_options if not any(k in c.option_defaults for c in target_classes)]
+    if unknown:
+        names = ", ".join(c.name for c in target_classes)
+        raise UsageError(f"--target-option '{unknown[0]}' is not an option of target(s) {names}")
+    # A key=value option goes to every selected target that declares it.
+    targets = [cls({k: v for k, v in opts.target_options.items() if k in cls.option_defaults}) for cls in target_classes]
+    for t in targets:
+        avail = t.can_build()
+        if not avail.ok:
+            from precast.runtime.errors import TargetUnavailableError
+
+            raise TargetUnavailableError(f"target '{t.name}' cannot be built on this host: {avail.reason}")
+    pipelines = {t.name: parse_pipeline(opts.passes or "default", default=t.default_pipeline) for t in targets}
+
+    say(f"loading {model if isinstance(model, str) else model.name}")
+    source = model if isinstance(model, Source) else load_source(model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims)
+    timings["load"] = time.perf_counter() - t0
+    inputs, outputs = io_signature(source.model)
+    if opts.sample_inputs is not None:
+        feeds = check_feeds(opts.sample_inputs, inputs)
+    else:
+        feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
+    t1 = time.perf_counter()
+    say(f"running the reference ({source.reference_name})")
+    expected = _reference_outputs(source, feeds)
+    timings["reference"] = time.perf_counter() - t1
+
+    with staging_dir(output) as stage:
+        entries = {}
+        manifests = {}
+        all_records: dict[str, list[PassRecord]] = {}
+        for target in targets:
+            sub = stage if len(targets) == 1 else stage / target.name
+            sub.mkdir(exist_ok=True)
+            all_records[target.name] = []
+            manifests[target.name] = _build_one(
+                source, target, pipelines[target.name], sub, inputs, outputs, feeds, expected, opts, say, timings,
+                all_records[target.name],
+            )
+            entries[target.name] = {"dir": target.name, "target": target.name, "precision": target.precision}
+        if len(targets) > 1:
+            index = {
+                "schema_version": SCHEMA_VERSION,
+                "kind": "multi-target",
+                "precast_version": precast.__version__,
+                "source": manifests[targets[0].name]["source"],
+                "targets": entries,
+                "fallback_order": [t.name for t in targets],
+                "io": manifests[targets[0].name]["io"],
+                "target": {"name": "multi"},
+            }
+            manifest = write_index(stage, index)
+        else:
+            manifest = manifests[targets[0].name]
+        publish(stage, output)
+    timings["total"] = time.perf_counter() - t0
+    return CompileResult(output, manifest, all_records, timings)
+
+
+def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected, opts, say, timings, records) -> dict:
+    from precast.runtime import load as runtime_load
+
+    def on_pass(rec: PassRecord) -> None:
+        records.append(rec)
+        stats = ", ".join(f"{k}={v}" for k, v in rec.stats.items())
+        say(f"[{target.name}] {rec.spec}: {stats} ({rec.seconds * 1000:.0f} ms)")
+
+    t0 = time.perf_counter()
+    pm = PassManager(specs, print_ir_after=opts.print_ir_after, on_pass=on_pass)
+    optimized = pm.run(source.model)
+    timings[f"{target.name}:passes"] = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    say(f"[{target.name}] building")
+    target_block = target.build(optimized, out_dir)
+    for rel, src in sorted(source.ship_files.items()):
+        dst = out_dir / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, dst)
+    tol = _tolerance(type(target), opts)
+    parity_inputs = save_tensors(feeds, out_dir / "parity" / "inputs", "parity/inputs")
+    parity_expected = save_tensors(expected, out_dir / "parity" / "expected", "parity/expected")
+    timings[f"{target.name}:build"] = time.perf_counter() - t1
+
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "precast_version": precast.__version__,
+        "toolchain": toolchain_versions(),
+        "source": {"kind": source.kind, "name": source.name, "sha256": source.sha256, **source.info},
+        "pipeline": format_pipeline(specs),
+        "passes": [r.to_json(with_time=False) for r in records],
+        "target": target_block,
+        "io": {"inputs": [s.to_json() for s in inputs], "outputs": [s.to_json() for s in outputs]},
+        "extra_files": sorted(source.ship_files),
+    }
+    # Verify through the runtime, exactly as a user would load it.
+    t2 = time.perf_counter()
+    say(f"[{target.name}] verifying against {source.reference_name}")
+    finalize_manifest(out_dir, {**manifest, "parity": {"ok": False}})
+    try:
+        actual = runtime_load(out_dir).run(feeds)
+    except InputError as e:
+        raise UsageError(f"compiled model rejects the sample inputs: {e}") from e
+    report = compare_outputs(expected, actual, tol)
+    timings[f"{target.name}:verify"] = time.perf_counter() - t2
+    parity = {
+        "ok": all(r["ok"] for r in report.values()),
+        "reference": source.reference_name,
+        "tolerance": {"atol": tol.atol, "rtol": tol.rtol, "min_cosine": tol.min_cosine},
+        "inputs": parity_inputs,
+        "expected": parity_expected,
+        "outputs": report,
+    }
+    bad = _first_failure(report)
+    if bad:
+        msg = f"target '{target.name}': parity failed: {_describe(bad[0], bad[1], tol)}"
+        if opts.bisect and specs:
+            say("parity failed; bisecting the pipeline")
+            # Bisect against ORT on the source graph: that isolates the passes from the exporter.
+            base_expected = ort_run_model(source.model, feeds) if source.reference is not None else expected
+            culprit = bisect_parity(source.model, specs, feeds, base_expected, tol)
+            if culprit:
+                i, why = culprit
+                done = [s.name for s in specs[:i]]
+                msg += f"; first broken by pass '{specs[i]}' (after [{', '.join(done)}]): {why}"
+            else:
+                msg += "; every pass keeps parity on its own, so the target build or the export broke it"
+        raise ParityError(msg, parity)
+    build_info = {
+        "host": platform.platform(),
+        "python": platform.python_version(),
+        "pass_seconds": {r.spec: round(r.seconds, 4) for r in records},
+        "seconds": {k: round(v, 3) for k, v in timings.items()},
+    }
+    return finalize_manifest(out_dir, {**manifest, "parity": parity}, build_info)

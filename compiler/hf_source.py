@@ -1,0 +1,81 @@
+"""Hugging Face frontend: a local folder (config.json + safetensors) -> exported ONNX.
+
+Weights are read with safetensors (or ``weights_only`` torch checkpoints); never from a hub.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from precast.compiler.source import Source, hash_files
+from precast.compiler.torch_export import export_module, import_torch, sample_dims, torch_reference
+from precast.runtime.errors import ExportError, ModelLoadError, UsageError
+from precast.runtime.manifest import TensorSpec
+
+__all__ = ["load_hf_folder", "ENCODER_TYPES", "TASK_LOADERS"]
+
+# Other tasks (e.g. causal-lm) register a loader(folder, config, dims) -> Source here.
+TASK_LOADERS: dict = {}
+
+# BERT-family encoders: (input names, output names) as exported.
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert", "mpnet"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
+
+
+def _read_config(folder: Path) -> dict:
+    try:
+        return json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ModelLoadError(f"{folder}/config.json is not valid JSON ({e})") from e
+
+
+def load_hf_folder(folder: Path, task: str | None = None, dims: dict[str, int] | None = None) -> Source:
+    config = _read_config(folder)
+    model_type = config.get("model_type", "?")
+    task = task or "feature-extraction"
+    if task != "feature-extraction":
+        if task not in TASK_LOADERS:
+            known = ", ".join(["feature-extraction", *sorted(TASK_LOADERS)])
+            raise UsageError(f"unknown task '{task}' (supported: {known})")
+        return TASK_LOADERS[task](folder, config, dims)
+    if model_type not in ENCODER_TYPES:
+        raise ModelLoadError(
+            f"{folder}: model_type '{model_type}' is not a supported encoder for task feature-extraction "
+            f"(supported: {', '.join(sorted(ENCODER_TYPES))})"
+        )
+    weights = sorted(folder.glob("*.safetensors"))
+    if not weights:
+        raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")
+    import_torch()
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("Hugging Face folders need transformers: pip install 'precast[export]'") from None
+    try:
+        module = transformers.AutoModel.from_pretrained(
+            str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager"
+        ).eval()
+    except Exception as e:
+        raise ModelLoadError(f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})") from e
+    names = ["input_ids", "attention_mask"]
+    if model_type not in ("distilbert", "roberta", "xlm-roberta", "camembert", "mpnet") and config.get("type_vocab_size", 0):
+        names.append("token_type_ids")
+    inputs = [TensorSpec(n, "int64", ("batch", "sequence")) for n in names]
+    outputs = ["last_hidden_state"] + (["pooler_output"] if getattr(module, "pooler", None) is not None else [])
+    dims = sample_dims(inputs, dims)
+    model = export_module(module, inputs, outputs, dims)
+    if [v.name for v in model.graph.outputs] != outputs:
+        raise ExportError(f"{folder}: exported outputs {[v.name for v in model.graph.outputs]} != {outputs}")
+    hashed = [p for p in sorted(folder.iterdir()) if p.is_file() and (p.suffix in (".json", ".safetensors", ".txt"))]
+    ship = {f"tokenizer/{n}": folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()}
+    return Source(
+        "hf",
+        folder.name,
+        model,
+        hash_files(hashed, folder),
+        reference=torch_reference(module, names, outputs),
+        reference_name="torch (transformers eager)",
+        ship_files=ship,
+        info={"model_type": model_type, "task": task, "vocab_size": config.get("vocab_size")},
+    )

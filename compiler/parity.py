@@ -1,0 +1,104 @@
+"""Verification: run the reference and the compiled artifact on the same sample feeds and compare."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import onnx_ir as ir
+
+from precast.runtime.errors import UsageError
+from precast.runtime.manifest import TensorSpec
+from precast.runtime.verify import Tolerance, compare_outputs
+
+__all__ = ["Tolerance", "io_signature", "make_sample_feeds", "compare_outputs", "ort_run_model", "DEFAULT_TOL"]
+
+
+DEFAULT_TOL = {"fp32": Tolerance(1e-4, 1e-3, 0.9999), "fp16": Tolerance(1e-2, 1e-2, 0.999)}
+
+
+def _dtype_name(t: ir.TypeProtocol | None) -> str:
+    if t is None or not isinstance(t, ir.TensorType):
+        return "unknown"
+    try:
+        return np.dtype(t.dtype.numpy()).name
+    except Exception:
+        return str(t.dtype).lower()
+
+
+def _shape(v: ir.Value) -> tuple | None:
+    if v.shape is None:
+        return None
+    return tuple(d if isinstance(d, int) else (d.value if getattr(d, "value", None) else None) for d in v.shape)
+
+
+def io_signature(model: ir.Model) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    init = set(model.graph.initializers)
+    ins = [TensorSpec(v.name, _dtype_name(v.type), _shape(v)) for v in model.graph.inputs if v.name not in init]
+    outs = [TensorSpec(v.name, _dtype_name(v.type), _shape(v)) for v in model.graph.outputs]
+    return ins, outs
+
+
+def _index_bound(model: ir.Model, name: str) -> int | None:
+    """If ``name`` feeds the indices of a Gather over a constant table, the table's size along the axis."""
+    bound = None
+    for node in model.graph.all_nodes():
+        if node.op_type == "Gather" and len(node.inputs) > 1 and node.inputs[1] is not None and node.inputs[1].name == name:
+            data = node.inputs[0]
+            axis = node.attributes.get_int("axis", 0)
+            if data is not None and data.shape is not None and isinstance(data.shape[axis], int):
+                bound = data.shape[axis] if bound is None else min(bound, data.shape[axis])
+    return bound
+
+
+def make_sample_feeds(
+    model: ir.Model, specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0
+) -> dict[str, np.ndarray]:
+    """Feeds from the IO signature: symbolic dims from ``dims`` (default batch-like 2, others 16).
+
+    Integer inputs that index an embedding table stay in range; masks are ones; type ids zeros.
+    """
+    rng = np.random.default_rng(seed)
+    dims = dict(dims or {})
+    feeds: dict[str, np.ndarray] = {}
+    for spec in specs:
+        if spec.shape is None:
+            raise UsageError(f"input '{spec.name}' has unknown rank: pass --sample-inputs feeds.npz")
+        shape = []
+        for i, d in enumerate(spec.shape):
+            if isinstance(d, int):
+                shape.append(d)
+            else:
+                key = d or f"{spec.name}_{i}"
+                if key not in dims:
+                    dims[key] = 2 if i == 0 else 16
+                shape.append(dims[key])
+        lname = spec.name.lower()
+        if spec.dtype == "bool":
+            arr = rng.random(shape) > 0.5
+        elif spec.dtype.startswith(("int", "uint")):
+            if "mask" in lname:
+                arr = np.ones(shape, dtype=spec.dtype)
+            elif "type" in lname or "segment" in lname:
+                arr = np.zeros(shape, dtype=spec.dtype)
+            else:
+                hi = _index_bound(model, spec.name) or 100
+                arr = rng.integers(0, hi, size=shape).astype(spec.dtype)
+        else:
+            arr = rng.standard_normal(shape).astype(spec.dtype)
+        feeds[spec.name] = arr
+    return feeds
+
+
+def ort_run_model(model: ir.Model, feeds: Mapping[str, np.ndarray], level: str = "disable") -> dict[str, np.ndarray]:
+    """Run an in-memory IR model with ONNX Runtime (the reference for ONNX sources)."""
+    import onnxruntime as ort
+
+    from precast.runtime.backends import ort_session_options
+
+    proto = ir.serde.serialize_model(model)
+    data = proto.SerializeToString()
+    so = ort_session_options({"graph_optimization_level": level})
+    sess = ort.InferenceSession(data, sess_options=so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, dict(feeds))))

@@ -1,0 +1,127 @@
+"""Frontends: turn what the user points at (ONNX file, ``module:callable``, local HF folder) into a Source."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx_ir as ir
+
+from precast.runtime.errors import ModelLoadError, UsageError
+from precast.runtime.manifest import TensorSpec
+
+__all__ = ["Source", "load_source", "parse_input_spec", "hash_files"]
+
+Reference = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
+
+
+@dataclass
+class Source:
+    kind: str  # "onnx" | "torch" | "hf"
+    name: str
+    model: ir.Model
+    sha256: str
+    reference: Reference | None = None  # torch forward; None => ORT on the unoptimized source graph
+    reference_name: str = "onnxruntime (unoptimized source graph)"
+    ship_files: dict[str, Path] = field(default_factory=dict)  # artifact-relative name -> file to copy
+    info: dict = field(default_factory=dict)
+
+
+_SPEC = re.compile(r"^\s*([A-Za-z_][\w.:/-]*)\s*:\s*([a-z0-9]+)\s*\[([^\]]*)\]\s*$")
+_DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16", "int8", "uint8", "bool"}
+
+
+def parse_input_spec(text: str) -> TensorSpec:
+    """``input_ids:int64[batch,seq]`` -> TensorSpec (ints are static dims, names are symbolic)."""
+    m = _SPEC.match(text)
+    if not m:
+        raise UsageError(f"bad --input '{text}': expected NAME:DTYPE[dim,dim,...], e.g. 'input_ids:int64[batch,seq]'")
+    name, dtype, dims = m.groups()
+    if dtype not in _DTYPES:
+        raise UsageError(f"bad --input '{text}': unknown dtype '{dtype}' (one of {', '.join(sorted(_DTYPES))})")
+    shape: list[int | str] = []
+    for d in (x.strip() for x in dims.split(",") if x.strip()):
+        if d.isdigit():
+            shape.append(int(d))
+        elif re.fullmatch(r"[A-Za-z_]\w*", d):
+            shape.append(d)
+        else:
+            raise UsageError(f"bad --input '{text}': dim '{d}' must be an integer or a name")
+    return TensorSpec(name, dtype, tuple(shape))
+
+
+def hash_files(paths: list[Path], root: Path | None = None) -> str:
+    h = hashlib.sha256()
+    for p in sorted(paths):
+        rel = p.relative_to(root).as_posix() if root else p.name
+        h.update(rel.encode() + b"\0")
+        with open(p, "rb") as f:
+            while block := f.read(1 << 20):
+                h.update(block)
+    return h.hexdigest()
+
+
+def load_source(
+    spec: str,
+    *,
+    inputs: list[TensorSpec] | None = None,
+    task: str | None = None,
+    dims: dict[str, int] | None = None,
+) -> Source:
+    """Dispatch on what ``spec`` names: an .onnx file, a folder with config.json, or ``module:callable``."""
+    path = Path(spec)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            from precast.compiler.hf_source import load_hf_folder
+
+            return load_hf_folder(path, task=task, dims=dims)
+        onnx_files = sorted(path.glob("*.onnx"))
+        if len(onnx_files) == 1:
+            return load_onnx(onnx_files[0])
+        raise ModelLoadError(f"{path}: a folder must hold a Hugging Face model (config.json) or exactly one .onnx file")
+    if path.suffix == ".onnx" or path.exists():
+        return load_onnx(path)
+    if ":" in spec and os.path.sep not in spec.split(":", 1)[0]:
+        from precast.compiler.torch_source import load_torch_callable
+
+        return load_torch_callable(spec, inputs or [], dims=dims)
+    raise ModelLoadError(f"model not found: '{spec}' (expected an .onnx file, a Hugging Face folder, or module:callable)")
+
+
+def load_onnx(path: Path) -> Source:
+    import onnx
+    from google.protobuf.message import DecodeError
+
+    if not path.exists():
+        raise ModelLoadError(f"model file not found: {path}")
+    if path.is_dir():
+        raise ModelLoadError(f"{path} is a folder, not an ONNX file")
+    try:
+        proto = onnx.load(str(path), load_external_data=False)
+    except (DecodeError, RuntimeError, ValueError, OSError) as e:
+        raise ModelLoadError(f"{path}: not an ONNX model or truncated protobuf ({type(e).__name__})") from e
+    if not proto.graph.node and not proto.graph.output:
+        raise ModelLoadError(f"{path}: not an ONNX model (no graph, no outputs)")
+    base = path.parent.resolve()
+    files = [path.resolve()]
+    for init in proto.graph.initializer:
+        for kv in init.external_data:
+            if kv.key == "location":
+                ext = (base / kv.value).resolve()
+                if base not in ext.parents:
+                    raise ModelLoadError(f"{path}: external data '{kv.value}' points outside the model folder")
+                if not ext.is_file():
+                    raise ModelLoadError(f"{path}: external data file '{kv.value}' is missing")
+                if ext not in files:
+                    files.append(ext)
+    try:
+        model = ir.load(str(path))  # external tensors resolve lazily against the model's folder
+    except Exception as e:  # onnx_ir raises several types on malformed graphs
+        first = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ModelLoadError(f"{path}: malformed ONNX graph ({first})") from e
+    return Source("onnx", path.stem, model, hash_files(files, base))

@@ -1,0 +1,47 @@
+"""PyTorch frontend: ``package.module:callable`` returning an ``nn.Module``, plus ``--input`` specs."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import sys
+from pathlib import Path
+
+import onnx_ir as ir
+
+from precast.compiler.source import Source
+from precast.compiler.torch_export import export_module, import_torch, sample_dims, torch_reference
+from precast.runtime.errors import ModelLoadError, UsageError
+from precast.runtime.manifest import TensorSpec
+
+__all__ = ["load_torch_callable"]
+
+
+def load_torch_callable(spec: str, inputs: list[TensorSpec], dims: dict[str, int] | None = None) -> Source:
+    torch = import_torch()
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise UsageError(f"bad model '{spec}': expected package.module:callable")
+    if not inputs:
+        raise UsageError(f"compiling '{spec}' needs --input specs, e.g. --input 'x:float32[batch,16]'")
+    cwd = str(Path.cwd())
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        mod = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ModelLoadError(f"cannot import module '{module_name}' for '{spec}': {e}") from e
+    try:
+        factory = getattr(mod, attr)
+    except AttributeError:
+        raise ModelLoadError(f"module '{module_name}' has no attribute '{attr}'") from None
+    module = factory() if not isinstance(factory, torch.nn.Module) else factory
+    if not isinstance(module, torch.nn.Module):
+        raise ModelLoadError(f"'{spec}' returned {type(module).__name__}, expected a torch.nn.Module")
+    module.eval()
+    dims = sample_dims(inputs, dims)
+    model = export_module(module, inputs, None, dims)
+    output_names = [v.name for v in model.graph.outputs]
+    digest = hashlib.sha256(ir.serde.serialize_model(model).SerializeToString(deterministic=True)).hexdigest()
+    ref = torch_reference(module, [s.name for s in inputs], output_names)
+    return Source("torch", attr, model, digest, reference=ref, reference_name="torch (eager)", info={"callable": spec})

@@ -1,0 +1,1 @@
+"""Graph passes: one module per pass, registered by name (``fuse_gelu.py`` <-> ``fuse-gelu``)."""

@@ -1,0 +1,8 @@
+"""precast: an ahead-of-time model compiler with a thin runtime.
+
+The compiler lives in ``precast.compiler`` / ``precast.passes`` / ``precast.targets``; the runtime
+(numpy + onnxruntime only) in ``precast.runtime``.
+"""
+
+__version__ = "0.1.0"
+__all__ = ["__version__"]

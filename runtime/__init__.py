@@ -1,0 +1,25 @@
+"""precast's thin runtime: numpy + onnxruntime only (never torch, onnx_ir, onnxscript or the compiler)."""
+
+from precast.runtime.errors import (
+    ArtifactError,
+    InputError,
+    IntegrityError,
+    PrecastError,
+    SchemaVersionError,
+    TargetUnavailableError,
+)
+from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
+from precast.runtime.model import Model, load
+
+__all__ = [
+    "load",
+    "Model",
+    "TensorSpec",
+    "SCHEMA_VERSION",
+    "PrecastError",
+    "ArtifactError",
+    "IntegrityError",
+    "SchemaVersionError",
+    "InputError",
+    "TargetUnavailableError",
+]

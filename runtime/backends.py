@@ -1,0 +1,76 @@
+"""Backend sessions for artifacts. ONNX Runtime today; each target names its backend in the manifest."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from precast.runtime.errors import ArtifactError, TargetUnavailableError
+
+__all__ = ["create_session", "ort_session_options", "OPT_LEVELS", "explain_ort_error"]
+
+OPT_LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
+
+
+def ort_session_options(settings: dict, threads: int | None = None):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    level = settings.get("graph_optimization_level", "all")
+    if level not in OPT_LEVELS:
+        raise ArtifactError(f"manifest: unknown graph_optimization_level '{level}'")
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPT_LEVELS[level])
+    n = threads if threads is not None else int(settings.get("intra_op_num_threads", 0))
+    so.intra_op_num_threads = n
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return so
+
+
+def create_session(root: Path, manifest: dict, threads: int | None = None):
+    target = manifest["target"]
+    backend = target.get("backend", "onnxruntime")
+    if backend != "onnxruntime":
+        raise TargetUnavailableError(f"artifact {root}: backend '{backend}' is not supported by this runtime")
+    import onnxruntime as ort
+
+    model_file = root / target.get("model", "model.onnx")
+    providers = list(target.get("providers", ["CPUExecutionProvider"]))
+    available = set(ort.get_available_providers())
+    missing = [p for p in providers if p not in available]
+    if missing:
+        raise TargetUnavailableError(
+            f"artifact {root} needs execution provider {missing[0]}, which this onnxruntime lacks "
+            f"(available: {', '.join(sorted(available))})"
+        )
+    so = ort_session_options(target.get("session", {}), threads)
+    try:
+        return ort.InferenceSession(str(model_file), sess_options=so, providers=providers)
+    except Exception as e:  # ORT raises its own exception types; keep the first line
+        node, op, first = explain_ort_error(e)
+        culprit = f" (node '{node}', op {op})" if node else (f" (op {op})" if op else "")
+        raise ArtifactError(f"artifact {root}: onnxruntime cannot load {model_file.name}{culprit}: {first}") from e
+
+
+_NODE_RE = re.compile(r'In Node, \("([^"]*)", ([\w.]+), "([^"]*)"')
+_FATAL_RE = re.compile(r"Fatal error: ([\w.]*):(\w+)\(")
+_IMPL_RE = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node with name '([^']*)'")
+
+
+def explain_ort_error(e: BaseException) -> tuple[str | None, str | None, str]:
+    """(node name, op type, first line) from an onnxruntime load error, when it names them."""
+    text = str(e)
+    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
+    first = first.replace("[ONNXRuntimeError] : ", "")
+    if m := _NODE_RE.search(text):
+        return m.group(1), (m.group(3) + "::" if m.group(3) else "") + m.group(2), first
+    if m := _IMPL_RE.search(text):
+        return m.group(3), m.group(1), first
+    if m := _FATAL_RE.search(text):
+        return None, (m.group(1) + "::" if m.group(1) else "") + m.group(2), first
+    return None, None, first

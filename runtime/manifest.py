@@ -1,0 +1,139 @@
+"""The artifact manifest: reading, schema checks and file integrity.
+
+An artifact is a directory holding ``manifest.json`` plus the files it lists with their sha256.
+``build-info.json`` (wall times, host) is the one file left out of the hashes: it is the only part of an
+artifact that is allowed to differ between two builds of the same input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from precast.runtime.errors import ArtifactError, IntegrityError, SchemaVersionError
+
+__all__ = [
+    "SCHEMA_VERSION",
+    "MANIFEST_NAME",
+    "BUILD_INFO_NAME",
+    "TensorSpec",
+    "sha256_file",
+    "read_manifest",
+    "check_integrity",
+    "dump_json",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+BUILD_INFO_NAME = "build-info.json"
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One model input or output: name, numpy dtype name, shape (int = static, str = symbolic, None = unknown)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str | None, ...] | None
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+
+    @classmethod
+    def from_json(cls, d: dict) -> TensorSpec:
+        try:
+            shape = d["shape"]
+            return cls(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape))
+        except (KeyError, TypeError) as e:
+            raise ArtifactError(f"manifest: malformed tensor entry {d!r}") from e
+
+    def shape_str(self) -> str:
+        if self.shape is None:
+            return "[?]"
+        return "[" + ",".join("?" if d is None else str(d) for d in self.shape) + "]"
+
+
+def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dump_json(obj, path: str | os.PathLike) -> None:
+    """Deterministic JSON (sorted keys, fixed indent, trailing newline)."""
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, sort_keys=True)
+        f.write("\n")
+
+
+def read_manifest(artifact_dir: str | os.PathLike) -> dict:
+    """Read and sanity-check ``manifest.json``; raise ArtifactError / SchemaVersionError."""
+    root = Path(artifact_dir)
+    if not root.exists():
+        raise ArtifactError(f"artifact not found: {root}")
+    if not root.is_dir():
+        raise ArtifactError(f"artifact must be a directory, got a file: {root}")
+    mpath = root / MANIFEST_NAME
+    if not mpath.is_file():
+        raise ArtifactError(f"not a precast artifact: {root} has no {MANIFEST_NAME}")
+    try:
+        manifest = json.loads(mpath.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArtifactError(f"{mpath}: manifest is not valid JSON ({e})") from e
+    if not isinstance(manifest, dict):
+        raise ArtifactError(f"{mpath}: manifest must be a JSON object")
+    version = manifest.get("schema_version")
+    if not isinstance(version, int):
+        raise ArtifactError(f"{mpath}: missing or non-integer schema_version")
+    if version > SCHEMA_VERSION:
+        raise SchemaVersionError(
+            f"{root}: manifest schema version {version} is newer than this runtime supports "
+            f"({SCHEMA_VERSION}); written by precast {manifest.get('precast_version', '?')} - upgrade precast"
+        )
+    if version < 1:
+        raise ArtifactError(f"{mpath}: invalid schema_version {version}")
+    for key in ("files", "target", "io"):
+        if key not in manifest:
+            raise ArtifactError(f"{mpath}: manifest lacks '{key}'")
+    files = manifest["files"]
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+        raise ArtifactError(f"{mpath}: 'files' must map relative paths to sha256 strings")
+    for rel in files:
+        p = Path(rel)
+        if p.is_absolute() or ".." in p.parts or rel in (MANIFEST_NAME, ""):
+            raise ArtifactError(f"{mpath}: unsafe file entry {rel!r}")
+    return manifest
+
+
+def check_integrity(artifact_dir: str | os.PathLike, manifest: dict) -> None:
+    """Every listed file exists and matches its sha256; nothing unlisted sits beside them."""
+    root = Path(artifact_dir)
+    for rel, digest in sorted(manifest["files"].items()):
+        path = root / rel
+        if not path.is_file():
+            raise IntegrityError(f"artifact {root}: file '{rel}' is missing")
+        if path.is_symlink():
+            raise IntegrityError(f"artifact {root}: file '{rel}' is a symlink")
+        actual = sha256_file(path)
+        if actual != digest:
+            raise IntegrityError(
+                f"artifact {root}: file '{rel}' was modified (sha256 {actual[:12]}..., manifest says {digest[:12]}...)"
+            )
+    listed = set(manifest["files"]) | {MANIFEST_NAME, BUILD_INFO_NAME}
+    for path in sorted(root.rglob("*")):
+        if path.is_dir():
+            continue
+        rel = path.relative_to(root).as_posix()
+        if rel not in listed and not _is_subartifact(rel, manifest):
+            raise IntegrityError(f"artifact {root}: unexpected file '{rel}' not listed in the manifest")
+
+
+def _is_subartifact(rel: str, manifest: dict) -> bool:
+    # Multi-target artifacts hold whole sub-artifacts, each checked by its own manifest.
+    subs = manifest.get("targets") or {}
+    return any(rel.startswith(f"{d}/") for d in (v.get("dir", k) for k, v in subs.items() if isinstance(v, dict)))

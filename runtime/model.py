@@ -1,0 +1,96 @@
+"""Load an artifact and run it: the whole runtime surface for non-LLM models."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from precast.runtime.backends import create_session
+from precast.runtime.errors import ArtifactError, TargetUnavailableError
+from precast.runtime.feeds import check_feeds
+from precast.runtime.manifest import TensorSpec, check_integrity, read_manifest
+
+__all__ = ["Model", "load"]
+
+
+class Model:
+    """A loaded, integrity-checked artifact. ``run(feeds) -> {output name: array}``."""
+
+    def __init__(self, path: Path, manifest: dict, session, inputs: list[TensorSpec], outputs: list[TensorSpec]):
+        self.path = path
+        self.manifest = manifest
+        self._session = session
+        self.inputs = inputs
+        self.outputs = outputs
+        self.skipped: dict[str, str] = {}  # better targets passed over, and why
+
+    @property
+    def target(self) -> str:
+        return self.manifest["target"]["name"]
+
+    @property
+    def providers(self) -> list[str]:
+        return list(self._session.get_providers())
+
+    def run(self, feeds: Mapping[str, object], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
+        arrays = check_feeds(feeds, self.inputs)
+        names = list(outputs) if outputs is not None else [o.name for o in self.outputs]
+        known = {o.name for o in self.outputs}
+        for n in names:
+            if n not in known:
+                raise ArtifactError(f"unknown output '{n}'; the model's outputs are: {', '.join(sorted(known))}")
+        results = self._session.run(names, arrays)
+        return dict(zip(names, results))
+
+    def __repr__(self) -> str:
+        sig = ", ".join(f"{s.name}:{s.dtype}{s.shape_str()}" for s in self.inputs)
+        return f"<precast.Model {self.path} target={self.target} inputs=({sig})>"
+
+
+# Best first: the hardware abstraction layer's order when a multi-target artifact offers several.
+PREFERENCE = ["tensorrt", "ort-qnn", "openvino", "ort-cpu"]
+
+
+def load(
+    path: str | os.PathLike, *, threads: int | None = None, verify: bool = True, prefer: str | None = None
+) -> Model:
+    """Load an artifact directory: schema check, sha256 of every file, then a backend session.
+
+    A multi-target artifact loads the best target this host can run (``prefer`` puts one first);
+    ``model.skipped`` says why each better one was passed over.
+    """
+    root = Path(path)
+    manifest = read_manifest(root)
+    if verify:
+        check_integrity(root, manifest)
+    if manifest.get("kind") == "multi-target":
+        return _load_best(root, manifest, threads=threads, verify=verify, prefer=prefer)
+    try:
+        inputs = [TensorSpec.from_json(d) for d in manifest["io"]["inputs"]]
+        outputs = [TensorSpec.from_json(d) for d in manifest["io"]["outputs"]]
+    except (KeyError, TypeError) as e:
+        raise ArtifactError(f"{root}: manifest 'io' block is malformed") from e
+    session = create_session(root, manifest, threads=threads)
+    return Model(root, manifest, session, inputs, outputs)
+
+
+def _load_best(root: Path, manifest: dict, *, threads, verify, prefer) -> Model:
+    entries = manifest.get("targets") or {}
+    if prefer is not None and prefer not in entries:
+        raise ArtifactError(f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})")
+    order = sorted(entries, key=lambda n: (n != prefer, PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE)))
+    skipped: dict[str, str] = {}
+    for name in order:
+        try:
+            model = load(root / entries[name].get("dir", name), threads=threads, verify=verify)
+        except TargetUnavailableError as e:
+            skipped[name] = str(e)
+            continue
+        model.skipped = skipped
+        return model
+    reasons = "; ".join(f"{k}: {v}" for k, v in skipped.items())
+    raise TargetUnavailableError(f"{root}: no target of this artifact can run on this host ({reasons})")
+

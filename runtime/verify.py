@@ -1,0 +1,79 @@
+"""Parity checks with numpy only, so a production host can re-verify an artifact without the compiler."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from precast.runtime.errors import ArtifactError
+from precast.runtime.manifest import read_manifest
+
+__all__ = ["Tolerance", "compare_outputs", "verify_artifact"]
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float = 1e-4
+    rtol: float = 1e-3
+    min_cosine: float = 0.9999
+
+
+def compare_outputs(
+    expected: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray], tol: Tolerance
+) -> dict[str, dict]:
+    """Per output: max_abs, max_rel, cosine, and ok (allclose(atol, rtol) and cosine >= min_cosine)."""
+    report: dict[str, dict] = {}
+    for name, ref in expected.items():
+        if name not in actual:
+            report[name] = {"ok": False, "error": "missing from compiled outputs"}
+            continue
+        got = np.asarray(actual[name])
+        ref = np.asarray(ref)
+        if got.shape != ref.shape:
+            report[name] = {"ok": False, "error": f"shape {list(got.shape)} != reference {list(ref.shape)}"}
+            continue
+        if ref.dtype.kind in "biu":
+            mismatch = int(np.count_nonzero(got != ref))
+            report[name] = {"ok": mismatch == 0, "mismatches": mismatch, "max_abs": float(np.max(np.abs(got.astype(np.int64) - ref.astype(np.int64)), initial=0))}
+            continue
+        a = ref.astype(np.float64).ravel()
+        b = got.astype(np.float64).ravel()
+        diff = np.abs(a - b)
+        max_abs = float(diff.max(initial=0.0))
+        max_rel = float((diff / np.maximum(np.abs(a), 1e-12)).max(initial=0.0))
+        na, nb = np.linalg.norm(a), np.linalg.norm(b)
+        cosine = float(a @ b / (na * nb)) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
+        finite = bool(np.isfinite(b).all() == np.isfinite(a).all())
+        close = bool(np.all(diff <= tol.atol + tol.rtol * np.abs(a))) if a.size else True
+        report[name] = {
+            "ok": finite and close and cosine >= tol.min_cosine,
+            "max_abs": float(f"{max_abs:.3g}"),
+            "max_rel": float(f"{max_rel:.3g}"),
+            "cosine": float(f"{cosine:.7f}"),
+        }
+    return report
+
+
+def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
+    """Integrity (sha256 of every file) + re-run the stored parity feeds; returns the per-output report."""
+    from precast.runtime.model import load
+
+    root = Path(path)
+    manifest = read_manifest(root)
+    if manifest.get("kind") == "multi-target":
+        return {
+            name: verify_artifact(root / entry["dir"], threads)
+            for name, entry in sorted(manifest["targets"].items())
+        }
+    model = load(root, threads=threads)
+    parity = manifest.get("parity") or {}
+    if "inputs" not in parity or "expected" not in parity:
+        raise ArtifactError(f"{root}: manifest has no stored parity feeds to re-run")
+    feeds = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["inputs"].items()}
+    expected = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["expected"].items()}
+    tol = Tolerance(**parity.get("tolerance", {}))
+    report = compare_outputs(expected, model.run(feeds), tol)
+    return {"ok": all(r["ok"] for r in report.values()), "target": model.target, "outputs": report, "tolerance": parity.get("tolerance")}

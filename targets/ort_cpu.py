@@ -1,0 +1,79 @@
+"""Target ``ort-cpu``: an ONNX model for ONNX Runtime's CPU execution provider.
+
+The artifact stores the graph after precast's passes and, optionally, after ONNX Runtime's own
+*portable* graph optimizations (level ``extended``) applied offline. Layout-specific rewrites (NCHWc
+and friends, level ``all``) depend on the host CPU, so they are left to session creation on the host.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+import onnx_ir as ir
+
+from precast.runtime.backends import ort_session_options
+from precast.targets.base import Target, register_target
+
+__all__ = ["OrtCpu", "save_onnx"]
+
+_EXTERNAL_THRESHOLD = 1 << 30  # bytes of initializers above which weights go to model.onnx.data
+
+
+def _initializer_bytes(model: ir.Model) -> int:
+    total = 0
+    for v in model.graph.initializers.values():
+        if v.const_value is not None:
+            total += v.const_value.nbytes
+    return total
+
+
+def save_onnx(model: ir.Model, path: Path) -> list[str]:
+    """Save deterministically; big models get one external data file. Returns the file names written."""
+    if _initializer_bytes(model) > _EXTERNAL_THRESHOLD:
+        ir.save(model, path, external_data=path.name + ".data", size_threshold_bytes=1024)
+        return [path.name, path.name + ".data"]
+    ir.save(model, path)
+    return [path.name]
+
+
+@register_target("ort-cpu")
+class OrtCpu(Target):
+    summary = "ONNX Runtime, CPU execution provider (portable across x86/ARM hosts)"
+    default_pipeline = "infer-shapes,fold-constants,eliminate-dead-code"
+    option_defaults = {"ort_level": "extended", "threads": 0, "runtime_level": "all"}
+
+    def build(self, model: ir.Model, out_dir: Path) -> dict:
+        files = save_onnx(model, out_dir / "model.onnx")
+        level = self.options["ort_level"]
+        if level not in ("none", "basic", "extended"):
+            from precast.runtime.errors import UsageError
+
+            raise UsageError(f"target 'ort-cpu' option ort_level must be none|basic|extended, got '{level}'")
+        if level != "none" and len(files) == 1:
+            self._ort_offline_optimize(out_dir / "model.onnx", level)
+        return {
+            "name": self.name,
+            "backend": "onnxruntime",
+            "model": "model.onnx",
+            "providers": ["CPUExecutionProvider"],
+            "device": "cpu",
+            "precision": self.precision,
+            "session": {
+                "graph_optimization_level": self.options["runtime_level"],
+                "intra_op_num_threads": int(self.options["threads"]),
+            },
+            "offline_ort_level": level,
+        }
+
+    @staticmethod
+    def _ort_offline_optimize(path: Path, level: str) -> None:
+        import onnxruntime as ort
+
+        so = ort_session_options({"graph_optimization_level": level})
+        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+            optimized = Path(tmp) / "opt.onnx"
+            so.optimized_model_filepath = str(optimized)
+            ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+            os.replace(optimized, path)

@@ -1,0 +1,92 @@
+"""Shared test helpers: run models with ONNX Runtime, list op types, build tiny models."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx_ir as ir
+from onnx import TensorProto, helper, numpy_helper
+
+__all__ = ["ort_run", "op_types", "make_model", "to_ir", "save", "tiny_mlp"]
+
+
+def to_ir(model) -> ir.Model:
+    if isinstance(model, ir.Model):
+        return model
+    if isinstance(model, onnx.ModelProto):
+        return ir.serde.deserialize_model(model)
+    return ir.load(str(model))
+
+
+def ort_run(model, feeds: Mapping[str, np.ndarray], level: str = "disable") -> list[np.ndarray]:
+    """Run with ONNX Runtime (optimizations off by default, so the graph runs as written)."""
+    import onnxruntime as ort
+
+    if isinstance(model, ir.Model):
+        data = ir.serde.serialize_model(model).SerializeToString()
+    elif isinstance(model, onnx.ModelProto):
+        data = model.SerializeToString()
+    else:
+        data = str(model)
+    so = ort.SessionOptions()
+    so.graph_optimization_level = {
+        "disable": ort.GraphOptimizationLevel.ORT_DISABLE_ALL,
+        "all": ort.GraphOptimizationLevel.ORT_ENABLE_ALL,
+    }[level]
+    sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+    return sess.run(None, dict(feeds))
+
+
+def op_types(model) -> list[str]:
+    m = to_ir(model)
+    return [n.op_type for n in m.graph]
+
+
+def make_model(
+    nodes: Sequence[onnx.NodeProto],
+    inputs: Sequence[tuple[str, int, list]],
+    outputs: Sequence[tuple[str, int, list | None]],
+    initializers: Mapping[str, np.ndarray] | None = None,
+    opset: int = 18,
+    extra_opsets: Mapping[str, int] | None = None,
+) -> ir.Model:
+    """Build an ir.Model from onnx.helper nodes; inputs/outputs are (name, TensorProto dtype, shape)."""
+    graph = helper.make_graph(
+        list(nodes),
+        "g",
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in inputs],
+        [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
+        initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in (initializers or {}).items()],
+    )
+    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()]
+    proto = helper.make_model(graph, opset_imports=opsets, producer_name="precast-tests")
+    proto.ir_version = 10
+    return ir.serde.deserialize_model(proto)
+
+
+def save(model: ir.Model, path: Path) -> Path:
+    ir.save(model, path)
+    return path
+
+
+def tiny_mlp(seed: int = 0, hidden: int = 16) -> ir.Model:
+    """x[batch,8] -> MatMul -> Add -> Relu -> MatMul -> y[batch,4], with a foldable Constant chain."""
+    rng = np.random.default_rng(seed)
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h0"], name="mm1"),
+        helper.make_node("Add", ["h0", "b1"], ["h1"], name="add1"),
+        helper.make_node("Relu", ["h1"], ["h2"], name="relu"),
+        helper.make_node("Identity", ["h2"], ["h3"], name="ident"),
+        helper.make_node("Constant", [], ["two"], name="c2", value=numpy_helper.from_array(np.array(2.0, np.float32))),
+        helper.make_node("Mul", ["w2", "two"], ["w2x2"], name="fold_me"),
+        helper.make_node("MatMul", ["h3", "w2x2"], ["y"], name="mm2"),
+    ]
+    inits = {
+        "w1": rng.standard_normal((8, hidden)).astype(np.float32),
+        "b1": rng.standard_normal(hidden).astype(np.float32),
+        "w2": rng.standard_normal((hidden, 4)).astype(np.float32),
+    }
+    return make_model(nodes, [("x", TensorProto.FLOAT, ["batch", 8])], [("y", TensorProto.FLOAT, ["batch", 4])], inits)
