@@ -16,6 +16,7 @@ import onnx_ir as ir
 import precast
 from precast.compiler.artifact import finalize_manifest, publish, save_tensors, staging_dir, write_index
 from precast.compiler.parity import DEFAULT_TOL, Tolerance, compare_outputs, io_signature, make_sample_feeds, ort_run_model
+from precast.compiler.registry import PassContext
 from precast.compiler.pipeline import PassManager, PassRecord, PassSpec, clone_model, format_pipeline, parse_pipeline
 from precast.compiler.source import Source, load_source
 from precast.runtime.backends import explain_ort_error
@@ -42,6 +43,8 @@ class CompileOptions:
     task: str | None = None
     seed: int = 0
     bisect: bool = True
+    calibration_feeds: list[dict[str, np.ndarray]] | None = None
+    calibration_text: str | None = None
 
 
 @dataclass
@@ -198,7 +201,13 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         say(f"[{target.name}] {rec.spec}: {stats} ({rec.seconds * 1000:.0f} ms)")
 
     t0 = time.perf_counter()
-    pm = PassManager(specs, print_ir_after=opts.print_ir_after, on_pass=on_pass)
+    context = PassContext(
+        sample_feeds=feeds,
+        calibration_feeds=opts.calibration_feeds,
+        calibration_text=opts.calibration_text,
+        source_dir=source.info.get("folder"),
+    )
+    pm = PassManager(specs, print_ir_after=opts.print_ir_after, on_pass=on_pass, context=context)
     optimized = pm.run(source.model)
     timings[f"{target.name}:passes"] = time.perf_counter() - t0
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, build_options, format_option_value, get_pass, option_fields
+from precast.compiler.registry import Pass, PassContext, build_options, format_option_value, get_pass, option_fields
 from precast.runtime.errors import PassFailedError, PipelineError
 
 __all__ = ["PassSpec", "PassRecord", "parse_pipeline", "format_pipeline", "PassManager", "expand_default"]
@@ -174,6 +174,7 @@ class PassManager:
     specs: Sequence[PassSpec]
     print_ir_after: frozenset[str] = frozenset()
     on_pass: Callable[[PassRecord], None] | None = None
+    context: PassContext | None = None
     records: list[PassRecord] = field(default_factory=list)
 
     def run(self, model: ir.Model, *, copy_input: bool = True) -> ir.Model:
@@ -182,6 +183,8 @@ class PassManager:
         done: list[str] = []
         for spec in self.specs:
             pass_ = spec.instantiate()
+            if self.context is not None:
+                pass_.context = self.context
             before = count_nodes(model)
             t0 = time.perf_counter()
             try:

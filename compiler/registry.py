@@ -18,12 +18,26 @@ import onnx_ir as ir
 
 from precast.runtime.errors import PassOptionError, UnknownPassError
 
-__all__ = ["Pass", "PassResult", "NoOptions", "register", "get_pass", "all_passes", "load_all", "parse_option_value"]
+__all__ = ["Pass", "PassResult", "PassContext", "NoOptions", "register", "get_pass", "all_passes", "load_all", "parse_option_value"]
 
 
 @dataclass(frozen=True)
 class NoOptions:
     pass
+
+
+@dataclass
+class PassContext:
+    """What a pass may need beyond the graph: sample/calibration feeds and the reference outputs.
+
+    The pass manager sets ``pass_.context`` before ``call``; passes that need nothing ignore it.
+    """
+
+    sample_feeds: dict[str, Any] | None = None  # feeds used for verification
+    calibration_feeds: list[dict[str, Any]] | None = None  # --calibration data, one dict per batch
+    calibration_text: str | None = None  # --calibration FILE.txt for language models
+    source_dir: Any = None  # the source model's folder (tokenizer, config), when there is one
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -45,6 +59,7 @@ class Pass:
         if options is None:
             options = self.Options(**kwargs)
         self.options = options
+        self.context = PassContext()
 
     def call(self, model: ir.Model) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
