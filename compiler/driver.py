@@ -45,6 +45,7 @@ class CompileOptions:
     bisect: bool = True
     calibration_feeds: list[dict[str, np.ndarray]] | None = None
     calibration_text: str | None = None
+    cache_dir: str | None = None  # compile cache (compiler/cache.py); the CLI also reads PRECAST_CACHE_DIR
 
 
 @dataclass
@@ -53,6 +54,7 @@ class CompileResult:
     manifest: dict
     records: dict[str, list[PassRecord]]  # per target
     seconds: dict[str, float]
+    cache: str | None = None  # None (no cache), "hit", "miss" or "corrupt: ..." (rebuilt)
 
 
 Progress = Callable[[str], None]
@@ -155,6 +157,16 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
         feeds = check_feeds(opts.sample_inputs, inputs)
     else:
         feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
+    cache_key, cache_status = None, None
+    if opts.cache_dir:
+        from precast.compiler import cache
+
+        tols = {t.name: _tolerance(type(t), opts) for t in targets}
+        cache_key = cache.cache_key(cache.compile_key_parts(source, targets, pipelines, tols, feeds, opts))
+        cached, cache_status = cache.restore(opts.cache_dir, cache_key, output, say)
+        if cached is not None:
+            timings["total"] = time.perf_counter() - t0
+            return CompileResult(output, cached, {}, timings, cache=cache_status)
     t1 = time.perf_counter()
     say(f"running the reference ({source.reference_name})")
     expected = _reference_outputs(source, feeds)
@@ -188,8 +200,11 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
         else:
             manifest = manifests[targets[0].name]
         publish(stage, output)
+    if cache_key is not None:
+        cache.store(opts.cache_dir, cache_key, output)
+        say(f"cache {'store' if cache_status == 'miss' else 'rebuilt'} {cache_key[:12]}")
     timings["total"] = time.perf_counter() - t0
-    return CompileResult(output, manifest, all_records, timings)
+    return CompileResult(output, manifest, all_records, timings, cache=cache_status)
 
 
 def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected, opts, say, timings, records) -> dict:

@@ -1,0 +1,168 @@
+"""The compile cache: an unchanged model compiled with unchanged options and toolchain is a copy.
+
+    key = sha256(source hash, canonical pipeline per target, target names + options, tolerances,
+                 sample/calibration feeds, toolchain versions)
+    <cache dir>/<key>/            a whole artifact, exactly as published
+    <cache dir>/<key>.json        a small note: what went into the key (for humans debugging misses)
+
+Entries are checked by their own manifests' sha256s before use; a corrupt entry is removed and rebuilt.
+Writes are atomic (staged sibling dir + rename), so concurrent CI jobs sharing a cache never see half
+an entry; the last writer of identical content wins.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from precast.runtime.errors import ArtifactError
+from precast.runtime.manifest import check_integrity, read_manifest
+
+__all__ = ["CACHE_ENV", "cache_key", "compile_key_parts", "lookup", "restore", "store", "check_artifact_tree", "hash_feeds"]
+
+CACHE_ENV = "PRECAST_CACHE_DIR"
+KEY_VERSION = 1  # bump when what goes into the key changes meaning
+
+
+def hash_feeds(feeds: Mapping[str, np.ndarray] | None) -> str | None:
+    """Content hash of named arrays (name, dtype, shape, bytes), order-independent."""
+    if feeds is None:
+        return None
+    h = hashlib.sha256()
+    for name in sorted(feeds):
+        arr = np.ascontiguousarray(feeds[name])
+        h.update(f"{name}\0{arr.dtype.str}\0{list(arr.shape)}\0".encode())
+        h.update(arr.tobytes())
+    return h.hexdigest()
+
+
+def cache_key(parts: Mapping[str, Any]) -> str:
+    """sha256 of the canonical JSON of ``parts`` (what decides the artifact's bytes)."""
+    blob = json.dumps({"key_version": KEY_VERSION, **parts}, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def compile_key_parts(source, targets, pipelines, tolerances, feeds, opts) -> dict[str, Any]:
+    """Everything that decides a compile's artifact bytes, as plain JSON-able data.
+
+    ``targets``: Target instances; ``pipelines``: {target: [PassSpec]}; ``tolerances``: {target: Tolerance};
+    ``feeds``: the sample feeds actually used (covers --sample-inputs, --dim and the seed).
+    """
+    from precast.compiler.driver import toolchain_versions
+    from precast.compiler.pipeline import format_pipeline
+
+    versions = toolchain_versions()
+    if source.kind in ("torch", "hf"):  # the exporter's version shapes the graph, not only the weights
+        from importlib import metadata
+
+        for pkg in ("torch", "transformers"):
+            try:
+                versions[pkg] = metadata.version(pkg)
+            except metadata.PackageNotFoundError:
+                versions[pkg] = "missing"
+    calib = opts.calibration_feeds
+    return {
+        "source": {"kind": source.kind, "name": source.name, "sha256": source.sha256, "info": source.info,
+                   "reference": source.reference_name, "ship_files": sorted(source.ship_files)},
+        "targets": [{"name": t.name, "options": t.options, "pipeline": format_pipeline(pipelines[t.name]),
+                     "tolerance": vars(tolerances[t.name])} for t in targets],
+        "feeds": hash_feeds(feeds),
+        "calibration": None if calib is None else [hash_feeds(f) for f in calib],
+        "calibration_text": None if opts.calibration_text is None else hashlib.sha256(opts.calibration_text.encode()).hexdigest(),
+        "task": opts.task,
+        "inputs": [s.to_json() for s in opts.inputs],
+        "dims": dict(sorted(opts.dims.items())),
+        "toolchain": versions,
+    }
+
+
+def restore(cache_dir: str | os.PathLike, key: str, output: Path, say=lambda _m: None) -> tuple[dict | None, str]:
+    """On a hit, publish a copy of the entry at ``output`` (atomically): (manifest, "hit").
+
+    Otherwise (None, "miss") or (None, "corrupt: ...") - the caller builds and stores.
+    """
+    from precast.compiler.artifact import publish, staging_dir
+
+    entry, status = lookup(cache_dir, key)
+    if entry is None:
+        if status != "miss":
+            say(f"cache entry {key[:12]} is {status}; rebuilding")
+        return None, status
+    with staging_dir(Path(output)) as stage:
+        copy_entry(entry, stage)
+        manifest = check_artifact_tree(stage)  # the copy, not only the entry, must be intact
+        publish(stage, Path(output))
+    say(f"cache hit {key[:12]}: copied {entry}")
+    return manifest, "hit"
+
+
+def check_artifact_tree(root: Path) -> dict:
+    """read_manifest + check_integrity of an artifact, and of each sub-artifact of a multi-target one."""
+    manifest = read_manifest(root)
+    check_integrity(root, manifest)
+    if manifest.get("kind") == "multi-target":
+        for name, entry in sorted((manifest.get("targets") or {}).items()):
+            if not isinstance(entry, dict):
+                raise ArtifactError(f"{root}: malformed target entry '{name}'")
+            check_artifact_tree(root / str(entry.get("dir", name)))
+    return manifest
+
+
+def lookup(cache_dir: str | os.PathLike, key: str) -> tuple[Path | None, str]:
+    """(entry dir, "hit") when a valid entry exists; (None, "miss") or (None, "corrupt: <why>") otherwise.
+
+    A corrupt entry is deleted so that the following build replaces it.
+    """
+    entry = Path(cache_dir) / key
+    if not entry.is_dir():
+        return None, "miss"
+    try:
+        check_artifact_tree(entry)
+    except ArtifactError as e:
+        _remove(entry)
+        return None, f"corrupt: {e}"
+    return entry, "hit"
+
+
+def copy_entry(entry: Path, dest: Path) -> None:
+    """Copy a cache entry into an (empty, staged) artifact dir."""
+    shutil.copytree(entry, dest, dirs_exist_ok=True, symlinks=True)
+
+
+def store(cache_dir: str | os.PathLike, key: str, artifact: Path, note: Mapping[str, Any] | None = None) -> Path:
+    """Copy a published artifact into the cache atomically; returns the entry's path."""
+    cache_dir = Path(cache_dir)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    entry = cache_dir / key
+    tmp = cache_dir / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
+    shutil.copytree(artifact, tmp, symlinks=True)
+    try:
+        if entry.exists():
+            _remove(entry)
+        os.replace(tmp, entry)
+    except OSError:
+        # Another job stored the same key first; its content is the same by construction.
+        shutil.rmtree(tmp, ignore_errors=True)
+    if note is not None:
+        note_tmp = cache_dir / f".{key}.json.tmp-{uuid.uuid4().hex[:8]}"
+        note_tmp.write_text(json.dumps(dict(note), indent=2, sort_keys=True, default=str) + "\n")
+        os.replace(note_tmp, cache_dir / f"{key}.json")
+    return entry
+
+
+def _remove(entry: Path) -> None:
+    # Rename first so a concurrent reader never sees a half-deleted entry under the key's name.
+    trash = entry.parent / f".{entry.name}.trash-{uuid.uuid4().hex[:8]}"
+    try:
+        os.replace(entry, trash)
+    except OSError:
+        return
+    shutil.rmtree(trash, ignore_errors=True)
