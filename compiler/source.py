@@ -120,7 +120,9 @@ def load_onnx(path: Path) -> Source:
                 if ext not in files:
                     files.append(ext)
     try:
-        model = ir.load(str(path))  # external tensors resolve lazily against the model's folder
+        model = ir.load(str(path))
+        # Bring external weights into memory: passes and the reference run work on in-memory models.
+        ir.external_data.load_to_model(model)
     except Exception as e:  # onnx_ir raises several types on malformed graphs
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelLoadError(f"{path}: malformed ONNX graph ({first})") from e

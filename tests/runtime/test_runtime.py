@@ -1,0 +1,108 @@
+"""The runtime alone: load, integrity, IO checks, and the dependency rule (numpy + onnxruntime only)."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+
+from precast.compiler.driver import CompileOptions, compile_model
+from precast.runtime import ArtifactError, InputError, IntegrityError, SchemaVersionError, load
+from tests.helpers import ort_run, save, tiny_mlp
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("rt")
+    src = save(tiny_mlp(), tmp / "mlp.onnx")
+    compile_model(str(src), tmp / "art", CompileOptions())
+    return tmp / "art"
+
+
+def test_load_and_run(artifact, rng):
+    model = load(artifact)
+    assert [s.name for s in model.inputs] == ["x"] and model.inputs[0].shape == ("batch", 8)
+    assert [s.name for s in model.outputs] == ["y"]
+    assert model.target == "ort-cpu" and "CPUExecutionProvider" in model.providers
+    x = rng.standard_normal((5, 8)).astype(np.float32)
+    np.testing.assert_allclose(model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ArtifactError, match="unknown output 'z'"):
+        model.run({"x": x}, outputs=["z"])
+
+
+def test_input_errors_name_the_input(artifact):
+    model = load(artifact)
+    with pytest.raises(InputError, match="input 'x': expected dtype float32, got int64"):
+        model.run({"x": np.zeros((1, 8), np.int64)})
+    with pytest.raises(InputError, match="missing input 'x'"):
+        model.run({})
+    with pytest.raises(InputError, match="dim 1 must be 8"):
+        model.run({"x": np.zeros((1, 9), np.float32)})
+
+
+def test_symbolic_dims_must_agree():
+    from precast.runtime.feeds import check_feeds
+    from precast.runtime.manifest import TensorSpec
+
+    specs = [TensorSpec("a", "int64", ("batch", "seq")), TensorSpec("b", "int64", ("batch", "seq"))]
+    check_feeds({"a": np.zeros((2, 3), np.int64), "b": np.zeros((2, 3), np.int64)}, specs)
+    with pytest.raises(InputError, match="input 'b': dim 1 \\('seq'\\) is 4 but input 'a' has 'seq'=3"):
+        check_feeds({"a": np.zeros((2, 3), np.int64), "b": np.zeros((2, 4), np.int64)}, specs)
+
+
+def test_integrity_and_schema(artifact, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(artifact, copy)
+    (copy / "model.onnx").write_bytes((copy / "model.onnx").read_bytes() + b"\0")
+    with pytest.raises(IntegrityError, match="'model.onnx' was modified"):
+        load(copy)
+    shutil.rmtree(copy)
+    shutil.copytree(artifact, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["schema_version"] = 2
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(SchemaVersionError, match="schema version 2 is newer"):
+        load(copy)
+    manifest["schema_version"] = 1
+    manifest["files"]["../escape"] = "0" * 64
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="unsafe file entry"):
+        load(copy)
+    (copy / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="not valid JSON"):
+        load(copy)
+    with pytest.raises(ArtifactError, match="not found"):
+        load(tmp_path / "nothing-here")
+
+
+def test_runtime_imports_only_numpy_and_onnxruntime(artifact):
+    """Import and run the runtime in a process where the compiler's dependencies cannot be imported."""
+    code = textwrap.dedent(
+        f"""
+        import sys
+        class Block:
+            BLOCKED = ("torch", "onnx_ir", "onnxscript", "onnx", "transformers", "precast.compiler",
+                       "precast.passes", "precast.targets")
+            def find_spec(self, name, path=None, target=None):
+                if any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
+                    raise ImportError("blocked for the test: " + name)
+                return None
+        sys.meta_path.insert(0, Block())
+        import numpy as np
+        import precast.runtime as rt
+        from precast.runtime.verify import verify_artifact
+        m = rt.load({str(artifact)!r})
+        y = m.run({{"x": np.ones((2, 8), np.float32)}})["y"]
+        assert y.shape == (2, 4)
+        assert verify_artifact({str(artifact)!r})["ok"]
+        bad = [k for k in sys.modules if k.split(".")[0] in ("torch", "onnx_ir", "onnxscript", "onnx")]
+        assert not bad, bad
+        print("RUNTIME-OK")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "RUNTIME-OK" in r.stdout, r.stderr
