@@ -1,0 +1,125 @@
+"""INT8 quantization with ONNX Runtime's quantizers: dynamic (weights only, activations at run time)
+or static (activation ranges calibrated on sample data, QDQ graphs for NPU execution providers).
+
+    dynamic:   x -> MatMul(W)                 ==>  DynamicQuantizeLinear(x) -> MatMulInteger(Wq) -> scale
+    static:    x -> MatMul(W)                 ==>  Q(x) -> DQ -> MatMul(DQ(Wq))        (format=qdq)
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import onnx
+import onnx_ir as ir
+
+from precast.compiler.registry import Pass, PassResult, register
+from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
+
+__all__ = ["QuantizeInt8"]
+
+_LARGE = 1_800_000_000  # protobuf's 2 GiB limit: bigger models go through external data files
+
+
+def _int8_initializers(model: ir.Model) -> int:
+    return sum(
+        1
+        for v in model.graph.initializers.values()
+        if v.const_value is not None and v.const_value.dtype in (ir.DataType.INT8, ir.DataType.UINT8)
+    )
+
+
+@register("quantize-int8")
+class QuantizeInt8(Pass):
+    """INT8 weights (and, in static mode, calibrated activations) via onnxruntime.quantization.
+
+    Options: mode=dynamic|static; per_channel; static: method=minmax|entropy|percentile, format=qdq|qoperator,
+    activation/weight types; ops (op types to quantize, empty = ONNX Runtime's default set);
+    exclude=[node name or op type,...] keeps those layers fp32 (mixed precision).
+    """
+
+    @dataclass(frozen=True)
+    class Options:
+        mode: Literal["dynamic", "static"] = "dynamic"
+        per_channel: bool = True
+        method: Literal["minmax", "entropy", "percentile"] = "minmax"
+        format: Literal["qdq", "qoperator"] = "qdq"
+        activation: Literal["uint8", "int8"] = "uint8"
+        weight: Literal["int8", "uint8"] = "int8"
+        reduce_range: bool = False
+        ops: tuple[str, ...] = ()
+        exclude: tuple[str, ...] = ()
+
+    def call(self, model: ir.Model) -> PassResult:
+        from onnxruntime.quantization import QuantType
+
+        o = self.options
+        proto = to_proto(model)
+        excluded = resolve_exclude(model, o.exclude, self.name)
+        qtype = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
+        # Fused contrib ops (SkipLayerNormalization, ...) defeat the quantizer's type inference; their
+        # outputs are float, which DefaultTensorType tells it.
+        extra = {"DefaultTensorType": onnx.TensorProto.FLOAT}
+        common = dict(
+            op_types_to_quantize=list(o.ops) or None,
+            per_channel=o.per_channel,
+            reduce_range=o.reduce_range,
+            weight_type=qtype[o.weight],
+            nodes_to_exclude=excluded,
+            use_external_data_format=proto.ByteSize() > _LARGE,
+        )
+        stats: dict = {"mode": o.mode}
+        with tempfile.TemporaryDirectory(prefix="precast-q8-") as tmp, quiet():
+            out = Path(tmp) / "quantized.onnx"
+            if o.mode == "dynamic":
+                from onnxruntime.quantization import quantize_dynamic
+
+                quantize_dynamic(proto, out, extra_options=extra, **common)
+            else:
+                stats.update(self._static(model, proto, out, extra, common, qtype))
+            qproto = onnx.load(str(out), load_external_data=True)
+        result = from_proto(qproto)
+        ops = count_ops(result)
+        stats.update(
+            {
+                "int8_weights": _int8_initializers(result),
+                "quantize_nodes": ops.get("QuantizeLinear", 0) + ops.get("DynamicQuantizeLinear", 0),
+                "excluded": len(excluded),
+            }
+        )
+        if stats["int8_weights"] == 0:
+            stats["note"] = "nothing was quantized (no supported op with constant weights)"
+        return PassResult(result, stats)
+
+    def _static(self, model: ir.Model, proto: onnx.ModelProto, out: Path, extra: dict, common: dict, qtype: dict) -> dict:
+        from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
+
+        from precast.compiler.calibration import FeedsReader, calibration_batches
+        from precast.compiler.parity import io_signature
+
+        o = self.options
+        inputs, _ = io_signature(model)
+        batches, source = calibration_batches(self.context, inputs)
+        method = {
+            "minmax": CalibrationMethod.MinMax,
+            "entropy": CalibrationMethod.Entropy,
+            "percentile": CalibrationMethod.Percentile,
+        }[o.method]
+        quantize_static(
+            proto,
+            out,
+            FeedsReader(batches),
+            quant_format=QuantFormat.QDQ if o.format == "qdq" else QuantFormat.QOperator,
+            activation_type=qtype[o.activation],
+            calibrate_method=method,
+            extra_options=extra,
+            **common,
+        )
+        stats = {"method": o.method, "format": o.format, "calibration": source, "calibration_batches": len(batches)}
+        if source == "sample-feeds":
+            stats["note"] = "no --calibration data: calibrated on the random sample feeds; ranges may not match real data"
+        return stats
+
+
