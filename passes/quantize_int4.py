@@ -1,0 +1,89 @@
+"""Weight-only 4-bit quantization of MatMul weights into ONNX Runtime's MatMulNBits (com.microsoft).
+
+    x -> MatMul(W[K,N] fp32)   ==>   MatMulNBits(x, Wq[N, K/block, block/2] uint8, scales, zero_points?)
+
+algo=rtn rounds each block of ``block`` weights to the nearest of 16 levels (ONNX Runtime's native
+quantizer). algo=gptq (Frantar et al. 2022, passes/_gptq.py; see there why not ONNX Runtime's port) quantizes the
+columns of W one by one and spreads each rounding error over the not-yet-quantized columns, weighted
+by the inverse Hessian H = 2 X^T X of the calibration activations X that reach that MatMul, so the
+error of X @ W (not of W) is minimised.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import onnx_ir as ir
+
+from precast.compiler.registry import Pass, PassResult, register
+from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
+from precast.runtime.errors import PassOptionError
+
+__all__ = ["QuantizeInt4"]
+
+_BLOCKS = (16, 32, 64, 128, 256)
+
+
+@register("quantize-int4")
+class QuantizeInt4(Pass):
+    """Weight-only INT4 MatMul -> MatMulNBits, round-to-nearest or GPTQ (calibrated), per block of weights.
+
+    Options: algo=rtn|gptq; block=16|32|64|128|256; symmetric; accuracy_level=0..4 (MatMulNBits compute
+    type: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8); exclude=[node name or op type,...] keeps layers fp32
+    (e.g. the lm head); gptq: percdamp (Hessian dampening).
+    """
+
+    @dataclass(frozen=True)
+    class Options:
+        algo: Literal["rtn", "gptq"] = "rtn"
+        block: int = 32
+        symmetric: bool = True
+        accuracy_level: int = 0
+        exclude: tuple[str, ...] = ()
+        percdamp: float = 0.01
+
+        def __post_init__(self) -> None:
+            if self.block not in _BLOCKS:
+                raise PassOptionError(f"pass 'quantize-int4' option 'block' must be one of {_BLOCKS}, got {self.block}")
+            if not 0 <= self.accuracy_level <= 4:
+                raise PassOptionError(f"pass 'quantize-int4' option 'accuracy_level' must be 0..4, got {self.accuracy_level}")
+            if not 0 < self.percdamp < 1:
+                raise PassOptionError(f"pass 'quantize-int4' option 'percdamp' must be in (0, 1), got {self.percdamp}")
+
+    def call(self, model: ir.Model) -> PassResult:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        o = self.options
+        before = count_ops(model).get("MatMul", 0)
+        proto = to_proto(model)
+        excluded = resolve_exclude(model, o.exclude, self.name)
+        stats: dict = {"algo": o.algo, "block": o.block}
+        if o.algo == "gptq":
+            from precast.compiler.calibration import calibration_batches
+            from precast.compiler.parity import io_signature
+            from precast.passes._gptq import gptq_model
+
+            batches, source = calibration_batches(self.context, io_signature(model)[0])
+            stats.update({"calibration": source, "calibration_batches": len(batches)})
+            if source == "sample-feeds":
+                stats["note"] = "no --calibration data: GPTQ's Hessians come from the random sample feeds"
+            qproto, _ = gptq_model(proto, batches, o.block, o.symmetric, o.accuracy_level, excluded, o.percdamp)
+        else:
+            quantizer = MatMulNBitsQuantizer(
+                proto,
+                bits=4,
+                block_size=o.block,
+                is_symmetric=o.symmetric,
+                accuracy_level=o.accuracy_level or None,
+                nodes_to_exclude=excluded,
+            )
+            with quiet():
+                quantizer.process()
+            qproto = quantizer.model.model
+        result = from_proto(qproto)
+        ops = count_ops(result)
+        stats.update({"quantized": ops.get("MatMulNBits", 0), "kept_fp32": ops.get("MatMul", 0), "excluded": len(excluded)})
+        if before and not stats["quantized"]:
+            stats["note"] = "no MatMul had a constant 2-D weight to quantize"
+        return PassResult(result, stats)
