@@ -41,7 +41,13 @@ def save_onnx(model: ir.Model, path: Path) -> list[str]:
 @register_target("ort-cpu")
 class OrtCpu(Target):
     summary = "ONNX Runtime, CPU execution provider (portable across x86/ARM hosts)"
-    default_pipeline = "infer-shapes,fold-constants,eliminate-dead-code"
+    # Loops first (their bodies then fold and fuse like the rest); attention before the MatMul/bias
+    # rewrites that would consume its projections; skip-LN and bias-GeLU before Gemm takes their bias Adds.
+    default_pipeline = (
+        "infer-shapes,fold-constants,unroll-loops,fold-constants,eliminate-dead-code,"
+        "fuse-layernorm,fuse-rmsnorm,fuse-gelu,fuse-attention,fuse-skip-layernorm,fuse-matmul-add,"
+        "eliminate-dead-code"
+    )
     option_defaults = {"ort_level": "extended", "threads": 0, "runtime_level": "all"}
 
     def build(self, model: ir.Model, out_dir: Path) -> dict:

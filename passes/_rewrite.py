@@ -1,0 +1,49 @@
+"""Shared machinery for fusion passes built from onnxscript rewrite rules (not a pass itself)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import onnx_ir as ir
+from onnx_ir.passes.common import RemoveUnusedNodesPass
+from onnxscript.rewriter import pattern
+
+from precast.compiler.registry import Pass, PassResult
+
+__all__ = ["RewritePass", "apply_rules", "last_dim_vector"]
+
+
+def apply_rules(model: ir.Model, rules: pattern.RewriteRuleSet | Sequence[pattern.RewriteRule]) -> int:
+    """Apply a rule set until nothing changes; returns the number of rewrites."""
+    ruleset = rules if isinstance(rules, pattern.RewriteRuleSet) else pattern.RewriteRuleSet(list(rules))
+    total = 0
+    for _ in range(8):  # rewrites can expose new matches (e.g. Gelu then BiasGelu); bounded
+        count = ruleset.apply_to_model(model)
+        total += count
+        if not count:
+            break
+    if total:
+        RemoveUnusedNodesPass()(model)
+    return total
+
+
+def last_dim_vector(vec: ir.Value | None, x: ir.Value) -> bool:
+    """True when ``vec`` is a rank-1 tensor whose length is x's last dimension (a per-feature vector).
+
+    The normalization ops take scale/bias of the normalized shape; a scalar or a broadcast of
+    another shape would change the meaning, so such chains are left alone.
+    """
+    if vec is None or vec.shape is None or len(vec.shape) != 1:
+        return False
+    if x.shape is None or len(x.shape) == 0:
+        return False
+    return vec.shape[0] == x.shape[-1] or (isinstance(vec.shape[0], int) and not isinstance(x.shape[-1], int))
+
+
+class RewritePass(Pass):
+    """A pass that applies ``rules`` (a RewriteRuleSet) and reports ``{"fused": n}``."""
+
+    rules: pattern.RewriteRuleSet
+
+    def call(self, model: ir.Model) -> PassResult:
+        return PassResult(model, {"fused": apply_rules(model, self.rules)})

@@ -1,0 +1,45 @@
+"""x * rsqrt(mean(x^2) + eps) * w -> SimplifiedLayerNormalization (ONNX Runtime), via onnxscript's rules."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import onnx_ir as ir
+from onnxscript.rewriter import pattern
+from onnxscript.rewriter.ort_fusions.rms_normalization import RmsNormFusion
+
+from precast.compiler.registry import PassResult, register
+from precast.passes._rewrite import RewritePass, apply_rules, last_dim_vector
+
+
+class _CheckedRmsNorm(RmsNormFusion):
+    """onnxscript's rule, plus: the weight must be a per-feature vector."""
+
+    def check(self, op, x, scale, epsilon, compute_dtype, target_dtype, **kw) -> pattern.MatchResult:  # type: ignore[override]
+        result = super().check(op, x, scale, epsilon, compute_dtype, target_dtype, **kw)
+        if result and not last_dim_vector(scale, x):
+            return pattern.MatchResult().fail("scale is not a vector over the last axis", scale)
+        return result
+
+
+@register("fuse-rmsnorm")
+class FuseRmsNorm(RewritePass):
+    """RMS norm chains -> SimplifiedLayerNormalization.
+
+        [Cast] -> Pow(2) -> ReduceMean(-1) -> Add(eps) -> Sqrt -> Reciprocal -> Mul(x) -> [Cast] -> Mul(w)
+            ==>   SimplifiedLayerNormalization(x, w, axis=-1, epsilon=eps)
+    """
+
+    @dataclass(frozen=True)
+    class Options:
+        pass
+
+    # x / sqrt(mean(x^2) + eps) * w, with w on either side of the Mul.
+    rules = pattern.RewriteRuleSet(
+        [_CheckedRmsNorm.rule("RmsNorm1", _mul_order=False), _CheckedRmsNorm.rule("RmsNorm2", _mul_order=True)]
+    )
+
+    def call(self, model: ir.Model) -> PassResult:
+        if model.opset_imports.get("", 0) < 18:
+            return PassResult(model, {"fused": 0, "skipped": "opset < 18"})
+        return PassResult(model, {"fused": apply_rules(model, self.rules)})
