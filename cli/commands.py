@@ -66,10 +66,13 @@ def _config_defaults(path: str | None) -> dict:
 @click.option("--print-ir-after", "print_ir_after", multiple=True, help="Print the IR after this pass ('all').")
 @click.option("--config", "config", default=None, help="precast.toml with a [compile] table.")
 @click.option("--report", type=click.Path(), default=None, help="Write a JSON report here (also on failure).")
+@click.option("--junit", type=click.Path(), default=None, help="Write a JUnit XML report (one testcase per output).")
+@click.option("--cache-dir", envvar="PRECAST_CACHE_DIR", type=click.Path(), default=None,
+              help="Compile cache directory (env PRECAST_CACHE_DIR); a hit copies the cached artifact.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def compile_cmd(model, output, targets, passes, inputs, dims, task, sample_inputs, atol, rtol, min_cosine,
-                target_options, print_ir_after, config, report, as_json, quiet):
+                target_options, print_ir_after, config, report, junit, cache_dir, as_json, quiet):
     """Compile MODEL (.onnx file, Hugging Face folder, or module:callable) into a verified artifact."""
     from precast.compiler.driver import CompileOptions, compile_model
     from precast.compiler.source import parse_input_spec
@@ -93,18 +96,27 @@ def compile_cmd(model, output, targets, passes, inputs, dims, task, sample_input
         target_options=_kv_pairs(target_options, "--target-option"),
         print_ir_after=frozenset(print_ir_after),
         task=task,
+        cache_dir=cache_dir or None,
     )
     try:
         result = compile_model(model, output, opts, progress=Progress(quiet or as_json))
     except PrecastError as e:
+        if junit:
+            from precast.cli.junit import compile_junit
+
+            compile_junit(junit, error=e)
         if report:
             payload = {"ok": False, "error": str(e), "error_type": type(e).__name__, "exit_code": e.exit_code}
             if isinstance(e, ParityError):
                 payload["parity"] = {k: v for k, v in e.report.items() if k not in ("inputs", "expected")}
             Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
         raise
+    if junit:
+        from precast.cli.junit import compile_junit
+
+        compile_junit(junit, manifest=result.manifest, output=result.output, seconds=result.seconds["total"])
     if report:
-        payload = {"ok": True, "output": str(result.output), "manifest": result.manifest,
+        payload = {"ok": True, "output": str(result.output), "manifest": result.manifest, "cache": result.cache,
                    "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
                    "pass_seconds": {t: {r.spec: round(r.seconds, 4) for r in rs} for t, rs in result.records.items()}}
         Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
@@ -192,16 +204,40 @@ def _inspect_one(path: Path, m: dict) -> None:
 @cli.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def verify(artifact, as_json):
-    """Check integrity (sha256 of every file) and re-run the stored parity feeds."""
-    from precast.runtime.errors import ParityError
+@click.option("--pubkey", type=click.Path(), default=None, help="Packed artifacts: check the Ed25519 signature.")
+@click.option("--junit", type=click.Path(), default=None, help="Write a JUnit XML report (one testcase per output).")
+@click.option("-q", "--quiet", is_flag=True, help="Print nothing on success (the exit code says it).")
+def verify(artifact, as_json, pubkey, junit, quiet):
+    """Check integrity (sha256 of every file) and re-run the stored parity feeds.
+
+    ARTIFACT is a directory or a packed file (precast pack); --pubkey also checks a packed file's signature.
+    """
+    from precast.runtime.errors import ParityError, PrecastError
     from precast.runtime.verify import verify_artifact
 
-    report = verify_artifact(artifact)
+    try:
+        if Path(artifact).is_file():
+            from precast.runtime.archive import unpack_to_temp
+
+            report = verify_artifact(unpack_to_temp(artifact, pubkey=pubkey))
+        elif pubkey:
+            raise UsageError(f"--pubkey checks packed artifacts; {artifact} is a directory")
+        else:
+            report = verify_artifact(artifact)
+    except PrecastError as e:
+        if junit:
+            from precast.cli.junit import verify_junit
+
+            verify_junit(junit, error=e)
+        raise
     reports = report if "ok" not in report else {report["target"]: report}
+    if junit:
+        from precast.cli.junit import verify_junit
+
+        verify_junit(junit, reports)
     if as_json:
         emit_json(report)
-    else:
+    elif not quiet:
         for target, r in reports.items():
             for name, o in r["outputs"].items():
                 status = "ok" if o["ok"] else "FAIL"
@@ -209,7 +245,7 @@ def verify(artifact, as_json):
     bad = [(t, n) for t, r in reports.items() for n, o in r["outputs"].items() if not o["ok"]]
     if bad:
         raise ParityError(f"artifact {artifact}: target '{bad[0][0]}' output '{bad[0][1]}' no longer matches its stored reference")
-    if not as_json:
+    if not as_json and not quiet:
         out_console.print(f"[green]verified[/green] {artifact}: all files intact, parity holds")
 
 

@@ -39,6 +39,7 @@ def cli(debug: bool) -> None:
 
 def _register() -> None:
     from precast.cli import commands  # noqa: F401  (defines the subcommands on `cli`)
+    from precast.cli import commands_ci  # noqa: F401  (bisect, pack, unpack, keygen, profile)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -55,14 +55,24 @@ PREFERENCE = ["tensorrt", "ort-qnn", "openvino", "ort-cpu"]
 
 
 def load(
-    path: str | os.PathLike, *, threads: int | None = None, verify: bool = True, prefer: str | None = None
+    path: str | os.PathLike, *, threads: int | None = None, verify: bool = True, prefer: str | None = None,
+    pubkey: str | os.PathLike | None = None,
 ) -> Model:
     """Load an artifact directory: schema check, sha256 of every file, then a backend session.
+
+    ``path`` may also be a packed artifact (``precast pack``): it is unpacked safely, every checksum
+    (and, with ``pubkey``, the manifest's Ed25519 signature) checked, into a private temp dir.
 
     A multi-target artifact loads the best target this host can run (``prefer`` puts one first);
     ``model.skipped`` says why each better one was passed over.
     """
     root = Path(path)
+    if root.is_file():
+        from precast.runtime.archive import unpack_to_temp
+
+        root = unpack_to_temp(root, pubkey=pubkey)
+    elif pubkey is not None:
+        raise ArtifactError(f"{root}: signatures live in packed artifacts; pack it, or drop the public key")
     manifest = read_manifest(root)
     if verify:
         check_integrity(root, manifest)

@@ -1,0 +1,59 @@
+"""``precast bisect``: run a pipeline prefix by prefix against the reference; name the first pass that breaks it.
+
+The reference is ONNX Runtime on the unoptimized source graph, so the search isolates precast's passes
+from the exporter (a torch-vs-export mismatch is not any pass's fault).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from precast.compiler.driver import CompileOptions, _tolerance, bisect_parity
+from precast.compiler.parity import io_signature, make_sample_feeds, ort_run_model
+from precast.compiler.pipeline import parse_pipeline
+from precast.compiler.source import Source, load_source
+from precast.runtime.feeds import check_feeds
+from precast.targets.base import get_target
+
+__all__ = ["BisectResult", "bisect_model"]
+
+
+@dataclass
+class BisectResult:
+    passes: list[str]
+    tolerance: dict
+    index: int | None = None  # first bad pass (0-based), None when every prefix keeps parity
+    error: str | None = None
+    after: list[str] = field(default_factory=list)
+
+    @property
+    def culprit(self) -> str | None:
+        return None if self.index is None else self.passes[self.index]
+
+    def to_json(self) -> dict:
+        return {"ok": self.index is None, "passes": self.passes, "first_bad_index": self.index,
+                "first_bad_pass": self.culprit, "after": self.after, "error": self.error, "tolerance": self.tolerance}
+
+
+def bisect_model(model: str | Source, opts: CompileOptions, target: str = "ort-cpu", progress=None) -> BisectResult:
+    """Bisect ``opts.passes`` (default: the target's pipeline) with ``opts``'s feeds and tolerances."""
+    say = progress or (lambda _m: None)
+    target_cls = get_target(target)
+    specs = parse_pipeline(opts.passes or "default", default=target_cls.default_pipeline)
+    say(f"loading {model if isinstance(model, str) else model.name}")
+    source = model if isinstance(model, Source) else load_source(model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims)
+    inputs, _ = io_signature(source.model)
+    if opts.sample_inputs is not None:
+        feeds = check_feeds(opts.sample_inputs, inputs)
+    else:
+        feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
+    tol = _tolerance(target_cls, opts)
+    say(f"bisecting {len(specs)} passes against onnxruntime on the source graph")
+    expected = ort_run_model(source.model, feeds)
+    names = [str(s) for s in specs]
+    result = BisectResult(names, {"atol": tol.atol, "rtol": tol.rtol, "min_cosine": tol.min_cosine})
+    found = bisect_parity(source.model, specs, feeds, expected, tol)
+    if found is not None:
+        result.index, result.error = found
+        result.after = names[: result.index]
+    return result

@@ -1,0 +1,73 @@
+"""Packing an artifact directory into one deterministic tar file (``precast pack``).
+
+    manifest.json, [manifest.sig], then every other file in sorted order;
+    regular files only, mode 0644, mtime 0, uid/gid 0, no owner names.
+
+``build-info.json`` (wall times, host: the one unhashed file) stays out unless asked for, so two builds
+of the same input pack to the same bytes (Ed25519 signatures are deterministic too) and a packed file
+can be cached and compared by its sha256. Reading is the runtime's job (runtime/archive.py).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import tarfile
+import uuid
+from pathlib import Path
+
+from precast.compiler.cache import check_artifact_tree
+from precast.runtime.errors import UsageError
+from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, sha256_file
+from precast.runtime.signing import SIGNATURE_NAME, sign_bytes
+
+__all__ = ["pack_artifact"]
+
+
+def _info(name: str, size: int) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.size = size
+    ti.mtime = 0
+    ti.mode = 0o644
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    ti.type = tarfile.REGTYPE
+    return ti
+
+
+def pack_artifact(
+    artifact_dir: str | os.PathLike, out_file: str | os.PathLike, *, sign_key: str | os.PathLike | None = None,
+    build_info: bool = False,
+) -> dict:
+    """Check the artifact's integrity, then write it as one tar (atomically). Returns a summary."""
+    root, out = Path(artifact_dir), Path(out_file)
+    if out.exists() and out.is_dir():
+        raise UsageError(f"pack output {out} is a directory; give a file name such as model.precast")
+    check_artifact_tree(root)  # refuse to ship a tampered or half-written artifact
+    files = []
+    for path in sorted(root.rglob("*")):
+        if path.is_symlink():
+            raise UsageError(f"artifact {root}: '{path.relative_to(root)}' is a symlink; packs hold regular files only")
+        if path.is_file() and (build_info or path.name != BUILD_INFO_NAME):
+            files.append(path.relative_to(root).as_posix())
+    manifest_bytes = (root / MANIFEST_NAME).read_bytes()
+    signature = sign_bytes(manifest_bytes, sign_key) if sign_key is not None else None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
+            tf.addfile(_info(MANIFEST_NAME, len(manifest_bytes)), io.BytesIO(manifest_bytes))
+            if signature is not None:
+                tf.addfile(_info(SIGNATURE_NAME, len(signature)), io.BytesIO(signature))
+            for rel in files:
+                if rel == MANIFEST_NAME:
+                    continue
+                path = root / rel
+                with open(path, "rb") as f:
+                    tf.addfile(_info(rel, path.stat().st_size), f)
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return {"output": str(out), "files": len(files), "bytes": out.stat().st_size, "sha256": sha256_file(out),
+            "signed": signature is not None}

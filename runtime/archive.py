@@ -1,0 +1,298 @@
+"""Reading packed artifacts (``.precast``: one tar file) safely, with the standard library only.
+
+A packed artifact is a tar of regular files: ``manifest.json`` first, then ``manifest.sig`` when signed,
+then the other files in sorted order (zeroed mtimes/owners; see compiler/pack.py). The reader trusts
+nothing in the archive: it rejects absolute paths, ``..``, links, device files, directories,
+sparse members, duplicate names, members not listed in the manifest and size bombs (bounded member
+count, total size and total/archive size ratio); it checks the signature (when given a public key)
+and the sha256 of every file while writing it into a private staging dir, re-checks the result, and
+only then renames it into place. Nothing is ever written outside that staging dir.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import json
+import os
+import posixpath
+import shutil
+import tarfile
+import tempfile
+import uuid
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+from precast.runtime.errors import ArtifactError, IntegrityError
+from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, check_integrity, read_manifest
+from precast.runtime.signing import SIGNATURE_NAME, verify_bytes
+
+__all__ = ["ArchiveError", "Limits", "unpack_artifact", "unpack_to_temp", "read_packed_manifest", "is_packed"]
+
+
+class ArchiveError(ArtifactError):
+    """A packed artifact is unreadable or holds something it must not (link, device, unlisted file...)."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_members: int = 100_000
+    max_total_bytes: int = 64 << 30  # sum of member sizes
+    max_ratio: float = 100.0  # unpacked bytes per archive byte (compressed tars); plain tar is ~1
+    ratio_slack_bytes: int = 16 << 20  # small archives may compress very well; allow this much regardless
+    max_manifest_bytes: int = 64 << 20
+    max_build_info_bytes: int = 1 << 20
+
+
+_CHUNK = 1 << 20
+_READ_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error, ValueError, UnicodeError)
+_OK_TYPES = (tarfile.REGTYPE, tarfile.AREGTYPE)
+_KIND = {
+    tarfile.SYMTYPE: "a symlink",
+    tarfile.LNKTYPE: "a hard link",
+    tarfile.CHRTYPE: "a character device",
+    tarfile.BLKTYPE: "a block device",
+    tarfile.FIFOTYPE: "a FIFO",
+    tarfile.DIRTYPE: "a directory entry",
+    tarfile.CONTTYPE: "a contiguous file",
+    tarfile.GNUTYPE_SPARSE: "a sparse file",
+}
+
+
+def is_packed(path: str | os.PathLike) -> bool:
+    return Path(path).is_file()
+
+
+def _check_name(where: str, name: str) -> None:
+    bad = None
+    if not name:
+        bad = "empty name"
+    elif "\0" in name or "\\" in name:
+        bad = "NUL or backslash in the name"
+    elif name.startswith("/") or (len(name) > 1 and name[1] == ":"):
+        bad = "absolute path"
+    elif ".." in name.split("/"):
+        bad = "'..' in the path"
+    elif posixpath.normpath(name) != name or name.startswith("./"):
+        bad = "non-canonical path"
+    elif any(ord(c) < 32 for c in name):
+        bad = "control character in the name"
+    if bad:
+        raise ArchiveError(f"{where}: member {name!r} rejected: {bad}")
+
+
+def _scan(tf: tarfile.TarFile, where: str, archive_size: int, limits: Limits) -> dict[str, tarfile.TarInfo]:
+    """Validate every member header (before any data is used); return {name: member}."""
+    members: dict[str, tarfile.TarInfo] = {}
+    folded: set[str] = set()
+    total = 0
+    budget = min(limits.max_total_bytes, int(limits.max_ratio * archive_size) + limits.ratio_slack_bytes)
+    while True:
+        try:
+            m = tf.next()
+        except _READ_ERRORS as e:
+            raise ArchiveError(f"{where}: not a readable precast archive ({_first_line(e)})") from e
+        if m is None:
+            break
+        _check_name(where, m.name)
+        if m.type not in _OK_TYPES:
+            kind = _KIND.get(m.type, f"member type {m.type!r}")
+            raise ArchiveError(f"{where}: member {m.name!r} rejected: {kind} (only regular files are allowed)")
+        if m.name in members or m.name.casefold() in folded:
+            raise ArchiveError(f"{where}: member {m.name!r} appears twice")
+        members[m.name] = m
+        folded.add(m.name.casefold())
+        total += m.size
+        if len(members) > limits.max_members:
+            raise ArchiveError(f"{where}: more than {limits.max_members} members (size bomb?)")
+        if total > budget:
+            raise ArchiveError(
+                f"{where}: members unpack to more than {budget} bytes for a {archive_size}-byte archive (size bomb?)"
+            )
+    if MANIFEST_NAME not in members:
+        raise ArchiveError(f"{where}: not a precast archive (no {MANIFEST_NAME})")
+    return members
+
+
+def _read_member(tf: tarfile.TarFile, m: tarfile.TarInfo, where: str, cap: int) -> bytes:
+    if m.size > cap:
+        raise ArchiveError(f"{where}: member {m.name!r} is {m.size} bytes (limit {cap})")
+    try:
+        f = tf.extractfile(m)
+        data = f.read(cap + 1) if f is not None else b""
+    except _READ_ERRORS as e:
+        raise ArchiveError(f"{where}: member {m.name!r} is unreadable ({_first_line(e)})") from e
+    if len(data) != m.size:
+        raise ArchiveError(f"{where}: member {m.name!r} is truncated")
+    return data
+
+
+def _write_member(tf: tarfile.TarFile, m: tarfile.TarInfo, stage: Path, where: str, digest: str | None) -> None:
+    dest = stage / m.name
+    if stage.resolve() not in dest.resolve().parents:  # defence in depth; names were checked already
+        raise ArchiveError(f"{where}: member {m.name!r} would land outside the target dir")
+    h = hashlib.sha256()
+    n = 0
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        src = tf.extractfile(m)
+        with open(dest, "xb") as out:  # O_EXCL: never follows or replaces anything already there
+            while src is not None and (block := src.read(min(_CHUNK, m.size - n + 1))):
+                n += len(block)
+                if n > m.size:
+                    break
+                h.update(block)
+                out.write(block)
+    except _READ_ERRORS as e:
+        raise ArchiveError(f"{where}: cannot unpack member {m.name!r} ({_first_line(e)})") from e
+    if n != m.size:
+        raise ArchiveError(f"{where}: member {m.name!r} is truncated ({n} of {m.size} bytes)")
+    if digest is not None and h.hexdigest() != digest:
+        raise IntegrityError(
+            f"{where}: file '{m.name}' does not match its manifest sha256 ({h.hexdigest()[:12]}..., "
+            f"manifest says {digest[:12]}...)"
+        )
+
+
+def _plan(tf, members, stage: Path, where: str, written: set[str]) -> tuple[dict[str, str], set[str]]:
+    """{member: sha256} the manifests promise (sub-artifacts included), and the optional unhashed members.
+
+    Manifests are written to ``stage`` as they are read (sub-manifests after their hash is checked).
+    """
+    expected: dict[str, str] = {}
+    optional: set[str] = set()
+    queue = [""]
+    while queue:
+        prefix = queue.pop(0)
+        name = prefix + MANIFEST_NAME
+        if prefix:
+            if name not in members:
+                raise IntegrityError(f"{where}: sub-artifact manifest '{name}' is missing")
+            _write_member(tf, members[name], stage, where, expected[name])
+            written.add(name)
+        try:
+            manifest = read_manifest(stage / prefix) if prefix else read_manifest(stage)
+        except ArtifactError as e:
+            raise ArchiveError(f"{where}: {e}") from e
+        optional.add(prefix + BUILD_INFO_NAME)
+        for rel, digest in manifest["files"].items():
+            expected[prefix + rel] = digest
+        if manifest.get("kind") == "multi-target":
+            targets = manifest.get("targets")
+            if not isinstance(targets, dict):
+                raise ArchiveError(f"{where}: multi-target manifest has no 'targets' table")
+            for tname, entry in sorted(targets.items()):
+                sub = entry.get("dir", tname) if isinstance(entry, dict) else None
+                if not isinstance(sub, str) or not sub:
+                    raise ArchiveError(f"{where}: malformed target entry '{tname}'")
+                _check_name(where, prefix + sub)
+                if prefix + sub + "/" + MANIFEST_NAME not in expected:
+                    raise ArchiveError(f"{where}: target '{tname}' manifest is not hashed by its parent manifest")
+                queue.append(prefix + sub + "/")
+    return expected, optional
+
+
+def unpack_artifact(
+    archive: str | os.PathLike, dest: str | os.PathLike, *, pubkey: str | os.PathLike | None = None,
+    limits: Limits = Limits(),
+) -> dict:
+    """Unpack a packed artifact into ``dest`` (which must not exist, or be empty); return its manifest."""
+    archive, dest = Path(archive), Path(dest)
+    where = str(archive)
+    if not archive.is_file():
+        raise ArtifactError(f"packed artifact not found: {archive}")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ArtifactError(f"unpack target {dest} exists and is not empty; refusing to overwrite it")
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    stage = dest.parent / f".{dest.name}.unpack-{uuid.uuid4().hex[:8]}"
+    stage.mkdir()
+    try:
+        try:
+            tf = tarfile.open(archive, "r:*")
+        except _READ_ERRORS as e:
+            raise ArchiveError(f"{where}: not a readable precast archive ({_first_line(e)})") from e
+        with tf:
+            members = _scan(tf, where, archive.stat().st_size, limits)
+            manifest_bytes = _read_member(tf, members[MANIFEST_NAME], where, limits.max_manifest_bytes)
+            if pubkey is not None:
+                if SIGNATURE_NAME not in members:
+                    from precast.runtime.signing import SignatureError
+
+                    raise SignatureError(f"{where}: not signed (no {SIGNATURE_NAME}), but --pubkey was given")
+                sig = _read_member(tf, members[SIGNATURE_NAME], where, 1024)
+                verify_bytes(manifest_bytes, sig, pubkey, where)
+            (stage / MANIFEST_NAME).write_bytes(manifest_bytes)
+            written = {MANIFEST_NAME, SIGNATURE_NAME}
+            expected, optional = _plan(tf, members, stage, where, written)
+            for name in members:
+                if name not in expected and name not in optional and name not in (MANIFEST_NAME, SIGNATURE_NAME):
+                    raise ArchiveError(f"{where}: member {name!r} is not listed in the manifest")
+            missing = sorted(set(expected) - set(members))
+            if missing:
+                raise IntegrityError(f"{where}: file '{missing[0]}' listed in the manifest is missing")
+            for name, m in members.items():
+                if name in written:
+                    continue  # the manifest(s) are already written and checked; the signature is not kept
+                if name in optional and m.size > limits.max_build_info_bytes:
+                    raise ArchiveError(f"{where}: member {name!r} is {m.size} bytes (limit {limits.max_build_info_bytes})")
+                _write_member(tf, m, stage, where, expected.get(name))
+        for name in optional:
+            if (stage / name).is_file():
+                _check_json(stage / name, where, name)
+        manifest = _check_tree(stage, where)
+        os.replace(stage, dest)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        raise
+    return manifest
+
+
+def _check_json(path: Path, where: str, name: str) -> None:
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ArchiveError(f"{where}: member {name!r} is not valid JSON") from e
+
+
+def _check_tree(root: Path, where: str) -> dict:
+    try:
+        manifest = read_manifest(root)
+        check_integrity(root, manifest)
+        if manifest.get("kind") == "multi-target":
+            for tname, entry in sorted(manifest["targets"].items()):
+                sub = root / entry.get("dir", tname)
+                check_integrity(sub, read_manifest(sub))
+    except IntegrityError as e:
+        raise IntegrityError(f"{where}: {e}") from e
+    return manifest
+
+
+def read_packed_manifest(archive: str | os.PathLike, *, pubkey: str | os.PathLike | None = None) -> dict:
+    """Unpack into a private temp dir (full checks), return the manifest, and clean up."""
+    with tempfile.TemporaryDirectory(prefix="precast-verify-") as tmp:
+        return unpack_artifact(archive, Path(tmp) / "artifact", pubkey=pubkey)
+
+
+_TEMP_DIRS: list[str] = []
+
+
+def unpack_to_temp(archive: str | os.PathLike, *, pubkey: str | os.PathLike | None = None) -> Path:
+    """Unpack into a fresh private temp dir (removed when the process exits); return the artifact dir."""
+    tmp = tempfile.mkdtemp(prefix="precast-")
+    if not _TEMP_DIRS:
+        atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _TEMP_DIRS])
+    _TEMP_DIRS.append(tmp)
+    dest = Path(tmp) / "artifact"
+    try:
+        unpack_artifact(archive, dest, pubkey=pubkey)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        _TEMP_DIRS.remove(tmp)
+        raise
+    return dest
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

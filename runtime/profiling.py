@@ -1,0 +1,88 @@
+"""``precast profile``: ONNX Runtime's profiler on an artifact, summed per operator type.
+
+ORT writes a Chrome trace (``chrome://tracing`` / Perfetto) with one ``<node>_kernel_time`` event per
+node per run; summing ``dur`` by ``args.op_name`` shows where the time goes and so what to fuse next.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+
+import numpy as np
+
+from precast.runtime.errors import ArtifactError, UsageError
+from precast.runtime.feeds import check_feeds
+
+__all__ = ["profile_artifact", "summarize_trace"]
+
+
+def summarize_trace(events: list, runs: int) -> list[dict]:
+    """Per op type: total/mean microseconds per run, node count, share of kernel time; slowest first."""
+    per_op: dict[str, dict] = {}
+    for ev in events:
+        if not isinstance(ev, dict) or ev.get("cat") != "Node" or not str(ev.get("name", "")).endswith("_kernel_time"):
+            continue
+        args = ev.get("args") or {}
+        op = str(args.get("op_name", "?"))
+        row = per_op.setdefault(op, {"op": op, "total_us": 0, "calls": 0, "nodes": set(), "provider": args.get("provider", "")})
+        row["total_us"] += int(ev.get("dur", 0))
+        row["calls"] += 1
+        row["nodes"].add(str(ev["name"])[: -len("_kernel_time")])
+    grand = sum(r["total_us"] for r in per_op.values()) or 1
+    rows = []
+    for r in per_op.values():
+        rows.append({
+            "op": r["op"], "provider": r["provider"], "nodes": len(r["nodes"]), "calls": r["calls"],
+            "total_us": r["total_us"], "us_per_run": round(r["total_us"] / max(runs, 1), 1),
+            "share": round(r["total_us"] / grand, 4),
+        })
+    return sorted(rows, key=lambda r: (-r["total_us"], r["op"]))
+
+
+def profile_artifact(
+    path: str | os.PathLike, feeds: Mapping[str, np.ndarray] | None = None, *, runs: int = 10, warmup: int = 2,
+    trace: str | os.PathLike | None = None, threads: int | None = None,
+) -> dict:
+    """Profile ``warmup`` + ``runs`` runs of the artifact (per-run numbers divide by both).
+
+    ``feeds`` default to the artifact's stored parity inputs. Returns {"ops": [...], "runs", "trace"}.
+    """
+    import onnxruntime as ort
+
+    from precast.runtime.backends import ort_session_options
+    from precast.runtime.model import load
+
+    if runs < 1:
+        raise UsageError(f"--runs must be at least 1, got {runs}")
+    model = load(path, threads=threads)  # integrity, packed files, multi-target choice
+    root, target = model.path, model.manifest["target"]
+    if feeds is None:
+        stored = (model.manifest.get("parity") or {}).get("inputs")
+        if not stored:
+            raise ArtifactError(f"{path}: no stored sample inputs; pass --input feeds.npz")
+        feeds = {n: np.load(root / rel, allow_pickle=False) for n, rel in stored.items()}
+    arrays = check_feeds(feeds, model.inputs)
+    with tempfile.TemporaryDirectory(prefix="precast-profile-") as tmp:
+        so = ort_session_options(target.get("session", {}), threads)
+        so.enable_profiling = True
+        so.profile_file_prefix = str(Path(tmp) / "profile")
+        sess = ort.InferenceSession(str(root / target.get("model", "model.onnx")), sess_options=so,
+                                    providers=list(target.get("providers", ["CPUExecutionProvider"])))
+        names = [o.name for o in model.outputs]
+        for _ in range(warmup):
+            sess.run(names, arrays)
+        # Warmup runs are in the trace too; count them so per-run numbers stay honest.
+        for _ in range(runs):
+            sess.run(names, arrays)
+        produced = Path(sess.end_profiling())
+        events = json.loads(produced.read_text())
+        if trace is not None:
+            Path(trace).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(produced, trace)
+    return {"ops": summarize_trace(events, runs + warmup), "runs": runs, "warmup": warmup,
+            "trace": None if trace is None else str(trace), "target": model.target}
