@@ -69,10 +69,15 @@ def _config_defaults(path: str | None) -> dict:
 @click.option("--junit", type=click.Path(), default=None, help="Write a JUnit XML report (one testcase per output).")
 @click.option("--cache-dir", envvar="PRECAST_CACHE_DIR", type=click.Path(), default=None,
               help="Compile cache directory (env PRECAST_CACHE_DIR); a hit copies the cached artifact.")
+@click.option("--calibration", type=click.Path(), default=None,
+              help="Calibration data for quantize passes: .npz of feeds ('N/name' keys for several batches) or .txt.")
+@click.option("--accuracy-budget", "accuracy_budget", default=None,
+              help="e.g. 'cosine>=0.99,top1>=0.95,max_abs<=0.1'; quantized pipelines default to cosine>=0.99.")
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def compile_cmd(model, output, targets, passes, inputs, dims, task, sample_inputs, atol, rtol, min_cosine,
-                target_options, print_ir_after, config, report, junit, cache_dir, as_json, quiet):
+                target_options, print_ir_after, config, report, junit, cache_dir, calibration, accuracy_budget,
+                as_json, quiet):
     """Compile MODEL (.onnx file, Hugging Face folder, or module:callable) into a verified artifact."""
     from precast.compiler.driver import CompileOptions, compile_model
     from precast.compiler.source import parse_input_spec
@@ -97,7 +102,16 @@ def compile_cmd(model, output, targets, passes, inputs, dims, task, sample_input
         print_ir_after=frozenset(print_ir_after),
         task=task,
         cache_dir=cache_dir or None,
+        accuracy_budget=accuracy_budget,
     )
+    if accuracy_budget:
+        from precast.runtime.accuracy import parse_budget
+
+        parse_budget(accuracy_budget)  # a typo fails before any work
+    if calibration:
+        from precast.compiler.calibration import load_calibration
+
+        opts.calibration_feeds, opts.calibration_text = load_calibration(calibration)
     try:
         result = compile_model(model, output, opts, progress=Progress(quiet or as_json))
     except PrecastError as e:
@@ -146,6 +160,10 @@ def _print_parity(manifest: dict, title: str = "parity", console=err_console) ->
                       f"{r['max_rel']:.3g}" if "max_rel" in r else "-",
                       f"{r['cosine']:.6f}" if "cosine" in r else "-", "yes" if r["ok"] else "[red]NO[/red]")
     console.print(table)
+    budget = manifest["parity"].get("budget")
+    if budget:
+        state = "[green]ok[/green]" if budget["ok"] else "[red]EXCEEDED[/red]"
+        console.print(f"accuracy budget {escape(budget['budget'])}: {state}")
 
 
 @cli.command()

@@ -77,6 +77,7 @@ def compile_key_parts(source, targets, pipelines, tolerances, feeds, opts) -> di
         "feeds": hash_feeds(feeds),
         "calibration": None if calib is None else [hash_feeds(f) for f in calib],
         "calibration_text": None if opts.calibration_text is None else hashlib.sha256(opts.calibration_text.encode()).hexdigest(),
+        "accuracy_budget": getattr(opts, "accuracy_budget", None),
         "task": opts.task,
         "inputs": [s.to_json() for s in opts.inputs],
         "dims": dict(sorted(opts.dims.items())),

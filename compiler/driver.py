@@ -14,6 +14,7 @@ import numpy as np
 import onnx_ir as ir
 
 import precast
+from precast.compiler.budget import apply_budget, budget_bounds, budget_tolerance, is_quantized
 from precast.compiler.artifact import finalize_manifest, publish, save_tensors, staging_dir, write_index
 from precast.compiler.parity import DEFAULT_TOL, Tolerance, compare_outputs, io_signature, make_sample_feeds, ort_run_model
 from precast.compiler.registry import PassContext
@@ -46,6 +47,7 @@ class CompileOptions:
     calibration_feeds: list[dict[str, np.ndarray]] | None = None
     calibration_text: str | None = None
     cache_dir: str | None = None  # compile cache (compiler/cache.py); the CLI also reads PRECAST_CACHE_DIR
+    accuracy_budget: str | None = None  # 'cosine>=0.99,top1>=0.95'; quantized pipelines default to cosine>=0.99
 
 
 @dataclass
@@ -85,14 +87,17 @@ def _reference_outputs(source: Source, feeds: dict[str, np.ndarray]) -> dict[str
         raise UnsupportedOpError(f"onnxruntime cannot run the source model: {first}") from e
 
 
-def _tolerance(target_cls: type[Target], opts: CompileOptions) -> Tolerance:
+def _tolerance(target_cls: type[Target], opts: CompileOptions, specs: Sequence[PassSpec] = ()) -> Tolerance:
     base = DEFAULT_TOL.get(target_cls.precision, DEFAULT_TOL["fp32"])
-    return Tolerance(
+    tol = Tolerance(
         atol=opts.atol if opts.atol is not None else base.atol,
         rtol=opts.rtol if opts.rtol is not None else base.rtol,
         min_cosine=opts.min_cosine if opts.min_cosine is not None else base.min_cosine,
     )
 
+    # Quantized compiles are held to the accuracy budget, not to fp32's elementwise tolerances.
+    bounds = budget_bounds(specs, opts.accuracy_budget, target_cls.precision)
+    return budget_tolerance(tol, bounds, is_quantized(specs, target_cls.precision), opts.atol is not None)
 
 def _first_failure(report: dict[str, dict]) -> tuple[str, dict] | None:
     return next(((n, r) for n, r in report.items() if not r.get("ok")), None)
@@ -161,7 +166,7 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
     if opts.cache_dir:
         from precast.compiler import cache
 
-        tols = {t.name: _tolerance(type(t), opts) for t in targets}
+        tols = {t.name: _tolerance(type(t), opts, pipelines[t.name]) for t in targets}
         cache_key = cache.cache_key(cache.compile_key_parts(source, targets, pipelines, tols, feeds, opts))
         cached, cache_status = cache.restore(opts.cache_dir, cache_key, output, say)
         if cached is not None:
@@ -233,7 +238,7 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         dst = out_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dst)
-    tol = _tolerance(type(target), opts)
+    tol = _tolerance(type(target), opts, specs)
     parity_inputs = save_tensors(feeds, out_dir / "parity" / "inputs", "parity/inputs")
     parity_expected = save_tensors(expected, out_dir / "parity" / "expected", "parity/expected")
     timings[f"{target.name}:build"] = time.perf_counter() - t1
@@ -271,6 +276,7 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
     if bad:
         msg = f"target '{target.name}': parity failed: {_describe(bad[0], bad[1], tol)}"
         if opts.bisect and specs:
+    budget = apply_budget(budget_bounds(specs, opts.accuracy_budget, target.precision), expected, actual, report)
             say("parity failed; bisecting the pipeline")
             # Bisect against ORT on the source graph: that isolates the passes from the exporter.
             base_expected = ort_run_model(source.model, feeds) if source.reference is not None else expected
@@ -279,7 +285,11 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
                 i, why = culprit
                 done = [s.name for s in specs[:i]]
                 msg += f"; first broken by pass '{specs[i]}' (after [{', '.join(done)}]): {why}"
+        **({"budget": budget} if budget else {}),
             else:
+    if budget and budget["violations"]:
+        more = f" (and {len(budget['violations']) - 1} more)" if len(budget["violations"]) > 1 else ""
+        raise ParityError(f"target '{target.name}': accuracy budget exceeded: {budget['violations'][0]}{more}", parity)
                 msg += "; every pass keeps parity on its own, so the target build or the export broke it"
         raise ParityError(msg, parity)
     build_info = {

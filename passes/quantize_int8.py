@@ -27,7 +27,9 @@ def _int8_initializers(model: ir.Model) -> int:
     return sum(
         1
         for v in model.graph.initializers.values()
-        if v.const_value is not None and v.const_value.dtype in (ir.DataType.INT8, ir.DataType.UINT8)
+        if v.const_value is not None
+        and v.const_value.dtype in (ir.DataType.INT8, ir.DataType.UINT8)
+        and len(v.const_value.shape) >= 2  # weights, not per-channel zero points
     )
 
 
