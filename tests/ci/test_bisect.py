@@ -1,0 +1,82 @@
+"""Parity bisection: a deliberately wrong pass, registered only here, is named by `bisect` and by `compile`."""
+
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import onnx_ir as ir
+import pytest
+
+from precast.compiler import registry
+from precast.compiler.bisect import bisect_model
+from precast.compiler.driver import CompileOptions
+from precast.compiler.registry import Pass, PassResult
+from precast.runtime.errors import EXIT_PARITY
+from tests.ci.cli_helpers import run_cli
+from tests.helpers import save, tiny_mlp
+
+WRONG = "test-scale-initializer"
+
+
+class ScaleInitializer(Pass):
+    """Deliberately wrong: multiplies the first float initializer by 1.5."""
+
+    def call(self, model: ir.Model) -> PassResult:
+        for value in model.graph.initializers.values():
+            arr = value.const_value.numpy()
+            if arr.dtype == np.float32:
+                value.const_value = ir.tensor(arr * np.float32(1.5), name=value.name)
+                return PassResult(model, {"scaled": 1})
+        return PassResult(model, {"scaled": 0})
+
+
+if WRONG not in registry._REGISTRY:
+    registry.register(WRONG)(ScaleInitializer)
+
+BAD_PIPELINE = f"infer-shapes,fold-constants,{WRONG},eliminate-dead-code"
+
+
+@pytest.fixture
+def model_file(tmp_path):
+    return save(tiny_mlp(), tmp_path / "mlp.onnx")
+
+
+def test_bisect_names_the_wrong_pass(model_file):
+    result = bisect_model(str(model_file), CompileOptions(passes=BAD_PIPELINE))
+    assert result.index == 2 and result.culprit == WRONG
+    assert result.after == ["infer-shapes", "fold-constants"]
+    assert "output 'y' max abs error" in result.error
+
+
+def test_bisect_good_pipeline_is_ok(model_file):
+    result = bisect_model(str(model_file), CompileOptions(passes="infer-shapes,fold-constants,eliminate-dead-code"))
+    assert result.index is None and result.to_json()["ok"]
+
+
+def test_bisect_cli(model_file, tmp_path, capsys):
+    report = tmp_path / "bisect.json"
+    code, _, err = run_cli(capsys, "bisect", model_file, "--passes", BAD_PIPELINE, "--report", report, "-q")
+    assert code == EXIT_PARITY
+    assert f"first broken by pass '{WRONG}'" in err and "after [infer-shapes, fold-constants]" in err
+    assert len(err.strip().splitlines()) == 1  # one line, no traceback
+    assert json.loads(report.read_text())["first_bad_pass"] == WRONG
+    code, out, _ = run_cli(capsys, "bisect", model_file, "--passes", "fold-constants")
+    assert code == 0 and "keep parity" in out
+
+
+def test_compile_with_wrong_pass_fails_and_names_it(model_file, tmp_path, capsys):
+    out_dir = tmp_path / "out" / "art"
+    junit = tmp_path / "compile.xml"
+    report = tmp_path / "compile.json"
+    code, _, err = run_cli(capsys, "compile", model_file, "-o", out_dir, "--passes", BAD_PIPELINE,
+                           "--junit", junit, "--report", report, "-q")
+    assert code == EXIT_PARITY
+    assert f"first broken by pass '{WRONG}'" in err
+    assert not out_dir.exists() and list((tmp_path / "out").iterdir()) == []  # nothing half-written either
+    suite = ET.parse(junit).getroot().find("testsuite")
+    assert suite.get("failures") == "1"
+    failure = suite.find("testcase/failure")
+    assert WRONG in failure.get("message")
+    assert json.loads(report.read_text())["exit_code"] == EXIT_PARITY
