@@ -1,0 +1,344 @@
+"""The FastAPI app of `precast serve`: KServe v2 infer, /v1/embeddings, metrics, health, admin reload.
+
+LLM artifacts add the OpenAI-compatible routes from ``llm_api``. Every bad request gets a 4xx with a
+one-line message naming the culprit; nothing a client sends can stop the server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hmac
+import json
+import signal
+import threading
+import time
+from contextlib import asynccontextmanager
+
+import numpy as np
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from precast.runtime.errors import InputError, PrecastError
+from precast.runtime.server.batcher import BatchConfig, Batcher, QueueFullError
+from precast.runtime.server.config import ServerConfig, is_loopback
+from precast.runtime.server.embeddings import mean_pool_normalize, parse_inputs, tokenize
+from precast.runtime.server.host import ModelHost, ReloadBusyError, ReloadError
+from precast.runtime.server.kserve import decode_request, encode_response, model_metadata, requested_outputs
+from precast.runtime.server.metrics import ServerMetrics
+
+__all__ = ["create_app", "ServerState", "v2_error", "openai_error", "read_json"]
+
+
+class ServerState:
+    """Everything one app owns: the model host, the batcher, the metrics, and the shutdown flag."""
+
+    def __init__(self, config: ServerConfig, host: ModelHost | None = None):
+        self.config = config
+        self.metrics = ServerMetrics()
+        self.host = host or ModelHost(config.artifact, threads=config.threads, verify=config.verify,
+                                      llm_options=config.llm)
+        self.batcher = Batcher(
+            lambda: self.host.current.model,
+            BatchConfig(config.max_batch_size, config.max_queue_delay_ms / 1000.0, config.max_queue),
+            on_batch=self.metrics.on_batch,
+            instances=config.instances,
+        )
+        self.shutting_down = False
+        self.metrics.model_version.set(self.host.current.version)
+        self._bind_llm_metrics()
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def ready(self) -> bool:
+        return not self.shutting_down
+
+    def reload(self, path: str | None = None):
+        try:
+            served = self.host.reload(path)
+        except ReloadBusyError:
+            raise
+        except ReloadError:
+            self.metrics.reloads.labels("failed").inc()
+            raise
+        self.metrics.reloads.labels("ok").inc()
+        self.metrics.model_version.set(served.version)
+        self._bind_llm_metrics()
+        return served
+
+    def _bind_llm_metrics(self) -> None:
+        llm = self.host.current.llm
+        if llm is not None:
+            llm.bind_metrics(self.metrics)
+
+    def close(self) -> None:
+        self.shutting_down = True
+        self.batcher.stop(self.config.drain_timeout)
+        self.host.close()
+
+
+# -- error bodies ------------------------------------------------------------------------------------
+def v2_error(status: int, message: str, headers: dict | None = None):
+    return JSONResponse({"error": message}, status_code=status, headers=headers)
+
+
+def openai_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+                 headers: dict | None = None):
+    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+async def read_json(request) -> object:
+    """The request body as JSON, or InputError('malformed JSON ...')."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise InputError(f"malformed JSON body: {e}") from e
+
+
+def _busy_headers(e: QueueFullError) -> dict:
+    return {"Retry-After": str(int(e.retry_after))}
+
+
+# -- the app -----------------------------------------------------------------------------------------
+def create_app(config: ServerConfig, state: ServerState | None = None):
+    state = state or ServerState(config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        _install_sighup(state)
+        yield
+        state.shutting_down = True
+        await asyncio.to_thread(state.close)
+
+    app = FastAPI(title="precast serve", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.precast = state
+    app.add_middleware(_MetricsMiddleware, metrics=state.metrics)
+
+    def check_model(name: str):
+        if name != state.name:
+            return v2_error(404, f"unknown model '{name}'; this server serves '{state.name}'")
+        return None
+
+    # -- health ----------------------------------------------------------------------------------------
+    @app.get("/health")
+    @app.get("/v2/health/live")
+    async def live():
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    @app.get("/v2/health/ready")
+    async def ready():
+        served = state.host.current
+        body = {"ready": state.ready(), "model": state.name, "version": served.version}
+        return JSONResponse(body, status_code=200 if state.ready() else 503)
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.queue_depth.set(state.batcher.depth)
+        llm = state.host.current.llm
+        if llm is not None:
+            llm.export_gauges(state.metrics)
+        data, ctype = state.metrics.render()
+        return Response(data, media_type=ctype)
+
+    # -- KServe v2 -------------------------------------------------------------------------------------
+    @app.get("/v2")
+    async def server_metadata():
+        import precast
+
+        return {"name": "precast", "version": precast.__version__, "extensions": []}
+
+    @app.get("/v2/models/{name}")
+    @app.get("/v2/models/{name}/versions/{version}")
+    async def metadata(name: str, version: str | None = None):
+        if (err := check_model(name)) is not None:
+            return err
+        served = state.host.current
+        return model_metadata(state.name, str(served.version), served.model)
+
+    @app.get("/v2/models/{name}/ready")
+    async def model_ready(name: str):
+        if (err := check_model(name)) is not None:
+            return err
+        return JSONResponse({"name": name, "ready": state.ready()}, status_code=200 if state.ready() else 503)
+
+    @app.post("/v2/models/{name}/infer")
+    @app.post("/v2/models/{name}/versions/{version}/infer")
+    async def infer(name: str, request: Request, version: str | None = None):
+        if (err := check_model(name)) is not None:
+            return err
+        served = state.host.current
+        if served.llm is not None:
+            return v2_error(400, f"model '{name}' is an LLM; use /v1/completions or /v1/chat/completions")
+        if version is not None and version != str(served.version):
+            return v2_error(404, f"model '{name}' has no version {version}; serving version {served.version}")
+        try:
+            body = await read_json(request)
+            feeds = decode_request(body)
+            from precast.runtime.feeds import check_feeds
+
+            feeds = check_feeds(feeds, served.model.inputs)  # fail fast, before queueing
+            wanted = requested_outputs(body, [o.name for o in served.model.outputs])
+            outputs = await state.batcher.submit(feeds, timeout=state.config.request_timeout)
+        except QueueFullError as e:
+            return v2_error(429, str(e), headers=_busy_headers(e))
+        except asyncio.TimeoutError:
+            return v2_error(504, f"request timed out after {state.config.request_timeout:g} s")
+        except PrecastError as e:
+            return v2_error(400, str(e))
+        if wanted is not None:
+            outputs = {n: outputs[n] for n in wanted}
+        rid = body.get("id") if isinstance(body.get("id"), str) else None
+        return encode_response(state.name, str(served.version), outputs, rid)
+
+    # -- OpenAI-style embeddings and model list ---------------------------------------------------------
+    @app.get("/v1/models")
+    async def list_models():
+        served = state.host.current
+        return {"object": "list", "data": [{"id": state.name, "object": "model", "created": int(served.loaded_at),
+                                            "owned_by": "precast"}]}
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        served = state.host.current
+        try:
+            body = await read_json(request)
+            if not isinstance(body, dict):
+                raise InputError("request body must be a JSON object")
+            model_name = body.get("model", state.name)
+            if model_name != state.name:
+                return openai_error(404, f"unknown model '{model_name}'; this server serves '{state.name}'",
+                                    param="model")
+            spec = served.encoder
+            if spec is None:
+                return openai_error(400, f"model '{state.name}' is not a text encoder (needs input_ids/attention_mask "
+                                         f"inputs and tokenizer/tokenizer.json); use /v2/models/{state.name}/infer")
+            texts = parse_inputs(body)
+            fmt = body.get("encoding_format", "float")
+            if fmt not in ("float", "base64"):
+                raise InputError(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
+            feeds, n_tokens = tokenize(spec, texts)
+            pad = None if spec.static else {"input_ids": spec.pad_id, "attention_mask": 0, "token_type_ids": 0}
+            outputs = await state.batcher.submit(feeds, pad=pad, timeout=state.config.request_timeout)
+        except QueueFullError as e:
+            return openai_error(429, str(e), kind="rate_limit_error", headers=_busy_headers(e))
+        except asyncio.TimeoutError:
+            return openai_error(504, f"request timed out after {state.config.request_timeout:g} s", kind="timeout")
+        except PrecastError as e:
+            return openai_error(400, str(e))
+        vectors = mean_pool_normalize(outputs[spec.output], feeds["attention_mask"])
+        data = []
+        for i, v in enumerate(vectors):
+            emb = (base64.b64encode(v.astype(np.float32).tobytes()).decode() if fmt == "base64"
+                   else v.astype(np.float32).tolist())
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return {"object": "list", "data": data, "model": state.name,
+                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+
+    # -- admin -----------------------------------------------------------------------------------------
+    def admin_denied(request: Request):
+        token = state.config.admin_token
+        if token is None:
+            if is_loopback(state.config.host):
+                return None
+            return v2_error(403, "admin endpoints are disabled on a non-loopback bind without a token: "
+                                 "start with --admin-token or PRECAST_ADMIN_TOKEN")
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-admin-token", "")
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            return v2_error(401, "admin token missing or wrong (Authorization: Bearer <token>)")
+        return None
+
+    @app.post("/admin/reload")
+    async def admin_reload(request: Request):
+        if (err := admin_denied(request)) is not None:
+            return err
+        path = None
+        raw = await request.body()
+        if raw.strip():
+            try:
+                body = json.loads(raw)
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                return v2_error(400, f"malformed JSON body: {e}")
+            if not isinstance(body, dict) or not isinstance(body.get("path", ""), str):
+                return v2_error(400, "reload body must be {\"path\": \"<artifact dir>\"} or empty")
+            path = body.get("path") or None
+        try:
+            served = await asyncio.to_thread(state.reload, path)
+        except ReloadBusyError as e:
+            return v2_error(409, str(e))
+        except ReloadError as e:
+            return v2_error(422, str(e))
+        return {"ok": True, "model": state.name, "version": served.version, "path": str(served.path),
+                "seconds": state.host.last_reload.get("seconds")}
+
+    @app.get("/admin/status")
+    async def admin_status(request: Request):
+        if (err := admin_denied(request)) is not None:
+            return err
+        served = state.host.current
+        return {"model": state.name, "version": served.version, "path": str(served.path), "digest": served.digest,
+                "target": served.model.target, "last_reload": state.host.last_reload,
+                "queue_depth": state.batcher.depth, "batches": state.batcher.batches}
+
+    if state.host.current.llm is not None or config.llm.get("force_routes"):
+        from precast.runtime.server.llm_api import add_llm_routes
+
+        add_llm_routes(app, state)
+    return app
+
+
+def _install_sighup(state: ServerState) -> None:
+    """SIGHUP -> reload from the same path, in a thread (only possible when serving from the main thread)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "SIGHUP"):
+        return
+    loop = asyncio.get_running_loop()
+
+    def on_hup() -> None:
+        def work() -> None:
+            try:
+                served = state.reload()
+                print(f"precast serve: SIGHUP reload ok, now version {served.version}", flush=True)
+            except PrecastError as e:
+                print(f"precast serve: SIGHUP reload failed: {e}", flush=True)
+
+        threading.Thread(target=work, name="precast-sighup-reload", daemon=True).start()
+
+    try:
+        loop.add_signal_handler(signal.SIGHUP, on_hup)
+    except (NotImplementedError, RuntimeError, ValueError):
+        pass
+
+
+class _MetricsMiddleware:
+    """Pure ASGI (streaming- and disconnect-safe): counts requests by route and status, times them."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = {"code": 500}
+        t0 = time.perf_counter()
+
+        async def send_wrapper(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        self.metrics.inflight.inc()
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            self.metrics.inflight.dec()
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            if endpoint != "/metrics":
+                self.metrics.requests.labels(endpoint, str(status["code"])).inc()
+                self.metrics.latency.labels(endpoint).observe(time.perf_counter() - t0)

@@ -1,0 +1,102 @@
+"""OpenAI-style /v1/embeddings for encoder artifacts: the shipped tokenizer, mean pooling, L2 normalize.
+
+The same recipe as sentence-transformers' all-MiniLM models: average the token vectors of the last
+hidden state where attention_mask == 1, then divide by the L2 norm.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from precast.runtime.errors import ArtifactError, InputError
+
+__all__ = ["EncoderSpec", "encoder_spec", "tokenize", "parse_inputs", "mean_pool_normalize"]
+
+TOKENIZER_FILE = "tokenizer/tokenizer.json"
+
+
+@dataclass
+class EncoderSpec:
+    tokenizer: object  # tokenizers.Tokenizer
+    output: str  # the rank-3 hidden state output
+    has_token_types: bool
+    max_length: int
+    pad_id: int
+    static: bool = False  # the model has a fixed sequence length: pad every request to max_length
+
+
+def encoder_spec(model) -> EncoderSpec | None:
+    """An EncoderSpec when the artifact is a text encoder with a shipped tokenizer, else None."""
+    names = {s.name for s in model.inputs}
+    if not {"input_ids", "attention_mask"} <= names or not names <= {"input_ids", "attention_mask", "token_type_ids"}:
+        return None
+    path = Path(model.path) / TOKENIZER_FILE
+    if not path.is_file():
+        return None
+    hidden = [o for o in model.outputs if o.name == "last_hidden_state"] or [
+        o for o in model.outputs if o.shape is not None and len(o.shape) == 3]
+    if not hidden:
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError as e:
+        raise ArtifactError("serving embeddings needs the 'tokenizers' package: pip install tokenizers") from e
+    tok = Tokenizer.from_file(str(path))
+    max_length = 512
+    cfg = path.parent / "tokenizer_config.json"
+    if cfg.is_file():
+        try:
+            value = json.loads(cfg.read_text(encoding="utf-8")).get("model_max_length")
+            if isinstance(value, int) and 0 < value < 100_000:
+                max_length = value
+        except (ValueError, UnicodeDecodeError):
+            pass
+    ids_spec = next(s for s in model.inputs if s.name == "input_ids")
+    static = ids_spec.shape is not None and len(ids_spec.shape) == 2 and isinstance(ids_spec.shape[1], int)
+    if static:
+        max_length = ids_spec.shape[1]
+    pad = tok.padding or {}
+    tok.no_padding()
+    tok.no_truncation()
+    return EncoderSpec(tok, hidden[0].name, "token_type_ids" in names, max_length, int(pad.get("pad_id", 0)), static)
+
+
+def tokenize(spec: EncoderSpec, texts: list[str]) -> tuple[dict[str, np.ndarray], int]:
+    """Feeds for one request (right-padded to its longest text) and its token count."""
+    encs = [spec.tokenizer.encode(t) for t in texts]
+    length = max(min(len(e.ids), spec.max_length) for e in encs)
+    if spec.static:
+        length = spec.max_length
+    ids = np.full((len(encs), length), spec.pad_id, dtype=np.int64)
+    mask = np.zeros((len(encs), length), dtype=np.int64)
+    types = np.zeros((len(encs), length), dtype=np.int64)
+    for i, e in enumerate(encs):
+        n = min(len(e.ids), spec.max_length)
+        ids[i, :n] = e.ids[:n]
+        mask[i, :n] = 1
+        types[i, :n] = e.type_ids[:n]
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    if spec.has_token_types:
+        feeds["token_type_ids"] = types
+    return feeds, int(mask.sum())
+
+
+def parse_inputs(body: dict) -> list[str]:
+    value = body.get("input")
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
+        raise InputError("'input' must be a string or a non-empty list of strings")
+    if any(not v for v in value):
+        raise InputError("'input' contains an empty string")
+    return value
+
+
+def mean_pool_normalize(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    m = mask[:, :, None].astype(np.float32)
+    pooled = (hidden.astype(np.float32) * m).sum(axis=1) / np.clip(m.sum(axis=1), 1e-9, None)
+    return pooled / np.clip(np.linalg.norm(pooled, axis=1, keepdims=True), 1e-12, None)
