@@ -25,6 +25,8 @@ __all__ = [
     "ArtifactError",
     "IntegrityError",
     "SchemaVersionError",
+    "LLMRequestError",
+    "RequestCancelledError",
 ]
 
 # Documented exit codes (README "Exit codes").
@@ -122,6 +124,14 @@ class IntegrityError(ArtifactError):
 
 class SchemaVersionError(ArtifactError):
     """The artifact was written by a newer precast (unknown manifest schema)."""
+
+
+class LLMRequestError(PrecastError):
+    """A generation request the LLM engine refuses (too long, bad sampling option, unknown token id)."""
+
+
+class RequestCancelledError(LLMRequestError):
+    """The request was cancelled; its tokens will not come."""
 
 
 EXIT_CODES = {

@@ -1,0 +1,288 @@
+"""The LLM engine: schedule -> run the compiled model over the paged KV cache -> sample -> update.
+
+    engine = Engine.load("out/llm")
+    h = engine.submit("Once upon a time", SamplingParams(max_tokens=64, temperature=0.8, seed=1), priority=0)
+    for ev in h: print(ev.text, end="")
+
+The model runner (ModelRunner.from_artifact) owns the session and the K/V pools and scatters new K/V into
+them; the engine owns the block tables, so it only tells the runner where each request's blocks are.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from precast.runtime.errors import ArtifactError, LLMRequestError
+from precast.runtime.llm.block_pool import BlockPool
+from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
+from precast.runtime.llm.kv_cache_manager import KVCacheManager
+from precast.runtime.llm.metrics import EngineCounters, EngineMetrics
+from precast.runtime.llm.request import Request, Status
+from precast.runtime.llm.sampler import SamplingParams, sample
+from precast.runtime.llm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+
+__all__ = ["Engine"]
+
+Prompt = str | Sequence[int]
+
+
+class Engine:
+    def __init__(self, runner, tokenizer=None, *, config: SchedulerConfig | None = None,
+                 enable_prefix_caching: bool = True):
+        spec = runner.spec
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.block_size = int(spec.block_size)
+        self.max_context = int(spec.max_context)
+        self.vocab = int(spec.vocab)
+        self.eos_ids = frozenset(int(t) for t in (getattr(spec, "eos_ids", None) or ()))
+        self.pad_id = int(getattr(spec, "pad_id", 0) or 0)
+        num_blocks = int(runner.key_cache[0].shape[0])
+        self.pool = BlockPool(num_blocks, self.block_size)
+        self.kv = KVCacheManager(self.pool, enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config)
+        self.counters = EngineCounters()
+        self._handles: dict[str, RequestHandle] = {}
+        self._ids = itertools.count()
+        self._cond = threading.Condition(threading.RLock())
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, num_blocks: int | None = None, *,
+             config: SchedulerConfig | None = None, enable_prefix_caching: bool = True, **runner_kwargs) -> Engine:
+        """Open a causal-lm artifact: its model runner (K/V pools of num_blocks blocks) and tokenizer."""
+        from precast.runtime.llm.model_runner import ModelRunner
+        from precast.runtime.llm.tokenizer import TextTokenizer
+        from precast.runtime.manifest import read_manifest
+
+        root = Path(path)
+        llm = read_manifest(root).get("llm")
+        if not isinstance(llm, dict):
+            raise ArtifactError(f"{root}: not a causal-lm artifact (manifest has no 'llm' block)")
+        runner = ModelRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
+        tok_file = llm.get("tokenizer")
+        tokenizer = TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
+        return cls(runner, tokenizer, config=config, enable_prefix_caching=enable_prefix_caching)
+
+    # -- requests ------------------------------------------------------------------------------
+    def submit(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0, *,
+               request_id: str | None = None, on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+        """Queue one request. Bad input raises LLMRequestError naming it; other requests are unaffected."""
+        params = params or SamplingParams()
+        with self._cond:
+            try:
+                ids = self._validate(prompt, params, request_id)
+            except LLMRequestError:
+                self.counters.requests_rejected += 1
+                raise
+            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+            cap = min(self.max_context, self.pool.num_blocks * self.block_size)
+            req = Request(rid, ids, params, priority=int(priority), max_total_tokens=cap)
+            handle = RequestHandle(self, req, on_token)
+            self._handles[rid] = handle
+            self.scheduler.add(req)
+            self.counters.requests_submitted += 1
+            self.counters.prompt_tokens += len(ids)
+            self._cond.notify_all()
+            return handle
+
+    def _validate(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> list[int]:
+        if request_id is not None and request_id in self._handles and not self._handles[request_id].finished:
+            raise LLMRequestError(f"request id '{request_id}' is already in use")
+        params.validate()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise LLMRequestError("this engine has no tokenizer: pass token ids, not text")
+            ids = self.tokenizer.encode(prompt)
+        else:
+            try:
+                ids = [int(t) for t in prompt]
+            except (TypeError, ValueError) as e:
+                raise LLMRequestError(f"prompt must be text or a sequence of token ids ({e})") from e
+            bad = [t for t in ids if not 0 <= t < self.vocab]
+            if bad:
+                raise LLMRequestError(f"unknown token id {bad[0]} in prompt (vocab size {self.vocab})")
+        if not ids:
+            raise LLMRequestError("empty prompt")
+        if len(ids) >= self.max_context:
+            raise LLMRequestError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
+        need = -(-(len(ids) + 1) // self.block_size)
+        if need > self.pool.num_blocks:
+            raise LLMRequestError(
+                f"prompt needs {need} KV blocks but the pool has {self.pool.num_blocks}; load with more num_blocks")
+        if params.stop and self.tokenizer is None:
+            raise LLMRequestError("stop strings need a tokenizer")
+        return ids
+
+    def cancel(self, request_id: str) -> bool:
+        """Cancel a request (its blocks are freed now). False if it had already finished."""
+        with self._cond:
+            handle = self._handles.get(request_id)
+            if handle is None:
+                raise LLMRequestError(f"unknown request id '{request_id}'")
+            if handle.finished:
+                return False
+            req = handle.request
+            self.scheduler.remove(req)
+            req.status, req.finish_reason = Status.FINISHED, "cancelled"
+            handle.cancelled = True
+            self.counters.requests_cancelled += 1
+            self._cond.notify_all()
+            return True
+
+    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
+                 priority: int = 0) -> list[Completion]:
+        """Submit all prompts, run until they finish, return their completions in order."""
+        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+            prompts = [prompts]
+        handles = [self.submit(p, params, priority) for p in prompts]
+        return [h.result() for h in handles]
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    # -- the step loop -------------------------------------------------------------------------
+    def step(self) -> int:
+        """One scheduler step (possibly several runner calls). Returns the number of tokens sampled."""
+        with self._cond:
+            out = self.scheduler.schedule()
+            self.counters.steps += 1
+            self.counters.preemptions += len(out.preempted)
+            for src, dst in out.copies:
+                self._copy_block(src, dst)
+            produced = 0
+            for group in _group_by_length(out.chunks):
+                logits = self._run(group)
+                for chunk, row in zip(group, logits):
+                    produced += self._advance(chunk, row)
+            self.counters.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
+            self._cond.notify_all()
+            return produced
+
+    def run_until_done(self) -> None:
+        while self.has_unfinished():
+            self.step()
+
+    def _copy_block(self, src: int, dst: int) -> None:
+        for pool in (*self.runner.key_cache, *self.runner.value_cache):
+            pool[dst] = pool[src]
+        self.counters.cow_copies += 1
+
+    def _run(self, chunks: list[ScheduledChunk]) -> np.ndarray:
+        b, s = len(chunks), max(c.num_new for c in chunks)
+        tables = [self.kv.block_table(c.request.request_id) for c in chunks]
+        input_ids = np.full((b, s), self.pad_id, dtype=np.int64)
+        positions = np.zeros((b, s), dtype=np.int64)
+        block_tables = np.zeros((b, max(len(t) for t in tables)), dtype=np.int64)
+        for i, (c, t) in enumerate(zip(chunks, tables)):
+            input_ids[i, : c.num_new] = c.request.token_ids[c.start : c.start + c.num_new]
+            positions[i, : c.num_new] = np.arange(c.start, c.start + c.num_new)
+            block_tables[i, : len(t)] = t
+        past_lens = np.array([c.start for c in chunks], dtype=np.int64)
+        new_lens = np.array([c.num_new for c in chunks], dtype=np.int64)
+        self.counters.computed_tokens += int(new_lens.sum())
+        return self.runner.step(input_ids, positions, past_lens, new_lens, block_tables)
+
+    def _advance(self, chunk: ScheduledChunk, logits: np.ndarray) -> int:
+        req = chunk.request
+        req.num_computed = chunk.start + chunk.num_new
+        self.kv.commit(req.request_id, req.token_ids, req.num_computed)
+        if req.num_computed < len(req.token_ids):
+            return 0  # a prefill chunk: nothing to sample yet
+        handle = self._handles[req.request_id]
+        tok = sample(logits, req.params, req.token_ids, req.rng)
+        req.token_ids.append(tok)
+        self.counters.generation_tokens += 1
+        text, reason = self._check_stop(req, tok)
+        if handle.t_first_token is None:
+            self.counters.observe_ttft(handle)
+        if reason is not None:
+            req.status, req.finish_reason = Status.FINISHED, reason
+            self.scheduler.remove(req)
+            self.counters.requests_finished += 1
+        holdback = max((len(s) for s in req.params.stop), default=1) - 1
+        handle._push(tok, text, holdback)
+        return 1
+
+    def _check_stop(self, req: Request, tok: int) -> tuple[str | None, str | None]:
+        p = req.params
+        reason = None
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            reason = "stop"
+        elif len(req.output_ids) >= p.max_tokens or len(req.token_ids) >= req.max_total_tokens:
+            reason = "length"
+        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
+        if text is not None and p.stop:
+            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                text, reason = text[: min(hits)], "stop"
+        return text, reason
+
+    # -- waiting / background loop ---------------------------------------------------------------
+    def _wait_for(self, handle: RequestHandle) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            with self._cond:
+                if not handle._events and not handle.finished:
+                    self._cond.wait(timeout=0.5)
+            return
+        if not self.scheduler.has_work():
+            raise RuntimeError(f"request '{handle.request_id}' is unfinished but the engine has no work")
+        self.step()
+
+    def start(self) -> None:
+        """Run the step loop in a background thread (handles then wait instead of stepping)."""
+        if self._thread is not None and self._thread.is_alive():
+            return
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name="precast-llm-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stop and not self.scheduler.has_work():
+                    self._cond.wait()
+                if self._stop:
+                    return
+            self.step()
+
+    # -- metrics ---------------------------------------------------------------------------------
+    def metrics(self) -> EngineMetrics:
+        with self._cond:
+            return self.counters.snapshot(
+                running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+                kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
+                kv_blocks_free=self.pool.num_free, block_size=self.block_size)
+
+
+def _group_by_length(chunks: list[ScheduledChunk], max_waste: float = 0.25) -> list[list[ScheduledChunk]]:
+    """Split one step into runner calls so right-padding stays small: all decodes together, prefill chunks
+    merged while padded tokens stay within max_waste of the real ones."""
+    decodes = [c for c in chunks if c.num_new == 1]
+    groups: list[list[ScheduledChunk]] = [decodes] if decodes else []
+    current: list[ScheduledChunk] = []
+    for c in sorted((c for c in chunks if c.num_new > 1), key=lambda c: -c.num_new):
+        trial = [*current, c]
+        real = sum(x.num_new for x in trial)
+        if current and len(trial) * trial[0].num_new > (1 + max_waste) * real:
+            groups.append(current)
+            trial = [c]
+        current = trial
+    if current:
+        groups.append(current)
+    return groups

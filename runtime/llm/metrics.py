@@ -1,0 +1,53 @@
+"""Engine counters (monotonic) and gauges, as plain data for the server's Prometheus exporter."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+__all__ = ["EngineCounters", "EngineMetrics"]
+
+
+@dataclass
+class EngineCounters:
+    requests_submitted: int = 0
+    requests_finished: int = 0
+    requests_cancelled: int = 0
+    requests_rejected: int = 0
+    prompt_tokens: int = 0  # tokens in
+    generation_tokens: int = 0  # tokens out
+    computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
+    prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    preemptions: int = 0
+    cow_copies: int = 0
+    steps: int = 0
+    ttft_count: int = 0
+    ttft_sum_s: float = 0.0
+    ttft_last_s: float = 0.0
+
+    def observe_ttft(self, handle) -> None:
+        import time
+
+        ttft = time.perf_counter() - handle.t_submit
+        self.ttft_count += 1
+        self.ttft_sum_s += ttft
+        self.ttft_last_s = ttft
+
+    def snapshot(self, **gauges) -> EngineMetrics:
+        return EngineMetrics(**asdict(self), **gauges)
+
+
+@dataclass
+class EngineMetrics(EngineCounters):
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_free: int = 0
+    block_size: int = 0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "kv_usage": self.kv_usage}

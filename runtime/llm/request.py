@@ -1,0 +1,59 @@
+"""One generation request's state, as the scheduler and the engine see it (plain data)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from precast.runtime.llm.sampler import SamplingParams
+
+__all__ = ["Request", "Status"]
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    priority: int = 0  # lower = more urgent
+    seq: int = 0  # arrival order (FCFS tie-break)
+    arrival_step: int = 0  # scheduler step at arrival (aging)
+    max_total_tokens: int = 0  # context / pool cap: prompt + output never exceeds it
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed: int = 0  # tokens whose K/V are in the cache
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hits on first admission
+    rng: np.random.Generator | None = None
+
+    def __post_init__(self):
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_ids)
+        if self.rng is None:
+            self.rng = np.random.default_rng(self.params.seed)
+
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_ids) :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens known but not yet in the cache (prompt chunks, or the last sampled token)."""
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,101 @@
+"""Sampling parameters and the sampler: one request's logits -> one token id.
+
+Order (as in Hugging Face's logits processors): repetition penalty, temperature, top-k, top-p, then a draw
+from the request's own numpy Generator (seeded per request, so a request's tokens do not depend on what
+else runs in the batch). temperature == 0 means greedy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from precast.runtime.errors import LLMRequestError
+
+__all__ = ["SamplingParams", "sample", "filtered_probs"]
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self):
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+
+    def validate(self) -> None:
+        """Raise LLMRequestError naming the first bad option."""
+        if not isinstance(self.max_tokens, int) or self.max_tokens <= 0:
+            raise LLMRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise LLMRequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise LLMRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise LLMRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (self.repetition_penalty > 0 and np.isfinite(self.repetition_penalty)):
+            raise LLMRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        if any(not s for s in self.stop):
+            raise LLMRequestError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def _apply_repetition_penalty(logits: np.ndarray, history: Sequence[int], penalty: float) -> np.ndarray:
+    if penalty == 1.0 or not len(history):
+        return logits
+    ids = np.unique(np.asarray(history, dtype=np.int64))
+    vals = logits[ids]
+    logits = logits.copy()
+    # CTRL / HF rule: shrink positive logits, push negative ones further down.
+    logits[ids] = np.where(vals > 0, vals / penalty, vals * penalty)
+    return logits
+
+
+def filtered_probs(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
+    """The distribution a non-greedy draw samples from (zeros outside the top-k / top-p support)."""
+    x = _apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, params.repetition_penalty)
+    x = x / params.temperature
+    v = x.shape[-1]
+    if 0 < params.top_k < v:
+        kth = np.partition(x, v - params.top_k)[v - params.top_k]
+        x = np.where(x < kth, -np.inf, x)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if params.top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        csum = np.cumsum(p[order])
+        # keep the smallest head whose mass reaches top_p (at least one token)
+        keep = int(np.searchsorted(csum, params.top_p) + 1)
+        mask = np.zeros_like(p, dtype=bool)
+        mask[order[:keep]] = True
+        p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    return p
+
+
+def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], rng: np.random.Generator) -> int:
+    """Pick the next token of one request. history = prompt + generated ids (for the repetition penalty)."""
+    if params.greedy:
+        x = _apply_repetition_penalty(np.asarray(logits), history, params.repetition_penalty)
+        return int(np.argmax(x))
+    p = filtered_probs(logits, params, history)
+    # inverse-CDF draw: one uniform per token, so the stream of draws is reproducible from the seed
+    c = np.cumsum(p)
+    idx = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
+    return idx if idx < p.shape[-1] else int(np.flatnonzero(p)[-1])
