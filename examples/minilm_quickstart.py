@@ -40,12 +40,17 @@ def minilm_folder() -> Path:
 
 def artifact_is_usable(path: Path) -> tuple[bool, str]:
     """(ok, why): an existing MiniLM artifact is reused only if its files are intact and parity re-runs."""
+    import precast
     from precast.runtime.errors import PrecastError
+    from precast.runtime.manifest import read_manifest
     from precast.runtime.verify import verify_artifact
 
     if not (path / "manifest.json").is_file():
         return False, "no artifact yet"
     try:
+        built_by = read_manifest(path).get("precast_version")
+        if built_by != precast.__version__:
+            return False, f"existing artifact was built by precast {built_by}, this is {precast.__version__}"
         report = verify_artifact(path)
     except PrecastError as e:
         return False, f"existing artifact rejected: {e}"
@@ -53,7 +58,7 @@ def artifact_is_usable(path: Path) -> tuple[bool, str]:
         return False, "existing artifact no longer matches its stored parity outputs"
     if not (path / "tokenizer" / "tokenizer.json").is_file():
         return False, "existing artifact ships no tokenizer/tokenizer.json"
-    return True, "existing artifact verified (files intact, parity re-run ok)"
+    return True, "existing artifact verified (files intact, parity re-run ok); --force recompiles"
 
 
 def compile_minilm(folder: Path, output: Path) -> None:
