@@ -13,7 +13,16 @@ from precast.passes._rewrite import RewritePass, apply_rules, last_dim_vector
 
 
 class _CheckedRmsNorm(RmsNormFusion):
-    """onnxscript's rule, plus: the weight must be a per-feature vector."""
+    """onnxscript's rule, plus: the weight must be a per-feature vector; ReduceMean may omit
+    noop_with_empty_axes (the axes here are never empty, so its value does not matter)."""
+
+    def pattern(self, op, x, scale, epsilon, compute_dtype, target_dtype):
+        x = pattern.OrValue([op.Cast(x, to=compute_dtype), x])
+        mean_square = op.ReduceMean(op.Pow(x, 2.0), [-1], keepdims=1)
+        normalized = op.Mul(x, op.Reciprocal(op.Sqrt(op.Add(mean_square, epsilon))))
+        normalized = pattern.OrValue([op.Cast(normalized, to=target_dtype), normalized])
+        scale = pattern.OrValue([op.Cast(scale, to=compute_dtype), scale])
+        return op.Mul(normalized, scale) if self._mul_order else op.Mul(scale, normalized)
 
     def check(self, op, x, scale, epsilon, compute_dtype, target_dtype, **kw) -> pattern.MatchResult:  # type: ignore[override]
         result = super().check(op, x, scale, epsilon, compute_dtype, target_dtype, **kw)

@@ -68,13 +68,13 @@ def _unroll(graph: ir.Graph, loop: ir.Node) -> None:
         iter_num = _const(graph, f"{prefix}/iter{i}", np.array(i, dtype=np.int64))
         mapping: dict[ir.Value, ir.Value] = {body.inputs[0]: iter_num, body.inputs[1]: true}
         mapping.update(zip(body.inputs[2:], carried))
-        for node in body:
+        for j, node in enumerate(body):
             # Values from the enclosing scope are not in `mapping` and are used as they are.
             inputs = [mapping.get(v, v) if v is not None else None for v in node.inputs]
             clone = ir.Node(
                 node.domain, node.op_type, inputs, list(node.attributes.values()),
                 overload=node.overload, num_outputs=len(node.outputs), version=node.version,
-                name=f"{prefix}/iter{i}/{node.name or node.op_type}",
+                name=f"{prefix}/iter{i}/{node.name or f'{node.op_type}_{j}'}",
             )
             for old, new in zip(node.outputs, clone.outputs):
                 new.name = f"{prefix}/iter{i}/{old.name}"
