@@ -1,0 +1,219 @@
+"""``--task causal-lm`` on a local Hugging Face folder -> the paged decoder step graph (see paged_decoder.py).
+
+Registered in hf_source.TASK_LOADERS. The Source carries:
+  - the exported step graph (dynamic B, S, NB, MAXB),
+  - the torch paged decoder as the parity reference, with a mixed prefill + decode sample step,
+  - ``info["llm"]``: the manifest's ``llm`` block (the contract between compiler and runtime engine),
+  - tokenizer files to ship under ``tokenizer/``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import warnings
+from pathlib import Path
+
+import numpy as np
+
+from precast.compiler.source import Source, hash_files
+from precast.runtime.errors import ExportError, ModelLoadError, UsageError
+
+__all__ = ["load_causal_lm", "SUPPORTED", "BLOCK_SIZE", "llm_block", "sample_step", "build_paged_decoder", "export_step"]
+
+LLAMA_FAMILY = ("llama", "mistral", "qwen2")
+SUPPORTED = (*LLAMA_FAMILY, "gpt2")
+BLOCK_SIZE = 16
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+
+
+def _check_architecture(folder: Path, config: dict) -> str:
+    model_type = config.get("model_type", "?")
+    if model_type not in SUPPORTED:
+        raise ModelLoadError(
+            f"{folder}: architecture '{model_type}' is not supported for task causal-lm "
+            f"(supported: {', '.join(SUPPORTED)})"
+        )
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+    if kind not in ("default", "linear", "llama3"):
+        # The graph computes rotary with the model's own rotary module at fixed frequencies; types that
+        # rescale by sequence length at run time (dynamic, longrope, yarn's attention factor) are refused.
+        raise ModelLoadError(f"{folder}: rope_scaling type '{kind}' is not supported for task causal-lm")
+    if model_type == "qwen2" and config.get("use_sliding_window"):
+        raise ModelLoadError(f"{folder}: qwen2 with use_sliding_window=true is not supported for task causal-lm")
+    return model_type
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in (value if isinstance(value, list) else [value])]
+
+
+def llm_block(folder: Path, config: dict, module) -> dict:
+    """The manifest's ``llm`` block (see the LLM contract)."""
+    gen = {}
+    if (folder / "generation_config.json").is_file():
+        with contextlib.suppress(OSError, json.JSONDecodeError):
+            gen = json.loads((folder / "generation_config.json").read_text())
+    bos = gen.get("bos_token_id", config.get("bos_token_id"))
+    eos = _ids(gen.get("eos_token_id", config.get("eos_token_id")))
+    pad = gen.get("pad_token_id", config.get("pad_token_id"))
+    pad = int(pad) if pad is not None else (eos[0] if eos else 0)
+    ctx = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    window = config.get("sliding_window")
+    if window and config.get("model_type") == "mistral":
+        ctx = min(ctx, int(window))  # beyond the window Mistral attends differently; refuse longer contexts
+    layers = len(module.layers) if hasattr(module, "layers") else len(module.blocks)
+    return {
+        "architecture": "gpt2" if config.get("model_type") == "gpt2" else "llama",
+        "model_type": config.get("model_type"),
+        "layers": layers,
+        "heads": module.heads,
+        "kv_heads": module.kv_heads,
+        "head_size": module.head_dim,
+        "hidden": int(config.get("hidden_size") or config.get("n_embd")),
+        "vocab": int(config["vocab_size"]),
+        "max_context": ctx,
+        "block_size": BLOCK_SIZE,
+        "kv_layout": "paged",
+        "kv_inputs": [[f"key_cache.{i}", f"value_cache.{i}"] for i in range(layers)],
+        "kv_outputs": [[f"new_key.{i}", f"new_value.{i}"] for i in range(layers)],
+        "bos_id": int(bos) if bos is not None else None,
+        "eos_ids": eos,
+        "pad_id": pad,
+        "tokenizer": "tokenizer/tokenizer.json",
+    }
+
+
+def build_paged_decoder(folder: Path, model_type: str):
+    """Load the HF model (local files, safetensors, fp32, eager) and wrap it in its paged decoder."""
+    try:
+        import torch  # noqa: F401
+        import transformers
+    except ImportError:
+        raise UsageError("causal-lm export needs torch and transformers: pip install 'precast[export]'") from None
+    from precast.compiler.paged_decoder import PagedGPT2, PagedLlama
+
+    try:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager",
+            dtype="float32",
+        ).eval()
+    except Exception as e:
+        raise ModelLoadError(f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})") from e
+    return hf, (PagedGPT2 if model_type == "gpt2" else PagedLlama)(hf).eval()
+
+
+def _input_names(layers: int) -> list[str]:
+    names = ["input_ids", "positions", "past_lens", "new_lens", "block_tables"]
+    return names + [f"key_cache.{i}" for i in range(layers)] + [f"value_cache.{i}" for i in range(layers)]
+
+
+def _output_names(layers: int) -> list[str]:
+    return ["logits"] + [n for i in range(layers) for n in (f"new_key.{i}", f"new_value.{i}")]
+
+
+def sample_step(spec: dict, seed: int = 0, batch: int = 2, new: int = 5, past: int = 20) -> dict[str, np.ndarray]:
+    """One mixed step: request 0 decodes 1 token after ``past`` cached ones, request 1 prefills ``new`` tokens.
+
+    The pool holds random K/V (as if earlier steps wrote it); block tables point at shuffled blocks.
+    """
+    rng = np.random.default_rng(seed)
+    bs, kv, d = spec["block_size"], spec["kv_heads"], spec["head_size"]
+    maxb = -(-(past + new) // bs)
+    nb = batch * maxb + 3
+    tables = rng.permutation(nb)[: batch * maxb].reshape(batch, maxb).astype(np.int64)
+    past_lens = np.array([past] + [0] * (batch - 1), dtype=np.int64)
+    new_lens = np.array([1] + [new] * (batch - 1), dtype=np.int64)
+    ids = rng.integers(0, spec["vocab"], size=(batch, new)).astype(np.int64)
+    pos = past_lens[:, None] + np.arange(new, dtype=np.int64)[None, :]
+    pad = np.arange(new)[None, :] >= new_lens[:, None]
+    ids[pad], pos[pad] = spec["pad_id"], 0
+    feeds = {"input_ids": ids, "positions": pos, "past_lens": past_lens, "new_lens": new_lens, "block_tables": tables}
+    for kind in ("key_cache", "value_cache"):
+        for i in range(spec["layers"]):
+            feeds[f"{kind}.{i}"] = rng.standard_normal((nb, kv, bs, d)).astype(np.float32)
+    return dict(sorted(feeds.items(), key=lambda kv_: _input_names(spec["layers"]).index(kv_[0])))
+
+
+def _call(module, feeds: dict, layers: int):
+    import torch
+
+    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
+    keys = [t[f"key_cache.{i}"] for i in range(layers)]
+    values = [t[f"value_cache.{i}"] for i in range(layers)]
+    with torch.no_grad():
+        return module(t["input_ids"], t["positions"], t["past_lens"], t["new_lens"], t["block_tables"], keys, values)
+
+
+def step_reference(module, layers: int):
+    """The torch paged decoder as a feeds -> outputs callable (the compile driver's parity reference)."""
+    names = _output_names(layers)
+
+    def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {n: o.numpy() for n, o in zip(names, _call(module, feeds, layers))}
+
+    return run
+
+
+def export_step(module, spec: dict):
+    """torch.onnx (dynamo) export of the step with dynamic B, S, NB, MAXB -> onnx_ir.Model."""
+    import torch
+    from torch.export import Dim
+
+    layers = spec["layers"]
+    feeds = sample_step(spec, batch=3, new=5, past=37)  # distinct sizes: B=3, S=5, MAXB=3, NB=12
+    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
+    keys = [t[f"key_cache.{i}"] for i in range(layers)]
+    values = [t[f"value_cache.{i}"] for i in range(layers)]
+    args = (t["input_ids"], t["positions"], t["past_lens"], t["new_lens"], t["block_tables"], keys, values)
+    b, s, nb, maxb = Dim("batch"), Dim("sequence"), Dim("num_blocks"), Dim("max_blocks")
+    dynamic = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b}, {0: b, 1: maxb}, [{0: nb}] * layers, [{0: nb}] * layers)
+    for name in ("torch.onnx", "torch._export", "torch.export", "torch._dynamo"):
+        logging.getLogger(name).setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            program = torch.onnx.export(
+                module, args, dynamo=True, input_names=_input_names(layers), output_names=_output_names(layers),
+                dynamic_shapes=dynamic, optimize=True, verbose=False,
+            )
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ExportError(f"torch.onnx.export failed for {type(module).__name__}: {first}") from e
+    model = program.model
+    model.graph.name = model.graph.name or "main"
+    model.metadata_props.clear()
+    model.graph.metadata_props.clear()
+    return model
+
+
+def load_causal_lm(folder: Path, config: dict, dims: dict[str, int] | None = None) -> Source:
+    model_type = _check_architecture(folder, config)
+    if not sorted(folder.glob("*.safetensors")):
+        raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")
+    if not (folder / "tokenizer.json").is_file():
+        raise ModelLoadError(f"{folder}: no tokenizer.json (the artifact ships the tokenizer; save one with `tokenizers`)")
+    _hf, module = build_paged_decoder(folder, model_type)
+    spec = llm_block(folder, config, module)
+    model = export_step(module, spec)
+    got = [v.name for v in model.graph.outputs]
+    if got != _output_names(spec["layers"]):
+        raise ExportError(f"{folder}: exported outputs {got[:3]}... do not match the step contract")
+    hashed = [p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".safetensors", ".txt")]
+    ship = {f"tokenizer/{n}": folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()}
+    return Source(
+        "hf",
+        folder.name,
+        model,
+        hash_files(hashed, folder),
+        reference=step_reference(module, spec["layers"]),
+        reference_name="torch (paged decoder over the transformers model)",
+        ship_files=ship,
+        info={"model_type": model_type, "task": "causal-lm", "vocab_size": spec["vocab"], "llm": spec},
+        sample_feeds=sample_step(spec),
+    )

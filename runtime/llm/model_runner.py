@@ -1,0 +1,150 @@
+"""ModelRunner: one forward step of a compiled causal-LM artifact over a paged KV pool (numpy + onnxruntime).
+
+The graph reads past K/V from the pool through block tables (see the LLM contract); after each step
+the runner scatters the step's new K/V into the pool slots of positions past_lens .. past_lens+new_lens-1.
+Everything above (which blocks a request owns, scheduling, sampling) belongs to the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import numpy as np
+
+from precast.runtime.errors import ArtifactError, InputError
+
+__all__ = ["LLMSpec", "ModelRunner"]
+
+
+@dataclass(frozen=True)
+class LLMSpec:
+    """The manifest's ``llm`` block."""
+
+    architecture: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    hidden: int
+    vocab: int
+    max_context: int
+    block_size: int
+    kv_layout: str
+    kv_inputs: tuple[tuple[str, str], ...]
+    kv_outputs: tuple[tuple[str, str], ...]
+    bos_id: int | None
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    tokenizer: str
+    model_type: str | None = None
+
+    @classmethod
+    def from_manifest(cls, manifest: dict, where: str = "artifact") -> LLMSpec:
+        block = manifest.get("llm")
+        if not isinstance(block, dict):
+            raise ArtifactError(f"{where}: manifest has no 'llm' block (compile with --task causal-lm)")
+        known = {f.name for f in fields(cls)}
+        try:
+            values = {k: v for k, v in block.items() if k in known}
+            values["kv_inputs"] = tuple(tuple(p) for p in block["kv_inputs"])
+            values["kv_outputs"] = tuple(tuple(p) for p in block["kv_outputs"])
+            values["eos_ids"] = tuple(int(i) for i in block.get("eos_ids") or ())
+            spec = cls(**values)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ArtifactError(f"{where}: manifest 'llm' block is malformed ({e})") from e
+        if spec.kv_layout != "paged" or len(spec.kv_inputs) != spec.layers or len(spec.kv_outputs) != spec.layers:
+            raise ArtifactError(f"{where}: manifest 'llm' block: expected a paged KV layout with {spec.layers} layers")
+        return spec
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+
+class ModelRunner:
+    """Runs the step graph; owns the KV pools (``key_cache[i]``/``value_cache[i]``: [NB, KV, block_size, D])."""
+
+    def __init__(self, session, spec: LLMSpec, num_blocks: int, path: Path | None = None):
+        if num_blocks < 1:
+            raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.path = path
+        self.spec = spec
+        self.num_blocks = int(num_blocks)
+        self._session = session
+        shape = (self.num_blocks, spec.kv_heads, spec.block_size, spec.head_size)
+        self.key_cache = [np.zeros(shape, dtype=np.float32) for _ in range(spec.layers)]
+        self.value_cache = [np.zeros(shape, dtype=np.float32) for _ in range(spec.layers)]
+        self._outputs = ["logits"] + [n for pair in spec.kv_outputs for n in pair]
+
+    @classmethod
+    def from_artifact(
+        cls, path: str | os.PathLike, num_blocks: int | None = None, threads: int | None = None, verify: bool = True
+    ) -> ModelRunner:
+        """Load (integrity-checked) an artifact compiled with ``--task causal-lm``.
+
+        ``num_blocks`` defaults to enough blocks for 4 full-context requests.
+        """
+        from precast.runtime.model import load
+
+        model = load(path, threads=threads, verify=verify)
+        spec = LLMSpec.from_manifest(model.manifest, str(path))
+        if num_blocks is None:
+            num_blocks = 4 * spec.blocks_for(spec.max_context)
+        return cls(model._session, spec, num_blocks, Path(model.path))
+
+    @property
+    def tokenizer_path(self) -> Path | None:
+        return self.path / self.spec.tokenizer if self.path is not None else None
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes held by the pools (all layers, K and V)."""
+        return sum(a.nbytes for a in self.key_cache) + sum(a.nbytes for a in self.value_cache)
+
+    def _check(self, input_ids, positions, past_lens, new_lens, block_tables):
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (input_ids, positions, past_lens, new_lens, block_tables)]
+        ids, pos, past, new, tables = arrays
+        if ids.ndim != 2 or pos.shape != ids.shape:
+            raise InputError(f"input_ids and positions must both be [B, S]; got {ids.shape} and {pos.shape}")
+        b, s = ids.shape
+        if past.shape != (b,) or new.shape != (b,):
+            raise InputError(f"past_lens and new_lens must be [B]=[{b}]; got {past.shape} and {new.shape}")
+        if tables.ndim != 2 or tables.shape[0] != b:
+            raise InputError(f"block_tables must be [B, MAXB] with B={b}; got {tables.shape}")
+        if b == 0 or s == 0:
+            raise InputError(f"empty step: input_ids has shape {ids.shape}")
+        if (new < 1).any() or (new > s).any():
+            raise InputError(f"new_lens must be within [1, S={s}]; got {new.tolist()}")
+        if (past < 0).any():
+            raise InputError(f"past_lens must be >= 0; got {past.tolist()}")
+        end = past + new
+        if (end > self.spec.max_context).any():
+            i = int(np.argmax(end > self.spec.max_context))
+            raise InputError(f"request {i}: {int(end[i])} tokens exceed the model's max context {self.spec.max_context}")
+        if (end > tables.shape[1] * self.spec.block_size).any():
+            i = int(np.argmax(end > tables.shape[1] * self.spec.block_size))
+            raise InputError(f"request {i}: {int(end[i])} tokens need more than the {tables.shape[1]} blocks in its table")
+        if tables.size and ((tables < 0).any() or (tables >= self.num_blocks).any()):
+            raise InputError(f"block_tables hold ids outside [0, {self.num_blocks})")
+        if (ids < 0).any() or (ids >= self.spec.vocab).any():
+            raise InputError(f"input_ids hold token ids outside [0, {self.spec.vocab})")
+        return arrays
+
+    def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
+        """Run one step; write the new tokens' K/V into the pools; return logits [B, V] of each last real token."""
+        ids, pos, past, new, tables = self._check(input_ids, positions, past_lens, new_lens, block_tables)
+        feeds = {"input_ids": ids, "positions": pos, "past_lens": past, "new_lens": new, "block_tables": tables}
+        for i, (k_name, v_name) in enumerate(self.spec.kv_inputs):
+            feeds[k_name] = self.key_cache[i]
+            feeds[v_name] = self.value_cache[i]
+        out = self._session.run(self._outputs, feeds)
+        # Slots of the real new tokens: (request b, token s) -> (block, offset) of position past[b] + s.
+        b_idx, s_idx = np.nonzero(np.arange(ids.shape[1])[None, :] < new[:, None])
+        slot = past[b_idx] + s_idx
+        blocks = tables[b_idx, slot // self.spec.block_size]
+        offsets = slot % self.spec.block_size
+        for i in range(self.spec.layers):
+            self.key_cache[i][blocks, :, offsets] = out[1 + 2 * i][b_idx, :, s_idx]
+            self.value_cache[i][blocks, :, offsets] = out[2 + 2 * i][b_idx, :, s_idx]
+        return out[0]

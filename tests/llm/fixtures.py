@@ -1,0 +1,72 @@
+"""Tiny causal-LM folders for tests and benchmarks: seeded random weights, a local byte-level BPE tokenizer.
+
+``build_llama(dir)`` / ``build_gpt2(dir)`` write a Hugging Face folder (config.json, model.safetensors,
+tokenizer.json); nothing comes from a hub. The tokenizer is trained on a few stdlib sources.
+"""
+
+from __future__ import annotations
+
+import sysconfig
+from pathlib import Path
+
+__all__ = ["build_llama", "build_gpt2", "train_tokenizer", "LLAMA_TINY", "GPT2_TINY"]
+
+LLAMA_TINY = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    vocab_size=512, max_position_embeddings=256, rope_theta=10000.0,
+)
+GPT2_TINY = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=256)
+
+_SPECIALS = ["<|endoftext|>", "<s>", "</s>"]
+
+
+def train_tokenizer(vocab_size: int = 512):
+    """A byte-level BPE trained on a few stdlib modules (deterministic for a given Python)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    texts = [(stdlib / n).read_text(encoding="utf-8") for n in ("textwrap.py", "string.py", "bisect.py")]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return tok
+
+
+def _save(model, tok, folder: Path) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def build_llama(folder: Path, seed: int = 0, model_type: str = "llama", **overrides) -> Path:
+    """A Llama-style folder (``model_type`` llama | mistral | qwen2) with seeded random weights."""
+    import torch
+    import transformers
+
+    tok = train_tokenizer()
+    cfg_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[model_type]
+    model_cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+    kw = {**LLAMA_TINY, **overrides}
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    config = getattr(transformers, cfg_cls)(**kw, bos_token_id=bos, eos_token_id=eos, tie_word_embeddings=False)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).eval()
+    return _save(model, tok, folder)
+
+
+def build_gpt2(folder: Path, seed: int = 0, **overrides) -> Path:
+    import torch
+    import transformers
+
+    tok = train_tokenizer()
+    eos = tok.token_to_id("<|endoftext|>")
+    config = transformers.GPT2Config(**{**GPT2_TINY, **overrides}, bos_token_id=eos, eos_token_id=eos)
+    torch.manual_seed(seed)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    return _save(model, tok, folder)
