@@ -24,6 +24,7 @@ from precast.runtime.backends import explain_ort_error
 from precast.runtime.errors import InputError, ParityError, PrecastError, UnsupportedOpError, UsageError
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
+from precast.runtime.model import preference_order
 from precast.targets.base import Target, get_target
 
 __all__ = ["CompileOptions", "CompileResult", "compile_model", "toolchain_versions", "bisect_parity"]
@@ -46,8 +47,8 @@ class CompileOptions:
     bisect: bool = True
     calibration_feeds: list[dict[str, np.ndarray]] | None = None
     calibration_text: str | None = None
-    cache_dir: str | None = None  # compile cache (compiler/cache.py); the CLI also reads PRECAST_CACHE_DIR
     accuracy_budget: str | None = None  # 'cosine>=0.99,top1>=0.95'; quantized pipelines default to cosine>=0.99
+    cache_dir: str | None = None  # compile cache (compiler/cache.py); the CLI also reads PRECAST_CACHE_DIR
 
 
 @dataclass
@@ -94,10 +95,10 @@ def _tolerance(target_cls: type[Target], opts: CompileOptions, specs: Sequence[P
         rtol=opts.rtol if opts.rtol is not None else base.rtol,
         min_cosine=opts.min_cosine if opts.min_cosine is not None else base.min_cosine,
     )
-
     # Quantized compiles are held to the accuracy budget, not to fp32's elementwise tolerances.
     bounds = budget_bounds(specs, opts.accuracy_budget, target_cls.precision)
     return budget_tolerance(tol, bounds, is_quantized(specs, target_cls.precision), opts.atol is not None)
+
 
 def _first_failure(report: dict[str, dict]) -> tuple[str, dict] | None:
     return next(((n, r) for n, r in report.items() if not r.get("ok")), None)
@@ -108,6 +109,8 @@ def _describe(name: str, r: dict, tol: Tolerance) -> str:
         return f"output '{name}': {r['error']}"
     if "mismatches" in r:
         return f"output '{name}': {r['mismatches']} integer mismatches"
+    if tol.atol is None:  # cosine-only budget (int8)
+        return f"output '{name}' cosine {r['cosine']:.6f} (min {tol.min_cosine:g}), max abs error {r['max_abs']:.3g}"
     return (
         f"output '{name}' max abs error {r['max_abs']:.3g} (atol {tol.atol:g}, rtol {tol.rtol:g}), "
         f"cosine {r['cosine']:.6f} (min {tol.min_cosine:g})"
@@ -161,7 +164,9 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
     if opts.sample_inputs is not None:
         feeds = check_feeds(opts.sample_inputs, inputs)
     else:
-        feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
+        feeds = source.sample_feeds
+        if feeds is None:
+            feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
     cache_key, cache_status = None, None
     if opts.cache_dir:
         from precast.compiler import cache
@@ -197,7 +202,7 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
                 "precast_version": precast.__version__,
                 "source": manifests[targets[0].name]["source"],
                 "targets": entries,
-                "fallback_order": [t.name for t in targets],
+                "fallback_order": preference_order(t.name for t in targets),
                 "io": manifests[targets[0].name]["io"],
                 "target": {"name": "multi"},
             }
@@ -233,7 +238,10 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
 
     t1 = time.perf_counter()
     say(f"[{target.name}] building")
+    target.context = context  # targets that calibrate (ort-qnn) read the sample/calibration feeds
     target_block = target.build(optimized, out_dir)
+    for note in target_block.get("notes", []):  # what the target wants the user to know (e.g. "plan only")
+        say(f"[{target.name}] {note}")
     for rel, src in sorted(source.ship_files.items()):
         dst = out_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -247,7 +255,11 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         "schema_version": SCHEMA_VERSION,
         "precast_version": precast.__version__,
         "toolchain": toolchain_versions(),
-        "source": {"kind": source.kind, "name": source.name, "sha256": source.sha256, **source.info},
+        "source": {
+            "kind": source.kind, "name": source.name, "sha256": source.sha256,
+            **{k: v for k, v in source.info.items() if k != "llm"},
+        },
+        **({"llm": source.info["llm"]} if "llm" in source.info else {}),
         "pipeline": format_pipeline(specs),
         "passes": [r.to_json(with_time=False) for r in records],
         "target": target_block,
@@ -258,11 +270,13 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
     t2 = time.perf_counter()
     say(f"[{target.name}] verifying against {source.reference_name}")
     finalize_manifest(out_dir, {**manifest, "parity": {"ok": False}})
+    stand_in = target.stand_in(out_dir, target_block)  # e.g. a TensorRT build plan's prepared ONNX
     try:
-        actual = runtime_load(out_dir).run(feeds)
+        actual = stand_in(feeds) if stand_in is not None else runtime_load(out_dir).run(feeds)
     except InputError as e:
         raise UsageError(f"compiled model rejects the sample inputs: {e}") from e
     report = compare_outputs(expected, actual, tol)
+    budget = apply_budget(budget_bounds(specs, opts.accuracy_budget, target.precision), expected, actual, report)
     timings[f"{target.name}:verify"] = time.perf_counter() - t2
     parity = {
         "ok": all(r["ok"] for r in report.values()),
@@ -271,12 +285,15 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         "inputs": parity_inputs,
         "expected": parity_expected,
         "outputs": report,
+        **({"budget": budget} if budget else {}),
     }
+    if budget and budget["violations"]:
+        more = f" (and {len(budget['violations']) - 1} more)" if len(budget["violations"]) > 1 else ""
+        raise ParityError(f"target '{target.name}': accuracy budget exceeded: {budget['violations'][0]}{more}", parity)
     bad = _first_failure(report)
     if bad:
         msg = f"target '{target.name}': parity failed: {_describe(bad[0], bad[1], tol)}"
         if opts.bisect and specs:
-    budget = apply_budget(budget_bounds(specs, opts.accuracy_budget, target.precision), expected, actual, report)
             say("parity failed; bisecting the pipeline")
             # Bisect against ORT on the source graph: that isolates the passes from the exporter.
             base_expected = ort_run_model(source.model, feeds) if source.reference is not None else expected
@@ -285,11 +302,7 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
                 i, why = culprit
                 done = [s.name for s in specs[:i]]
                 msg += f"; first broken by pass '{specs[i]}' (after [{', '.join(done)}]): {why}"
-        **({"budget": budget} if budget else {}),
             else:
-    if budget and budget["violations"]:
-        more = f" (and {len(budget['violations']) - 1} more)" if len(budget["violations"]) > 1 else ""
-        raise ParityError(f"target '{target.name}': accuracy budget exceeded: {budget['violations'][0]}{more}", parity)
                 msg += "; every pass keeps parity on its own, so the target build or the export broke it"
         raise ParityError(msg, parity)
     build_info = {

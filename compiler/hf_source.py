@@ -18,6 +18,15 @@ __all__ = ["load_hf_folder", "ENCODER_TYPES", "TASK_LOADERS"]
 # Other tasks (e.g. causal-lm) register a loader(folder, config, dims) -> Source here.
 TASK_LOADERS: dict = {}
 
+
+def _causal_lm(folder, config, dims):
+    from precast.compiler.causal_lm import load_causal_lm
+
+    return load_causal_lm(folder, config, dims)
+
+
+TASK_LOADERS["causal-lm"] = _causal_lm
+
 # BERT-family encoders: (input names, output names) as exported.
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert", "mpnet"}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")

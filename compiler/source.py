@@ -29,7 +29,8 @@ class Source:
     reference: Reference | None = None  # torch forward; None => ORT on the unoptimized source graph
     reference_name: str = "onnxruntime (unoptimized source graph)"
     ship_files: dict[str, Path] = field(default_factory=dict)  # artifact-relative name -> file to copy
-    info: dict = field(default_factory=dict)
+    info: dict = field(default_factory=dict)  # -> manifest "source" block; info["llm"] -> top-level "llm"
+    sample_feeds: dict[str, np.ndarray] | None = None  # verification feeds when generated ones make no sense
 
 
 _SPEC = re.compile(r"^\s*([A-Za-z_][\w.:/-]*)\s*:\s*([a-z0-9]+)\s*\[([^\]]*)\]\s*$")
