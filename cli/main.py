@@ -41,6 +41,7 @@ def _register() -> None:
     from precast.cli import commands  # noqa: F401  (defines the subcommands on `cli`)
     from precast.cli import commands_ci  # noqa: F401  (bisect, pack, unpack, keygen, profile)
     from precast.cli import commands_serve  # noqa: F401  (serve)
+    from precast.cli import commands_llm  # noqa: F401  (generate)
 
 
 def main(argv: list[str] | None = None) -> None:
