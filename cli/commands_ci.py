@@ -6,13 +6,12 @@ import json
 from pathlib import Path
 
 import click
-from rich.markup import escape
-from rich.table import Table
-
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
 from precast.cli.output import Progress, emit_json, err_console, out_console
 from precast.runtime.errors import ParityError, UsageError
+from rich.markup import escape
+from rich.table import Table
 
 
 @cli.command()

@@ -6,7 +6,7 @@ import os
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-__all__ = ["parity_cases", "error_case", "write_junit"]
+__all__ = ["error_case", "parity_cases", "write_junit"]
 
 Case = dict  # {"classname", "name", "ok", "message", "details", "seconds"}
 

@@ -22,11 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
 from precast.runtime.errors import ArtifactError
 from precast.runtime.manifest import check_integrity, read_manifest
 
-__all__ = ["CACHE_ENV", "cache_key", "compile_key_parts", "lookup", "restore", "store", "check_artifact_tree", "hash_feeds"]
+__all__ = ["CACHE_ENV", "cache_key", "check_artifact_tree", "compile_key_parts", "hash_feeds", "lookup", "restore", "store"]
 
 CACHE_ENV = "PRECAST_CACHE_DIR"
 KEY_VERSION = 1  # bump when what goes into the key changes meaning

@@ -28,7 +28,7 @@ from precast.runtime.errors import ArtifactError, IntegrityError
 from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, check_integrity, read_manifest
 from precast.runtime.signing import SIGNATURE_NAME, verify_bytes
 
-__all__ = ["ArchiveError", "Limits", "unpack_artifact", "unpack_to_temp", "read_packed_manifest", "is_packed"]
+__all__ = ["ArchiveError", "Limits", "is_packed", "read_packed_manifest", "unpack_artifact", "unpack_to_temp"]
 
 
 class ArchiveError(ArtifactError):
@@ -209,7 +209,7 @@ def unpack_artifact(
     stage.mkdir()
     try:
         try:
-            tf = tarfile.open(archive, "r:*")
+            tf = tarfile.open(archive, "r:*")  # noqa: SIM115 (closed by the `with tf:` below)
         except _READ_ERRORS as e:
             raise ArchiveError(f"{where}: not a readable precast archive ({_first_line(e)})") from e
         with tf:

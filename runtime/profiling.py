@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
-
 from precast.runtime.errors import ArtifactError, UsageError
 from precast.runtime.feeds import check_feeds
 
@@ -53,7 +52,6 @@ def profile_artifact(
     ``feeds`` default to the artifact's stored parity inputs. Returns {"ops": [...], "runs", "trace"}.
     """
     import onnxruntime as ort
-
     from precast.runtime.backends import ort_session_options
     from precast.runtime.model import load
 

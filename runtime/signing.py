@@ -11,7 +11,7 @@ from pathlib import Path
 
 from precast.runtime.errors import IntegrityError, UsageError
 
-__all__ = ["SignatureError", "sign_bytes", "verify_bytes", "generate_keypair", "SIGNATURE_NAME"]
+__all__ = ["SIGNATURE_NAME", "SignatureError", "generate_keypair", "sign_bytes", "verify_bytes"]
 
 SIGNATURE_NAME = "manifest.sig"  # archive member: the raw 64-byte Ed25519 signature of manifest.json
 

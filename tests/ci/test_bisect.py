@@ -8,12 +8,12 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import onnx_ir as ir
 import pytest
-
 from precast.compiler import registry
 from precast.compiler.bisect import bisect_model
 from precast.compiler.driver import CompileOptions
 from precast.compiler.registry import Pass, PassResult
 from precast.runtime.errors import EXIT_PARITY
+
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import save, tiny_mlp
 

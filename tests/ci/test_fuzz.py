@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
-
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.pack import pack_artifact
 from precast.compiler.pipeline import PassSpec, format_pipeline, parse_pipeline
@@ -21,6 +20,7 @@ from precast.compiler.registry import all_passes, option_fields
 from precast.runtime.archive import unpack_artifact
 from precast.runtime.errors import ArtifactError, PipelineError
 from precast.runtime.manifest import check_integrity, read_manifest
+
 from tests.ci.archive_helpers import tree
 from tests.helpers import save, tiny_mlp
 

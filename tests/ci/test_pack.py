@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.pack import pack_artifact
 from precast.runtime import load
 from precast.runtime.archive import ArchiveError, Limits, unpack_artifact
 from precast.runtime.errors import EXIT_ARTIFACT, ArtifactError, IntegrityError
 from precast.runtime.signing import SignatureError, generate_keypair
+
 from tests.ci.archive_helpers import members_of, reg, special, tree, write_tar
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import ort_run, save, tiny_mlp

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
 from precast.cli import main as cli_main
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import errors
 from precast.runtime.errors import EXIT_ARTIFACT, EXIT_PARITY, EXIT_USAGE
+
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import save, tiny_mlp
 
@@ -80,7 +80,7 @@ def test_no_pickle_in_source():
         offenders += [f"{rel}: torch.load({a})" for a in _calls(text, "torch.load") if "weights_only=True" not in a]
         if "allow_pickle=True" in text:
             offenders.append(f"{rel}: allow_pickle=True")
-        if rel.startswith("runtime/") and re.search(r"^\s*(import pickle|from pickle|import dill|import joblib)", text, re.M):
+        if rel.startswith("runtime/") and re.search(r"^\s*(import pickle|from pickle|import dill|import joblib)", text, re.MULTILINE):
             offenders.append(f"{rel}: imports a pickle module")
     assert offenders == []
 
