@@ -279,6 +279,10 @@ def run(artifact, input_file, output_file, prefer, threads, as_json):
     from precast.runtime import load
 
     model = load(artifact, threads=threads, prefer=prefer)
+    for name, why in model.skipped.items():
+        err_console.print(escape(f"skipped target {name}: {why}"))
+    if model.skipped or prefer:
+        err_console.print(escape(f"running target {model.target} on {', '.join(model.providers)}"))
     feeds = read_feeds(input_file, model.inputs)
     outputs = model.run(feeds)
     if output_file:
@@ -330,7 +334,7 @@ def targets(as_json):
     for col in ("target", "what", "build here", "run here", "default pipeline"):
         table.add_column(col)
     for name, r in rows.items():
-        b = "yes" if r["build"] else f"unavailable: {r['build_reason']}"
+        b = ("yes" + (f" ({r['build_reason']})" if r["build_reason"] else "")) if r["build"] else f"unavailable: {r['build_reason']}"
         x = "yes" if r["run"] else f"unavailable: {r['run_reason']}"
         table.add_row(name, r["summary"], escape(b), escape(x), escape(r["default_pipeline"]))
     out_console.print(table)

@@ -35,6 +35,18 @@ def ort_session_options(settings: dict, threads: int | None = None):
 def create_session(root: Path, manifest: dict, threads: int | None = None):
     target = manifest["target"]
     backend = target.get("backend", "onnxruntime")
+    if backend == "openvino":
+        from precast.runtime.openvino_backend import create_openvino_session
+
+        return create_openvino_session(root, target, threads)
+    if backend in ("tensorrt", "tensorrt-plan"):
+        from precast.runtime.tensorrt_backend import create_tensorrt_session
+
+        return create_tensorrt_session(root, target, threads)
+    if backend == "onnxruntime" and target.get("ep_plugin"):
+        from precast.runtime.ep_plugin import create_plugin_session
+
+        return create_plugin_session(root, target, threads)
     if backend != "onnxruntime":
         raise TargetUnavailableError(f"artifact {root}: backend '{backend}' is not supported by this runtime")
     import onnxruntime as ort

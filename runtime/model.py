@@ -50,8 +50,16 @@ class Model:
         return f"<precast.Model {self.path} target={self.target} inputs=({sig})>"
 
 
-# Best first: the hardware abstraction layer's order when a multi-target artifact offers several.
+# Best first: the hardware abstraction layer's order when a multi-target artifact offers several
+# (a GPU engine, then NPU execution providers, then OpenVINO, then the portable CPU build).
 PREFERENCE = ["tensorrt", "ort-qnn", "openvino", "ort-cpu"]
+
+
+def preference_order(names, prefer: str | None = None) -> list[str]:
+    """``names`` best first by PREFERENCE (unknown names last, in their given order); ``prefer`` first of all."""
+    names = list(names)
+    rank = {n: PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE) + i for i, n in enumerate(names)}
+    return sorted(names, key=lambda n: (n != prefer, rank[n]))
 
 
 def load(
@@ -91,7 +99,7 @@ def _load_best(root: Path, manifest: dict, *, threads, verify, prefer) -> Model:
     entries = manifest.get("targets") or {}
     if prefer is not None and prefer not in entries:
         raise ArtifactError(f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})")
-    order = sorted(entries, key=lambda n: (n != prefer, PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE)))
+    order = preference_order(entries, prefer)
     skipped: dict[str, str] = {}
     for name in order:
         try:

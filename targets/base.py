@@ -36,6 +36,8 @@ class Target:
 
     def __init__(self, options: dict[str, str] | None = None):
         self.options = self.parse_options(options or {})
+        # The compile's PassContext (sample/calibration feeds), set by the driver before build().
+        self.context: Any = None
 
     @classmethod
     def parse_options(cls, raw: dict[str, str]) -> dict[str, Any]:
@@ -65,6 +67,11 @@ class Target:
     def build(self, model: ir.Model, out_dir: Path) -> dict:
         """Write the target's files into ``out_dir``; return the manifest ``target`` block."""
         raise NotImplementedError
+
+    def stand_in(self, out_dir: Path, block: dict):
+        """For artifacts that cannot run on the build host (a TensorRT build plan): a ``feeds -> outputs``
+        callable the driver verifies instead, named in the block's ``verified_as``. None: load the artifact."""
+        return None
 
 
 _TARGETS: dict[str, type[Target]] = {}

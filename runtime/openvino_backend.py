@@ -1,0 +1,77 @@
+"""OpenVINO backend: runs an artifact's IR (model.xml/.bin) with the ``openvino`` package (optional, lazy).
+
+Compiled blobs are host-specific, so they never go into the artifact: they are cached per host under
+``$PRECAST_CACHE_DIR/openvino`` (default ``~/.cache/precast/openvino``) and reused on the next load.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+from precast.runtime.errors import ArtifactError, TargetUnavailableError
+
+__all__ = ["OpenVINOSession", "cache_dir", "create_openvino_session", "openvino_available"]
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("PRECAST_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "precast")
+    return Path(base) / "openvino"
+
+
+def openvino_available(device: str = "CPU") -> tuple[bool, str]:
+    try:
+        import openvino as ov
+    except ImportError:
+        return False, "python package 'openvino' is not installed (pip install openvino)"
+    devices = ov.Core().available_devices
+    if not any(d == device or d.startswith(device + ".") for d in devices):
+        return False, f"OpenVINO sees no {device} device (has: {', '.join(devices) or 'none'})"
+    return True, ""
+
+
+class OpenVINOSession:
+    """``run(names, feeds)`` / ``get_providers()`` like an ORT session, over an OpenVINO compiled model."""
+
+    def __init__(self, compiled, device: str):
+        self._compiled = compiled
+        self._request = compiled.create_infer_request()
+        self.device = device
+        self._outputs = {o.get_any_name(): o for o in compiled.outputs}
+
+    def get_providers(self) -> list[str]:
+        return [f"OpenVINO:{self.device}"]
+
+    def run(self, names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        results = self._request.infer(dict(feeds))
+        return [np.array(results[self._outputs[n]], copy=True) for n in names]
+
+
+def create_openvino_session(root: Path, target: dict, threads: int | None = None) -> OpenVINOSession:
+    device = str(target.get("device", "CPU"))
+    ok, why = openvino_available(device)
+    if not ok:
+        raise TargetUnavailableError(f"artifact {root}: {why}")
+    import openvino as ov
+
+    xml = root / target.get("model", "model.xml")
+    if not xml.is_file():
+        raise ArtifactError(f"artifact {root}: OpenVINO IR '{xml.name}' is missing")
+    core = ov.Core()
+    config = {str(k): str(v) for k, v in (target.get("config") or {}).items()}
+    if threads:
+        config["INFERENCE_NUM_THREADS"] = str(threads)
+    cache = cache_dir()
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        core.set_property({"CACHE_DIR": str(cache)})
+    except OSError:
+        pass  # a read-only home only costs the cache, not correctness
+    try:
+        compiled = core.compile_model(core.read_model(str(xml)), device, config)
+    except Exception as e:
+        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+        raise ArtifactError(f"artifact {root}: OpenVINO cannot compile {xml.name} for {device}: {first}") from e
+    return OpenVINOSession(compiled, device)

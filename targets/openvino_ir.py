@@ -1,0 +1,75 @@
+"""Target ``openvino``: OpenVINO IR (model.xml + model.bin) for Intel CPUs, GPUs and NPUs.
+
+    ONNX graph --openvino.Core.read_model--> ov.Model --save_model--> model.xml/.bin
+      (host) --compile_model(device, precision hint)--> compiled blob, cached per host by the runtime
+
+Why the ``openvino`` package and not ONNX Runtime's OpenVINO EP: ``onnxruntime-openvino`` replaces the
+``onnxruntime`` module (it cannot sit beside the CPU or QNN builds), and its EP-context models failed to
+reload here. The ``openvino`` package reads ONNX directly, saves a portable IR, and caches compiled blobs.
+Symbolic dims stay dynamic (OpenVINO supports them). Weights are kept in fp32 in the IR; the precision
+hint decides what the device computes in (f32 by default so parity holds to fp32 tolerances).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import onnx_ir as ir
+from precast.runtime.errors import PassFailedError, UsageError
+from precast.runtime.openvino_backend import openvino_available
+from precast.targets.base import Availability, Target, register_target
+
+__all__ = ["OpenVINO"]
+
+_PRECISIONS = {"f32": "fp32", "f16": "fp16", "bf16": "bf16"}
+_HINTS = ("LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT")
+
+
+@register_target("openvino")
+class OpenVINO(Target):
+    summary = "OpenVINO IR (xml/bin) via the openvino package; CPU here, GPU/NPU on hosts that have them"
+    default_pipeline = "infer-shapes,fold-constants,eliminate-dead-code"
+    precision = "fp32"
+    option_defaults = {"device": "CPU", "inference_precision": "f32", "performance_hint": "LATENCY"}
+
+    @classmethod
+    def can_build(cls) -> Availability:
+        try:
+            import openvino  # noqa: F401
+        except ImportError:
+            return Availability(False, "python package 'openvino' is not installed (pip install openvino)")
+        return Availability(True)
+
+    @classmethod
+    def can_run(cls) -> Availability:
+        ok, why = openvino_available("CPU")
+        return Availability(ok, why)
+
+    def build(self, model: ir.Model, out_dir: Path) -> dict:
+        import openvino as ov
+
+        prec, hint = self.options["inference_precision"], self.options["performance_hint"].upper()
+        if prec not in _PRECISIONS:
+            raise UsageError(f"target 'openvino' option inference_precision must be one of {', '.join(_PRECISIONS)}")
+        if hint not in _HINTS:
+            raise UsageError(f"target 'openvino' option performance_hint must be one of {', '.join(_HINTS)}")
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            src = Path(tmp) / "model.onnx"
+            ir.save(model, src)
+            try:
+                ov_model = ov.Core().read_model(str(src))
+            except Exception as e:
+                first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+                raise PassFailedError(f"target 'openvino': OpenVINO cannot read the ONNX graph: {first}") from e
+            ov.save_model(ov_model, str(out_dir / "model.xml"), compress_to_fp16=False)
+        return {
+            "name": self.name,
+            "backend": "openvino",
+            "model": "model.xml",
+            "weights": "model.bin",
+            "device": self.options["device"],
+            "precision": _PRECISIONS[prec],
+            "config": {"INFERENCE_PRECISION_HINT": prec, "PERFORMANCE_HINT": hint},
+            "requires": {"openvino": ov.get_version().split("-")[0]},
+        }

@@ -1,0 +1,80 @@
+"""One compile, several targets; runtime.load picks the best this host runs and says why it skipped others."""
+
+import json
+
+import numpy as np
+import pytest
+from precast.compiler.driver import CompileOptions, compile_model
+from precast.runtime import ArtifactError, ep_plugin, load
+from precast.runtime.errors import TargetUnavailableError
+from precast.runtime.model import preference_order
+from precast.runtime.tensorrt_backend import tensorrt_available
+
+from tests.helpers import ort_run, tiny_mlp
+from tests.targets.conftest import cosine
+
+pytest.importorskip("onnxruntime_qnn")
+pytest.importorskip("openvino")
+# On a GPU host with TensorRT the plan would still be skipped, but the reasons differ; gpu_check.sh covers that.
+pytestmark = pytest.mark.skipif(tensorrt_available()[0], reason="GPU host: selection is checked by gpu_check.sh")
+
+
+@pytest.fixture(scope="module")
+def multi(mlp_path, tmp_path_factory):
+    out = tmp_path_factory.mktemp("multi") / "art"
+    compile_model(str(mlp_path), out, CompileOptions(targets=["ort-cpu", "tensorrt", "ort-qnn", "openvino"]))
+    return out
+
+
+def test_index_lists_targets_in_fallback_order(multi):
+    index = json.loads((multi / "manifest.json").read_text())
+    assert index["kind"] == "multi-target"
+    assert index["fallback_order"] == ["tensorrt", "ort-qnn", "openvino", "ort-cpu"]
+    assert {e["precision"] for e in index["targets"].values()} == {"fp32", "fp16", "int8"}
+
+
+def test_load_picks_npu_and_explains_skipped_gpu(multi, rng):
+    model = load(multi)
+    assert model.target == "ort-qnn" and model.providers == ["QNNExecutionProvider"]
+    assert list(model.skipped) == ["tensorrt"] and "build plan" in model.skipped["tensorrt"]
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    assert cosine(model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0]) > 0.99
+
+
+def test_prefer_overrides_and_unknown_prefer_is_refused(multi, rng):
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    for name, provider in [("openvino", "OpenVINO:CPU"), ("ort-cpu", "CPUExecutionProvider")]:
+        model = load(multi, prefer=name)
+        assert model.target == name and model.providers[0] == provider and model.skipped == {}
+        np.testing.assert_allclose(model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ArtifactError, match="no target 'ort-qnnn'"):
+        load(multi, prefer="ort-qnnn")
+
+
+def test_npu_missing_falls_back_to_openvino_with_reason(multi, monkeypatch):
+    def no_npu(*a, **k):
+        raise TargetUnavailableError("QNNExecutionProvider reports no devices on this host")
+
+    monkeypatch.setattr(ep_plugin, "plugin_session_options", no_npu)
+    model = load(multi)
+    assert model.target == "openvino"
+    assert list(model.skipped) == ["tensorrt", "ort-qnn"] and "no devices" in model.skipped["ort-qnn"]
+
+
+def test_preference_order():
+    assert preference_order(["ort-cpu", "x", "openvino", "tensorrt"]) == ["tensorrt", "openvino", "ort-cpu", "x"]
+    assert preference_order(["ort-cpu", "openvino"], prefer="ort-cpu") == ["ort-cpu", "openvino"]
+
+
+def test_cli_run_prefer_and_targets(cli, multi, tmp_path):
+    feeds = tmp_path / "x.npz"
+    np.savez(feeds, x=np.ones((2, 8), np.float32))
+    r = cli("run", multi, "-i", feeds)
+    assert r.code == 0 and "skipped target tensorrt: " in r.err and "running target ort-qnn" in r.err
+    r = cli("run", multi, "-i", feeds, "--prefer", "openvino")
+    assert r.code == 0 and "running target openvino on OpenVINO:CPU" in r.err
+    r = cli("targets", "--json")
+    rows = json.loads(r.out)
+    assert rows["ort-qnn"]["build"] and rows["ort-qnn"]["run"] and rows["openvino"]["run"]
+    assert rows["tensorrt"]["build"] and not rows["tensorrt"]["run"] and "libcuda" in rows["tensorrt"]["run_reason"]
+    assert "build plan only" in rows["tensorrt"]["build_reason"]
