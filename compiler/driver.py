@@ -47,8 +47,8 @@ class CompileOptions:
     bisect: bool = True
     calibration_feeds: list[dict[str, np.ndarray]] | None = None
     calibration_text: str | None = None
-    cache_dir: str | None = None  # compile cache (compiler/cache.py); the CLI also reads PRECAST_CACHE_DIR
     accuracy_budget: str | None = None  # 'cosine>=0.99,top1>=0.95'; quantized pipelines default to cosine>=0.99
+    cache_dir: str | None = None  # compile cache (compiler/cache.py); the CLI also reads PRECAST_CACHE_DIR
 
 
 @dataclass
@@ -95,10 +95,10 @@ def _tolerance(target_cls: type[Target], opts: CompileOptions, specs: Sequence[P
         rtol=opts.rtol if opts.rtol is not None else base.rtol,
         min_cosine=opts.min_cosine if opts.min_cosine is not None else base.min_cosine,
     )
-
     # Quantized compiles are held to the accuracy budget, not to fp32's elementwise tolerances.
     bounds = budget_bounds(specs, opts.accuracy_budget, target_cls.precision)
     return budget_tolerance(tol, bounds, is_quantized(specs, target_cls.precision), opts.atol is not None)
+
 
 def _first_failure(report: dict[str, dict]) -> tuple[str, dict] | None:
     return next(((n, r) for n, r in report.items() if not r.get("ok")), None)
@@ -164,7 +164,9 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
     if opts.sample_inputs is not None:
         feeds = check_feeds(opts.sample_inputs, inputs)
     else:
-        feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
+        feeds = source.sample_feeds
+        if feeds is None:
+            feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
     cache_key, cache_status = None, None
     if opts.cache_dir:
         from precast.compiler import cache
@@ -253,7 +255,11 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         "schema_version": SCHEMA_VERSION,
         "precast_version": precast.__version__,
         "toolchain": toolchain_versions(),
-        "source": {"kind": source.kind, "name": source.name, "sha256": source.sha256, **source.info},
+        "source": {
+            "kind": source.kind, "name": source.name, "sha256": source.sha256,
+            **{k: v for k, v in source.info.items() if k != "llm"},
+        },
+        **({"llm": source.info["llm"]} if "llm" in source.info else {}),
         "pipeline": format_pipeline(specs),
         "passes": [r.to_json(with_time=False) for r in records],
         "target": target_block,
@@ -270,6 +276,7 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
     except InputError as e:
         raise UsageError(f"compiled model rejects the sample inputs: {e}") from e
     report = compare_outputs(expected, actual, tol)
+    budget = apply_budget(budget_bounds(specs, opts.accuracy_budget, target.precision), expected, actual, report)
     timings[f"{target.name}:verify"] = time.perf_counter() - t2
     parity = {
         "ok": all(r["ok"] for r in report.values()),
@@ -278,12 +285,15 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         "inputs": parity_inputs,
         "expected": parity_expected,
         "outputs": report,
+        **({"budget": budget} if budget else {}),
     }
+    if budget and budget["violations"]:
+        more = f" (and {len(budget['violations']) - 1} more)" if len(budget["violations"]) > 1 else ""
+        raise ParityError(f"target '{target.name}': accuracy budget exceeded: {budget['violations'][0]}{more}", parity)
     bad = _first_failure(report)
     if bad:
         msg = f"target '{target.name}': parity failed: {_describe(bad[0], bad[1], tol)}"
         if opts.bisect and specs:
-    budget = apply_budget(budget_bounds(specs, opts.accuracy_budget, target.precision), expected, actual, report)
             say("parity failed; bisecting the pipeline")
             # Bisect against ORT on the source graph: that isolates the passes from the exporter.
             base_expected = ort_run_model(source.model, feeds) if source.reference is not None else expected
@@ -292,11 +302,7 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
                 i, why = culprit
                 done = [s.name for s in specs[:i]]
                 msg += f"; first broken by pass '{specs[i]}' (after [{', '.join(done)}]): {why}"
-        **({"budget": budget} if budget else {}),
             else:
-    if budget and budget["violations"]:
-        more = f" (and {len(budget['violations']) - 1} more)" if len(budget["violations"]) > 1 else ""
-        raise ParityError(f"target '{target.name}': accuracy budget exceeded: {budget['violations'][0]}{more}", parity)
                 msg += "; every pass keeps parity on its own, so the target build or the export broke it"
         raise ParityError(msg, parity)
     build_info = {
