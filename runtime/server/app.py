@@ -18,7 +18,6 @@ from contextlib import asynccontextmanager
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-
 from precast.runtime.errors import InputError, PrecastError
 from precast.runtime.server.batcher import BatchConfig, Batcher, QueueFullError
 from precast.runtime.server.config import ServerConfig, is_loopback
@@ -27,7 +26,7 @@ from precast.runtime.server.host import ModelHost, ReloadBusyError, ReloadError
 from precast.runtime.server.kserve import decode_request, encode_response, model_metadata, requested_outputs
 from precast.runtime.server.metrics import ServerMetrics
 
-__all__ = ["create_app", "ServerState", "v2_error", "openai_error", "read_json"]
+__all__ = ["ServerState", "create_app", "openai_error", "read_json", "v2_error"]
 
 
 class ServerState:

@@ -20,11 +20,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from precast.runtime.errors import InputError, PrecastError
 from precast.runtime.feeds import check_feeds
 
-__all__ = ["BatchConfig", "Batcher", "QueueFullError", "batch_dim", "WorkItem"]
+__all__ = ["BatchConfig", "Batcher", "QueueFullError", "WorkItem", "batch_dim"]
 
 
 class QueueFullError(PrecastError):

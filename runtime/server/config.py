@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ServerConfig", "is_loopback", "ADMIN_TOKEN_ENV"]
+__all__ = ["ADMIN_TOKEN_ENV", "ServerConfig", "is_loopback"]
 
 ADMIN_TOKEN_ENV = "PRECAST_ADMIN_TOKEN"
 

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-
 from precast.runtime.errors import ArtifactError, InputError
 
-__all__ = ["EncoderSpec", "encoder_spec", "tokenize", "parse_inputs", "mean_pool_normalize"]
+__all__ = ["EncoderSpec", "encoder_spec", "mean_pool_normalize", "parse_inputs", "tokenize"]
 
 TOKENIZER_FILE = "tokenizer/tokenizer.json"
 

@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-
 from precast.runtime.errors import ArtifactError, PrecastError
 from precast.runtime.manifest import read_manifest
 
-__all__ = ["Served", "ModelHost", "ReloadError", "ReloadBusyError"]
+__all__ = ["ModelHost", "ReloadBusyError", "ReloadError", "Served"]
 
 
 class ReloadError(PrecastError):
@@ -98,7 +97,7 @@ class ModelHost:
             except PrecastError as e:
                 self.last_reload = {"ok": False, "path": str(target), "error": str(e)}
                 raise ReloadError(f"reload from {target} failed, still serving version {old.version}: {e}") from e
-            except Exception as e:  # noqa: BLE001 - e.g. ORT refusing a corrupt graph
+            except Exception as e:
                 self.last_reload = {"ok": False, "path": str(target), "error": f"{type(e).__name__}: {e}"}
                 raise ReloadError(
                     f"reload from {target} failed, still serving version {old.version}: {type(e).__name__}: {e}"

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-
 from precast.runtime.errors import InputError
 
 __all__ = ["DATATYPES", "decode_request", "encode_response", "model_metadata", "requested_outputs"]

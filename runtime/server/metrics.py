@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["ServerMetrics", "METRIC_NAMES"]
+__all__ = ["METRIC_NAMES", "ServerMetrics"]
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128)

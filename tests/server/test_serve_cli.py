@@ -1,0 +1,102 @@
+"""`precast serve` as a process: start, serve, SIGHUP reload, SIGTERM drain; and the runtime dependency rule."""
+
+from __future__ import annotations
+
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import numpy as np
+
+from tests.server.conftest import metric_value, v2_body
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait(predicate, seconds: float, what: str) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            if predicate():
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_cli_serves_reloads_on_sighup_and_drains_on_sigterm(mlp_a):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "from precast.cli.main import main; main()", "serve", str(mlp_a),
+         "--port", str(port), "--model-name", "mlp", "--log-level", "warning",
+         "--max-batch-size", "64", "--max-queue-delay-ms", "1500"],  # requests wait 1.5 s for company
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 200, 60, "/ready")
+        r = httpx.post(f"{url}/v2/models/mlp/infer", json=v2_body(np.ones((2, 8), np.float32)), timeout=10)
+        assert r.status_code == 200 and r.json()["model_version"] == "1"
+        proc.send_signal(signal.SIGHUP)
+        _wait(lambda: metric_value(httpx.get(f"{url}/metrics", timeout=2).text, "precast_reloads_total",
+                                   result="ok") == 1, 30, "the SIGHUP reload")
+        r = httpx.post(f"{url}/v2/models/mlp/infer", json=v2_body(np.ones((2, 8), np.float32)), timeout=10)
+        assert r.json()["model_version"] == "2"
+        # SIGTERM while a request waits in the batcher: it is answered before the process exits.
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(httpx.post, f"{url}/v2/models/mlp/infer",
+                                  json=v2_body(np.ones((1, 8), np.float32)), timeout=30)
+            _wait(lambda: metric_value(httpx.get(f"{url}/metrics", timeout=2).text, "precast_queue_depth") == 1,
+                  10, "the request to be queued")
+            proc.send_signal(signal.SIGTERM)
+            assert pending.result(timeout=30).status_code == 200
+        out, _ = proc.communicate(timeout=30)
+        assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]  # uvicorn re-raises the signal it drained on
+        assert "Traceback" not in out, out[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+
+def test_cli_bad_artifact_is_one_line_and_exit_3(tmp_path):
+    r = subprocess.run([sys.executable, "-c", "from precast.cli.main import main; main()", "serve",
+                        str(tmp_path / "nope")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 3 and r.stderr.strip() == f"error: artifact not found: {tmp_path / 'nope'}"
+
+
+def test_server_imports_no_compiler_dependencies(mlp_a):
+    code = textwrap.dedent(
+        f"""
+        import sys
+        class Block:
+            BLOCKED = ("torch", "onnx_ir", "onnxscript", "onnx", "transformers", "precast.compiler",
+                       "precast.passes", "precast.targets")
+            def find_spec(self, name, path=None, target=None):
+                if any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
+                    raise ImportError("blocked for the test: " + name)
+                return None
+        sys.meta_path.insert(0, Block())
+        from fastapi.testclient import TestClient
+        from precast.runtime.server import ServerConfig, create_app
+        with TestClient(create_app(ServerConfig({str(mlp_a)!r}, model_name="m"))) as c:
+            body = {{"inputs": [{{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [1.0] * 8}}]}}
+            assert c.post("/v2/models/m/infer", json=body).status_code == 200
+            assert c.post("/admin/reload").status_code == 200
+        bad = [k for k in sys.modules if k.split(".")[0] in ("torch", "onnx_ir", "onnxscript", "onnx")]
+        assert not bad, bad
+        print("SERVER-OK")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "SERVER-OK" in r.stdout, r.stderr[-3000:]
