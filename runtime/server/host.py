@@ -65,7 +65,7 @@ class ModelHost:
 
         manifest = read_manifest(path) if path.is_dir() else None
         is_llm = bool(manifest and manifest.get("llm"))
-        if self.verify and not is_llm and manifest is not None and (manifest.get("parity") or {}).get("inputs"):
+        if self.verify and manifest is not None and (manifest.get("parity") or {}).get("inputs"):
             from precast.runtime.verify import verify_artifact
 
             report = verify_artifact(path, threads=self.threads)

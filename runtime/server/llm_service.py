@@ -1,0 +1,250 @@
+"""One LLM artifact behind the server: the engine's background loop, async token streams, chat templates.
+
+Chat prompts use the artifact's ``tokenizer/tokenizer_config.json`` ``chat_template`` (Jinja, rendered
+with ``jinja2`` as Hugging Face does) when it has one; otherwise this documented default (ChatML):
+
+    <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n
+
+Priorities: ``high`` / ``normal`` / ``low`` (or an integer, lower = more urgent) map to the engine's
+priority classes 0 / 1 / 2; the engine ages waiting requests so low priority still progresses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from pathlib import Path
+
+from precast.runtime.errors import LLMRequestError
+from precast.runtime.manifest import TensorSpec, read_manifest
+
+__all__ = ["DEFAULT_CHAT_TEMPLATE", "PRIORITIES", "LLMService", "TokenStream", "parse_priority"]
+
+PRIORITIES = {"high": 0, "normal": 1, "low": 2}
+DEFAULT_PRIORITY = PRIORITIES["normal"]
+
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def parse_priority(value) -> int:
+    if value is None or value == "":
+        return DEFAULT_PRIORITY
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in PRIORITIES:
+            return PRIORITIES[v]
+        try:
+            value = int(v)
+        except ValueError:
+            raise LLMRequestError(f"priority must be one of {', '.join(PRIORITIES)} or an integer, got {value!r}") from None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 9:
+        raise LLMRequestError(f"priority must be one of {', '.join(PRIORITIES)} or an integer 0-9, got {value!r}")
+    return value
+
+
+class _ModelView:
+    """What the generic routes need from a served model (name, target, IO) without a plain Model."""
+
+    def __init__(self, path: Path, manifest: dict):
+        self.path = path
+        self.manifest = manifest
+        self.inputs = [TensorSpec.from_json(d) for d in manifest["io"]["inputs"]]
+        self.outputs = [TensorSpec.from_json(d) for d in manifest["io"]["outputs"]]
+
+    @property
+    def target(self) -> str:
+        return self.manifest["target"]["name"]
+
+
+class LLMService:
+    def __init__(self, engine, path: Path, manifest: dict, max_active: int = 256):
+        self.engine = engine
+        self.path = path
+        self.manifest = manifest
+        self.max_active = max_active
+        self.active = 0
+        self.metrics = None
+        self.retired = False
+        self._template = _load_template(path, manifest)
+        engine.start()
+
+    @classmethod
+    def from_artifact(cls, path: Path, num_blocks: int | None = None, max_active: int = 256, **_ignored) -> LLMService:
+        from precast.runtime.llm.engine import Engine
+
+        engine = Engine.load(path, num_blocks=num_blocks)
+        service = cls(engine, Path(path), read_manifest(path), max_active=max_active)
+        service.warm_up()
+        return service
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    def model_view(self) -> _ModelView:
+        return _ModelView(self.path, self.manifest)
+
+    def warm_up(self) -> None:
+        """One tiny greedy generation, so a reload swaps in a model that has run."""
+        from precast.runtime.llm.sampler import SamplingParams
+
+        prompt = [int(self.manifest["llm"].get("bos_id") or 1)]
+        self.engine.submit(prompt, SamplingParams(max_tokens=1, ignore_eos=True)).result()
+
+    def bind_metrics(self, metrics) -> None:
+        self.metrics = metrics
+
+    def export_gauges(self, metrics) -> None:
+        m = self.engine.metrics()
+        metrics.llm_running.set(m.running)
+        metrics.llm_waiting.set(m.waiting)
+        metrics.kv_used.set(m.kv_blocks_used)
+        metrics.kv_free.set(m.kv_blocks_free)
+
+    def retire(self) -> None:
+        """Take no new requests; stop the engine loop once the running ones are done (in a thread)."""
+        self.retired = True
+
+        def drain() -> None:
+            deadline = time.monotonic() + 600
+            while self.engine.has_unfinished() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            self.engine.stop()
+
+        threading.Thread(target=drain, name="precast-llm-retire", daemon=True).start()
+
+    # -- prompts ---------------------------------------------------------------------------------
+    def chat_prompt(self, messages: object) -> str:
+        if not isinstance(messages, list) or not messages:
+            raise LLMRequestError("'messages' must be a non-empty list")
+        clean = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise LLMRequestError(f"messages[{i}] must be an object with a 'role' and 'content'")
+            content = m.get("content")
+            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+                parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+                if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                    raise LLMRequestError(f"messages[{i}].content: only text parts are supported")
+                content = "".join(parts)
+            if not isinstance(content, str):
+                raise LLMRequestError(f"messages[{i}].content must be a string")
+            clean.append({"role": m["role"], "content": content})
+        try:
+            return self._template.render(messages=clean, add_generation_prompt=True, bos_token="", eos_token="")
+        except Exception as e:
+            raise LLMRequestError(f"chat template failed: {e}") from e
+
+    # -- generation ------------------------------------------------------------------------------
+    async def start(self, prompt, params, priority: int, request_id: str) -> TokenStream:
+        """Submit now (bad input and a full server raise here, before any response is sent)."""
+        from precast.runtime.server.batcher import QueueFullError
+
+        if self.retired:
+            raise QueueFullError(self.active, 1.0)
+        if self.active >= self.max_active:
+            raise QueueFullError(self.active, 1.0)
+        stream = TokenStream(self, asyncio.get_running_loop())
+        stream.handle = await asyncio.to_thread(self.engine.submit, prompt, params, priority,
+                                                request_id=request_id, on_token=stream._on_token)
+        self.active += 1
+        return stream
+
+
+class TokenStream:
+    """Async iterator of one request's TokenEvents; close() cancels it in the engine (frees its KV blocks)."""
+
+    def __init__(self, service: LLMService, loop: asyncio.AbstractEventLoop):
+        self.service = service
+        self.handle = None
+        self._loop = loop
+        self._events: asyncio.Queue = asyncio.Queue()
+        self.t0 = time.perf_counter()
+        self.n_out = 0
+        self._t_first: float | None = None
+        self._t_last: float | None = None
+        self._closed = False
+
+    def _on_token(self, ev) -> None:  # engine thread
+        self._loop.call_soon_threadsafe(self._events.put_nowait, ev)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.handle.request.prompt_ids)
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if self._closed:
+            raise StopAsyncIteration
+        ev = await self._events.get()
+        self.n_out += 1
+        self._t_last = time.perf_counter()
+        if self._t_first is None:
+            self._t_first = self._t_last
+        if ev.finish_reason is not None:
+            self.close()
+        return ev
+
+    def close(self) -> None:
+        """Idempotent: cancel if unfinished, record metrics once."""
+        if self._closed:
+            return
+        self._closed = True
+        svc = self.service
+        svc.active -= 1
+        if self.handle is not None and not self.handle.finished:
+            try:
+                svc.engine.cancel(self.handle.request_id)
+            except LLMRequestError:
+                pass
+        m = svc.metrics
+        if m is not None:
+            m.tokens.labels("prompt").inc(self.prompt_tokens)
+            m.tokens.labels("completion").inc(self.n_out)
+            if self._t_first is not None:
+                m.ttft.observe(self._t_first - self.t0)
+                if self.n_out > 1:
+                    m.tpot.observe((self._t_last - self._t_first) / (self.n_out - 1))
+
+
+def _load_template(path: Path, manifest: dict):
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        jinja2 = None
+    source = DEFAULT_CHAT_TEMPLATE
+    cfg = Path(path) / "tokenizer" / "tokenizer_config.json"
+    if cfg.is_file():
+        try:
+            tmpl = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+        except (ValueError, UnicodeDecodeError):
+            tmpl = None
+        if isinstance(tmpl, str) and tmpl.strip():
+            source = tmpl
+    if jinja2 is None:
+        if source != DEFAULT_CHAT_TEMPLATE:
+            raise LLMRequestError("this artifact's chat template needs jinja2: pip install jinja2")
+        return _PlainTemplate()
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["raise_exception"] = _raise
+    return env.from_string(source)
+
+
+def _raise(message: str):
+    raise LLMRequestError(message)
+
+
+class _PlainTemplate:
+    """DEFAULT_CHAT_TEMPLATE without jinja2."""
+
+    def render(self, messages, add_generation_prompt=True, **_):
+        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
