@@ -26,12 +26,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SMALL = dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=8,
-             num_key_value_heads=4, vocab_size=512, max_position_embeddings=512)
+SMALL = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 8,
+             "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 512}
 
 
 def build_artifact(work: Path) -> Path:
     from precast.compiler.driver import CompileOptions, compile_model
+
     from tests.llm.fixtures import build_llama
 
     out = work / "artifact"

@@ -6,7 +6,6 @@ import sys
 import time
 
 import click
-
 from precast.cli.main import cli
 from precast.cli.output import emit_json, err_console
 

@@ -17,7 +17,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
-
 from precast.runtime.errors import ArtifactError, LLMRequestError
 from precast.runtime.llm.block_pool import BlockPool
 from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent

@@ -18,7 +18,7 @@ from precast.runtime.llm.request import Request
 if TYPE_CHECKING:
     from precast.runtime.llm.engine import Engine
 
-__all__ = ["TokenEvent", "Completion", "RequestHandle"]
+__all__ = ["Completion", "RequestHandle", "TokenEvent"]
 
 
 @dataclass(frozen=True)

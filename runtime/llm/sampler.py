@@ -11,10 +11,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-
 from precast.runtime.errors import LLMRequestError
 
-__all__ = ["SamplingParams", "sample", "filtered_probs"]
+__all__ = ["SamplingParams", "filtered_probs", "sample"]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.request import Request, Status
 
-__all__ = ["SchedulerConfig", "ScheduledChunk", "SchedulerOutput", "Scheduler"]
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FakeSpec", "FakeRunner", "reference_logits", "reference_greedy"]
+__all__ = ["FakeRunner", "FakeSpec", "reference_greedy", "reference_logits"]
 
 
 @dataclass(frozen=True)

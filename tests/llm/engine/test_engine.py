@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
-
 from precast.runtime.errors import LLMRequestError, RequestCancelledError
 from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
+
 from tests.llm.engine.fake_runner import FakeRunner, FakeSpec, reference_greedy
 
 GREEDY = SamplingParams(max_tokens=12)

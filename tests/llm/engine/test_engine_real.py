@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
 
 NEW = 24
@@ -48,7 +47,6 @@ def test_engine_greedy_matches_hf_generate(llama, expected, num_blocks, budget):
 @pytest.mark.slow
 def test_generate_cli_streams(llama, expected):
     from click.testing import CliRunner
-
     from precast.cli.main import _register, cli
 
     _register()

@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-
 from precast.runtime.errors import LLMRequestError
 from precast.runtime.llm.sampler import SamplingParams, filtered_probs, sample
 
@@ -58,8 +57,8 @@ def test_repetition_penalty_demotes_seen_tokens():
 
 
 @pytest.mark.parametrize("bad", [
-    dict(max_tokens=0), dict(max_tokens=-3), dict(temperature=-1.0), dict(top_k=-1), dict(top_p=0.0),
-    dict(top_p=1.5), dict(repetition_penalty=0.0), dict(stop=("",)),
+    {"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0},
+    {"top_p": 1.5}, {"repetition_penalty": 0.0}, {"stop": ("",)},
 ])
 def test_bad_params_are_typed_errors(bad):
     with pytest.raises(LLMRequestError, match=next(iter(bad)).split("_")[0]):
