@@ -9,6 +9,7 @@ import sys
 import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -100,3 +101,17 @@ def test_server_imports_no_compiler_dependencies(mlp_a):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert "SERVER-OK" in r.stdout, r.stderr[-3000:]
+
+
+def test_load_generator_reports_and_loses_nothing(mlp_a, tmp_path):
+    out = tmp_path / "rows.json"
+    r = subprocess.run(
+        [sys.executable, "benchmarks/load_server.py", str(mlp_a), "--mode", "v2", "--clients", "4",
+         "--requests", "5", "--max-batch-size", "8", "--json", str(out)],
+        capture_output=True, text=True, timeout=120, check=False, cwd=Path(__file__).resolve().parents[2],
+    )
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    import json
+
+    (row,) = json.loads(out.read_text())
+    assert row["ok"] == 20 and row["failed"] == 0 and row["p99"] >= row["p50"] > 0
