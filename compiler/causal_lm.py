@@ -17,11 +17,10 @@ import warnings
 from pathlib import Path
 
 import numpy as np
-
 from precast.compiler.source import Source, hash_files
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
 
-__all__ = ["load_causal_lm", "SUPPORTED", "BLOCK_SIZE", "llm_block", "sample_step", "build_paged_decoder", "export_step"]
+__all__ = ["BLOCK_SIZE", "SUPPORTED", "build_paged_decoder", "export_step", "llm_block", "load_causal_lm", "sample_step"]
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["PagedLlama", "PagedGPT2", "paged_attention", "last_token"]
+__all__ = ["PagedGPT2", "PagedLlama", "last_token", "paged_attention"]
 
 _NEG = torch.finfo(torch.float32).min
 

@@ -12,7 +12,6 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
-
 from precast.runtime.errors import ArtifactError, InputError
 
 __all__ = ["LLMSpec", "ModelRunner"]
