@@ -163,7 +163,8 @@ def main(argv: list[str] | None = None) -> int:
         pipeline = read_manifest(artifact).get("pipeline") or "(none)"
         table = Table(title=f"all-MiniLM-L6-v2, seq {args.seq}, {args.threads} intra-op threads, "
                             f"median of {args.runs} interleaved runs", title_justify="left")
-        for col in ("batch", "engine", "median ms", "min ms", "p10-p90 ms", "vs torch", "vs plain ORT", "cosine vs torch"):
+        columns = ("batch", "engine", "median ms", "min ms", "p10-p90 ms", "vs torch", "vs plain ORT", "cosine vs torch")
+        for col in columns:
             table.add_column(col, justify="left" if col == "engine" else "right")
         for batch in args.batches:
             feeds = make_feeds(artifact / "tokenizer" / "tokenizer.json", batch, args.seq)
