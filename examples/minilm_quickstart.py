@@ -40,10 +40,11 @@ def minilm_folder() -> Path:
 
 def artifact_is_usable(path: Path) -> tuple[bool, str]:
     """(ok, why): an existing MiniLM artifact is reused only if its files are intact and parity re-runs."""
-    import precast
     from precast.runtime.errors import PrecastError
     from precast.runtime.manifest import read_manifest
     from precast.runtime.verify import verify_artifact
+
+    import precast
 
     if not (path / "manifest.json").is_file():
         return False, "no artifact yet"
@@ -69,7 +70,9 @@ def compile_minilm(folder: Path, output: Path) -> None:
     result = compile_model(str(folder), output, CompileOptions(), progress=Progress())
     parity = result.manifest["parity"]
     worst = min(r["cosine"] for r in parity["outputs"].values())
-    print(f"compiled in {result.seconds['total']:.1f}s; parity vs {parity['reference']}: min cosine {worst:.6f}")
+    print(
+        f"compiled in {result.seconds['total']:.1f}s; parity vs {parity['reference']}: min cosine {worst:.6f}"
+    )
 
 
 def embed(model, tokenizer, sentences: list[str]) -> np.ndarray:
@@ -108,8 +111,10 @@ def print_similarities(sentences: list[str], emb: np.ndarray) -> None:
     for j in range(len(sentences)):
         table.add_column(str(j), justify="right")
     for i in range(len(sentences)):
-        cells = [f"[bold green]{sim[i, j]:.2f}[/bold green]" if i != j and sim[i, j] >= 0.5 else f"{sim[i, j]:.2f}"
-                 for j in range(len(sentences))]
+        cells = [
+            f"[bold green]{sim[i, j]:.2f}[/bold green]" if i != j and sim[i, j] >= 0.5 else f"{sim[i, j]:.2f}"
+            for j in range(len(sentences))
+        ]
         table.add_row(str(i), *cells)
     console.print(table)
     off = sim - 2 * np.eye(len(sentences))
@@ -119,9 +124,13 @@ def print_similarities(sentences: list[str], emb: np.ndarray) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("-o", "--output", default="out/minilm", type=Path, help="artifact directory (default out/minilm)")
+    ap.add_argument(
+        "-o", "--output", default="out/minilm", type=Path, help="artifact directory (default out/minilm)"
+    )
     ap.add_argument("--force", action="store_true", help="recompile even if the artifact exists and verifies")
-    ap.add_argument("--threads", type=int, default=None, help="intra-op threads (default: the artifact's setting)")
+    ap.add_argument(
+        "--threads", type=int, default=None, help="intra-op threads (default: the artifact's setting)"
+    )
     args = ap.parse_args(argv)
 
     from precast.runtime import load
