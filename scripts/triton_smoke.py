@@ -1,0 +1,357 @@
+"""Serve precast `triton`-target artifacts with the real tritonserver and check its answers.
+
+Runs inside the Triton virtualenv (scripts/triton_smoke.sh makes it): nvidia-pytriton (which bundles
+tritonserver with the Python backend only), tritonclient[http], and precast's runtime. For each
+artifact it validates both config.pbtxt files against Triton's ModelConfig protobuf, starts
+tritonserver on loopback with the artifact's Python-backend model, sends real requests and compares
+them with precast.runtime run locally (tensor models: parity sample, concurrent requests of mixed batch
+sizes, a bad request; LLMs: greedy streams over /generate_stream == precast Engine), then stops the
+server (SIGTERM, then SIGKILL of its process group) whatever happened.
+
+    python scripts/triton_smoke.py ARTIFACT [ARTIFACT ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+READY_TIMEOUT_S = 90.0
+
+
+def _log(msg: str) -> None:
+    print(f"[triton-smoke] {msg}", flush=True)
+
+
+def validate_configs(repo: Path) -> list[str]:
+    """Parse every config.pbtxt with Triton's own ModelConfig message (unknown fields fail)."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    names = []
+    for cfg in sorted(repo.glob("*/config.pbtxt")):
+        msg = text_format.Parse(cfg.read_text(encoding="utf-8"), model_config_pb2.ModelConfig())
+        assert msg.name == cfg.parent.name, f"{cfg}: name '{msg.name}' != folder '{cfg.parent.name}'"
+        names.append(msg.name)
+    return names
+
+
+def triton_install(work: Path) -> tuple[Path, Path, dict]:
+    """tritonserver binary, backend dir (with the stub for this Python) and the env to run it with."""
+    import pytriton
+    from pytriton.utils.distribution import get_libs_path, get_stub_path
+
+    dist = Path(pytriton.__file__).parent / "tritonserver"
+    backends = work / "backends"
+    shutil.copytree(dist / "backends", backends, ignore=shutil.ignore_patterns("__pycache__"))
+    version = f"{sys.version_info[0]}.{sys.version_info[1]}"
+    shutil.copy(get_stub_path(version), backends / "python" / "triton_python_backend_stub")
+    env = dict(os.environ)
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (str(get_libs_path()), env.get("LD_LIBRARY_PATH")) if p)
+    # The stub embeds the first python3 on PATH: this venv's, where precast.runtime is installed.
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    return dist / "bin" / "tritonserver", backends, env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL it when this driver dies, however it dies (Linux prctl PR_SET_PDEATHSIG)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+class Server:
+    def __init__(self, binary: Path, backends: Path, env: dict, repo: Path, model: str, work: Path):
+        self.port = free_port()
+        self.shm_prefix = f"precast-smoke-{os.getpid()}-{self.port}"
+        self.log_path = work / f"tritonserver-{model}.log"
+        cmd = [
+            str(binary),
+            f"--model-repository={repo}",
+            "--model-control-mode=explicit",
+            f"--load-model={model}",
+            f"--backend-directory={backends}",
+            f"--cache-directory={work}",
+            "--http-address=127.0.0.1",
+            f"--http-port={self.port}",
+            "--allow-grpc=false",
+            "--allow-metrics=false",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
+            "--exit-timeout-secs=5",
+        ]
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - open while the server runs
+        # cwd: not the repo root, whose precast/ folder would shadow the installed package in the stub.
+        self.proc = subprocess.Popen(
+            cmd,
+            env=env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run yet
+            cwd=work,
+        )
+        self.url = f"127.0.0.1:{self.port}"
+
+    def wait_ready(self, model: str) -> None:
+        import tritonclient.http as httpclient
+
+        client = httpclient.InferenceServerClient(self.url)
+        deadline = time.monotonic() + READY_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(Exception):  # not listening yet
+                if client.is_server_ready() and client.is_model_ready(model):
+                    return
+            time.sleep(0.3)
+        raise TimeoutError(f"tritonserver not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 40) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def stop(self) -> None:
+        """SIGTERM the server's process group (server + Python stubs); SIGKILL what is left after 15 s."""
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=15)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # stubs that outlived the server
+        except ProcessLookupError:
+            pass
+        self.proc.wait(timeout=10)
+        self._log.close()
+        for leftover in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            leftover.unlink(missing_ok=True)
+
+
+# -- checks -----------------------------------------------------------------------------------------
+def _infer(client, model: str, feeds: dict, output_names: list[str]) -> dict:
+    import tritonclient.http as httpclient
+    from tritonclient.utils import np_to_triton_dtype
+
+    inputs = []
+    for name, arr in feeds.items():
+        t = httpclient.InferInput(name, list(arr.shape), np_to_triton_dtype(arr.dtype))
+        t.set_data_from_numpy(arr, binary_data=True)
+        inputs.append(t)
+    outs = [httpclient.InferRequestedOutput(n, binary_data=True) for n in output_names]
+    result = client.infer(model, inputs, outputs=outs)
+    return {n: result.as_numpy(n) for n in output_names}
+
+
+def check_tensor_model(url: str, model: str, artifact: Path, manifest: dict) -> dict:
+    import tritonclient.http as httpclient
+    from precast.runtime import load
+    from tritonclient.utils import InferenceServerException
+
+    local = load(artifact)
+    out_names = [o.name for o in local.outputs]
+    parity = manifest["parity"]
+    tol = parity["tolerance"]
+    atol, rtol = tol.get("atol") or 1e-4, tol.get("rtol") or 1e-3
+    client = httpclient.InferenceServerClient(url)
+
+    # 1. The compile's own sample: Triton's answer == the expected outputs stored in the artifact.
+    feeds = {n: np.load(artifact / rel) for n, rel in parity["inputs"].items()}
+    got = _infer(client, model, feeds, out_names)
+    worst = 0.0
+    for n, rel in parity["expected"].items():
+        exp = np.load(artifact / rel)
+        np.testing.assert_allclose(
+            got[n], exp, rtol=rtol, atol=atol, err_msg=f"output '{n}' vs parity/expected"
+        )
+        worst = max(worst, float(np.max(np.abs(got[n].astype(np.float64) - exp))) if exp.size else 0.0)
+    _log(f"{model}: parity sample ok (max abs error {worst:.2e})")
+
+    # 2. Concurrent requests of mixed batch sizes (the dynamic batcher stacks them): each == local run.
+    batch_dim = manifest["target"]["triton"]["batch_dim"]
+    rng = np.random.default_rng(0)
+    sample = {n: np.load(artifact / rel) for n, rel in parity["inputs"].items()}
+
+    def make(i: int) -> dict:
+        rows = 1 + i % 3 if batch_dim else None
+        req = {}
+        for n, arr in sample.items():
+            shape = (rows, *arr.shape[1:]) if rows else arr.shape
+            req[n] = (
+                rng.standard_normal(shape).astype(arr.dtype)
+                if arr.dtype.kind == "f"
+                else np.resize(arr, shape).astype(arr.dtype)
+            )
+        return req
+
+    n_requests = 24
+    requests = [make(i) for i in range(n_requests)]
+    with ThreadPoolExecutor(8) as pool:
+        answers = pool.map(
+            lambda req: _infer(httpclient.InferenceServerClient(url), model, req, out_names), requests
+        )
+        results = list(zip(requests, answers))
+    for req, got in results:
+        exp = local.run(req)
+        for n in out_names:
+            np.testing.assert_allclose(
+                got[n], exp[n], rtol=rtol, atol=atol, err_msg=f"concurrent request, output '{n}'"
+            )
+    stats = client.get_inference_statistics(model)["model_stats"][0]
+    _log(
+        f"{model}: {n_requests} concurrent requests ok; inference_count={stats['inference_count']} "
+        f"execution_count={stats['execution_count']}"
+    )
+
+    # 3. A bad request gets an error naming the input; the server keeps serving.
+    name, arr = next(iter(sample.items()))
+    bad = {**sample, name: np.zeros((*arr.shape[:-1], arr.shape[-1] + 3), dtype=arr.dtype)}
+    try:
+        _infer(client, model, bad, out_names)
+        raise AssertionError("a request with a wrong shape was accepted")
+    except InferenceServerException as e:
+        assert name in str(e), f"error does not name input '{name}': {e}"
+        _log(f"{model}: bad shape rejected: {str(e).splitlines()[0][:160]}")
+    np.testing.assert_allclose(
+        _infer(client, model, feeds, out_names)[out_names[0]],
+        np.load(artifact / parity["expected"][out_names[0]]),
+        rtol=rtol,
+        atol=atol,
+    )
+    return {
+        "max_abs_error": worst,
+        "requests": n_requests + 3,
+        "inference_count": stats["inference_count"],
+        "execution_count": stats["execution_count"],
+    }
+
+
+def _generate_stream(url: str, model: str, body: dict) -> tuple[str, list[int], str | None]:
+    req = urllib.request.Request(
+        f"http://{url}/v2/models/{model}/generate_stream",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    text, ids, reason = [], [], None
+    try:
+        resp = urllib.request.urlopen(req, timeout=60)
+    except urllib.error.HTTPError as e:  # Triton answers a rejected request with 400 and a JSON error
+        raise RuntimeError(f"HTTP {e.code}: {e.read().decode(errors='replace')}") from None
+    with resp:
+        for raw in resp:
+            line = raw.decode("utf-8").strip()
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line[5:])
+            if "error" in event:
+                raise RuntimeError(f"generate_stream error: {event['error']}")
+            text.append(event["text_output"])
+            ids.append(int(event["token_id"]))
+            reason = event.get("finish_reason", reason)
+    return "".join(text), ids, reason
+
+
+def check_llm_model(url: str, model: str, artifact: Path) -> dict:
+    from precast.runtime.llm import Engine, SamplingParams
+
+    prompts = ["def main(", "import os\n", "class Text"]
+    engine = Engine.load(artifact)
+    expected = engine.generate(prompts, SamplingParams(max_tokens=8))
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(
+            pool.map(lambda p: _generate_stream(url, model, {"text_input": p, "max_tokens": 8}), prompts)
+        )
+    seconds = time.perf_counter() - t0
+    for p, exp, (text, ids, reason) in zip(prompts, expected, got):
+        assert ids == exp.token_ids, f"prompt {p!r}: Triton tokens {ids} != precast Engine {exp.token_ids}"
+        assert text == exp.text, f"prompt {p!r}: Triton text {text!r} != precast Engine {exp.text!r}"
+        assert reason == exp.finish_reason, f"prompt {p!r}: finish_reason {reason!r} != {exp.finish_reason!r}"
+    _log(
+        f"{model}: {len(prompts)} concurrent greedy streams == precast Engine ({sum(len(g[1]) for g in got)} tokens, "
+        f"{seconds:.2f} s)"
+    )
+    try:
+        _generate_stream(url, model, {"text_input": "x", "max_tokens": -1})
+        raise AssertionError("max_tokens=-1 was accepted")
+    except RuntimeError as e:
+        assert "max_tokens" in str(e), f"error does not name max_tokens: {e}"
+        _log(f"{model}: bad max_tokens rejected: {str(e)[:160]}")
+    return {"streams": len(prompts), "tokens": sum(len(g[1]) for g in got), "seconds": round(seconds, 3)}
+
+
+def smoke(artifact: Path, work: Path) -> dict:
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    block = manifest["target"].get("triton")
+    if not block:
+        raise SystemExit(f"{artifact}: not a 'triton' target artifact")
+    repo = artifact / block["repository"]
+    models = validate_configs(repo)
+    _log(f"{artifact.name}: config.pbtxt parsed by Triton's ModelConfig protobuf: {', '.join(models)}")
+    model = block["python_model"]
+    binary, backends, env = triton_install(work / "tritonserver")
+    server = Server(binary, backends, env, repo, model, work)
+    try:
+        t0 = time.perf_counter()
+        server.wait_ready(model)
+        _log(f"{model}: tritonserver ready on {server.url} in {time.perf_counter() - t0:.1f} s")
+        if block["mode"] == "llm":
+            result = {"model": model, **check_llm_model(server.url, model, artifact)}
+        else:
+            result = {"model": model, **check_tensor_model(server.url, model, artifact, manifest)}
+    except BaseException:
+        print(server.log_tail(), file=sys.stderr)
+        raise
+    finally:
+        server.stop()
+        _log(f"{model}: tritonserver stopped (exit {server.proc.returncode})")
+    from precast.runtime import load
+
+    load(artifact)  # serving left the artifact exactly as its manifest lists it (no __pycache__)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifacts", nargs="+", type=Path)
+    ap.add_argument("--json", type=Path, help="write the results here")
+    args = ap.parse_args(argv)
+    # `timeout` and CI runners send SIGTERM: unwind through the finally blocks that stop the server.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    results = []
+    for artifact in args.artifacts:
+        with tempfile.TemporaryDirectory(prefix="precast-triton-") as tmp:
+            results.append(smoke(artifact.resolve(), Path(tmp)))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    _log("all ok")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,222 @@
+"""Target ``triton``: a Triton Inference Server model repository inside the artifact.
+
+    <artifact>/
+      manifest.json                      precast's manifest (its target block runs model.onnx on ORT CPU)
+      model_repository/                  tritonserver --model-repository <artifact>/model_repository
+        <name>/config.pbtxt              platform onnxruntime_onnx: dynamic batcher, instance group
+        <name>/1/model.onnx
+        <name>_precast/config.pbtxt      backend python: serves the whole precast artifact
+        <name>_precast/1/model.py        (LLM artifacts: decoupled, the precast Engine streams tokens)
+
+The repository sits in its own folder so that Triton sees only model folders (not parity/ or the
+tokenizer). The precast manifest's block points at ``<name>/1/model.onnx`` with the CPU execution
+provider, so ``precast.runtime.load`` (and the compile's verification) run the very file Triton serves.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+from typing import Any, ClassVar
+
+import onnx_ir as ir
+from precast.compiler.parity import io_signature
+from precast.runtime.errors import UsageError
+from precast.runtime.manifest import TensorSpec
+from precast.targets.base import Target, register_target
+from precast.targets.ort_cpu import OrtCpu, save_onnx
+from precast.targets.triton_config import (
+    ModelConfig,
+    TensorConfig,
+    render_config,
+    shared_batch_dim,
+    tensor_configs,
+)
+
+__all__ = ["LLM_STEP_INPUTS", "REPOSITORY_DIR", "Triton"]
+
+REPOSITORY_DIR = "model_repository"
+# The paged decoder step graph's inputs (runtime/llm/model_runner.py): such a model is served as an LLM.
+LLM_STEP_INPUTS = frozenset({"input_ids", "positions", "past_lens", "new_lens", "block_tables"})
+_NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+_PYTHON_MODEL = Path(__file__).with_name("_triton_python_model.py")
+
+# Text in / text out of the decoupled LLM model (Triton's generate extension maps JSON fields by name).
+_LLM_INPUTS = [
+    TensorConfig("text_input", "TYPE_STRING", (1,)),
+    TensorConfig("max_tokens", "TYPE_INT32", (1,), optional=True),
+    TensorConfig("temperature", "TYPE_FP32", (1,), optional=True),
+    TensorConfig("top_k", "TYPE_INT32", (1,), optional=True),
+    TensorConfig("top_p", "TYPE_FP32", (1,), optional=True),
+    TensorConfig("seed", "TYPE_INT64", (1,), optional=True),
+]
+_LLM_OUTPUTS = [
+    TensorConfig("text_output", "TYPE_STRING", (1,)),
+    TensorConfig("token_id", "TYPE_INT64", (1,)),
+    TensorConfig("finish_reason", "TYPE_STRING", (1,)),
+]
+
+
+@register_target("triton")
+class Triton(Target):
+    summary = (
+        "Triton Inference Server model repository (onnxruntime backend + a Python-backend precast model)"
+    )
+    default_pipeline = OrtCpu.default_pipeline
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "model_name": "model",
+        "version": 1,
+        "max_batch_size": 8,  # used when every input and output leads with one symbolic batch dim
+        "preferred_batch_sizes": "",  # e.g. "4,8"
+        "max_queue_delay_us": 100,
+        "instance_count": 1,
+        "instance_kind": "cpu",  # cpu | gpu (the onnxruntime model's instance group)
+        "mode": "auto",  # auto | tensor | llm (the Python model's interface)
+        "llm_num_blocks": 0,  # KV blocks of the Python model's LLM engine (0 = engine default)
+        "ort_level": "extended",  # offline ORT optimization of model.onnx (none|basic|extended)
+        "threads": 0,
+    }
+
+    def _checked_options(self) -> dict:
+        o = dict(self.options)
+        if not _NAME_RE.match(o["model_name"]):
+            raise UsageError(
+                f"target 'triton' option model_name must be a folder-safe name, got '{o['model_name']}'"
+            )
+        for key in ("version", "instance_count"):
+            if o[key] < 1:
+                raise UsageError(f"target 'triton' option {key} must be >= 1, got {o[key]}")
+        if o["max_batch_size"] < 0 or o["max_queue_delay_us"] < 0:
+            raise UsageError("target 'triton' options max_batch_size and max_queue_delay_us must be >= 0")
+        if o["instance_kind"] not in ("cpu", "gpu"):
+            raise UsageError(
+                f"target 'triton' option instance_kind must be cpu|gpu, got '{o['instance_kind']}'"
+            )
+        if o["mode"] not in ("auto", "tensor", "llm"):
+            raise UsageError(f"target 'triton' option mode must be auto|tensor|llm, got '{o['mode']}'")
+        if o["ort_level"] not in ("none", "basic", "extended"):
+            raise UsageError(
+                f"target 'triton' option ort_level must be none|basic|extended, got '{o['ort_level']}'"
+            )
+        try:
+            sizes = tuple(
+                int(s) for s in str(o["preferred_batch_sizes"]).replace(";", ",").split(",") if s.strip()
+            )
+        except ValueError:
+            raise UsageError(
+                f"target 'triton' option preferred_batch_sizes must be comma-separated integers, "
+                f"got '{o['preferred_batch_sizes']}'"
+            ) from None
+        bad = [s for s in sizes if not 1 <= s <= o["max_batch_size"]]
+        if bad:
+            raise UsageError(
+                f"target 'triton': preferred batch size {bad[0]} is outside [1, max_batch_size={o['max_batch_size']}]"
+            )
+        o["preferred_batch_sizes"] = sizes
+        return o
+
+    def build(self, model: ir.Model, out_dir: Path) -> dict:
+        o = self._checked_options()
+        inputs, outputs = io_signature(model)
+        mode = o["mode"]
+        if mode == "auto":
+            mode = "llm" if LLM_STEP_INPUTS <= {s.name for s in inputs} else "tensor"
+        name, py_name = o["model_name"], o["model_name"] + "_precast"
+        repo = out_dir / REPOSITORY_DIR
+        version_dir = repo / name / str(o["version"])
+        version_dir.mkdir(parents=True)
+        files = save_onnx(model, version_dir / "model.onnx")
+        if o["ort_level"] != "none" and len(files) == 1:
+            OrtCpu._ort_offline_optimize(version_dir / "model.onnx", o["ort_level"])
+
+        batch = shared_batch_dim(inputs, outputs) if o["max_batch_size"] > 0 else None
+        max_batch = o["max_batch_size"] if batch else 0
+        onnx_cfg = self._onnx_config(name, inputs, outputs, batch, max_batch, o)
+        (repo / name / "config.pbtxt").write_text(render_config(onnx_cfg), encoding="utf-8")
+
+        py_cfg = self._python_config(py_name, onnx_cfg, mode, o)
+        (repo / py_name / str(o["version"])).mkdir(parents=True)
+        shutil.copyfile(_PYTHON_MODEL, repo / py_name / str(o["version"]) / "model.py")
+        (repo / py_name / "config.pbtxt").write_text(render_config(py_cfg), encoding="utf-8")
+
+        model_rel = f"{REPOSITORY_DIR}/{name}/{o['version']}/model.onnx"
+        return {
+            "name": self.name,
+            "backend": "onnxruntime",
+            "model": model_rel,
+            "providers": ["CPUExecutionProvider"],
+            "device": "cpu",
+            "precision": self.precision,
+            "session": {"graph_optimization_level": "all", "intra_op_num_threads": int(o["threads"])},
+            "offline_ort_level": o["ort_level"],
+            "triton": {
+                "repository": REPOSITORY_DIR,
+                "onnx_model": name,
+                "python_model": py_name,
+                "version": o["version"],
+                "max_batch_size": max_batch,
+                "batch_dim": batch,
+                "mode": mode,
+                "decoupled": mode == "llm",
+                "instance_kind": onnx_cfg.instance_kind,
+            },
+            "notes": [
+                (
+                    f"Triton model repository: {REPOSITORY_DIR}/ (models '{name}' on the onnxruntime backend, "
+                    f"'{py_name}' on the python backend{', decoupled' if mode == 'llm' else ''})"
+                )
+            ],
+        }
+
+    @staticmethod
+    def _onnx_config(
+        name: str,
+        inputs: list[TensorSpec],
+        outputs: list[TensorSpec],
+        batch: str | None,
+        max_batch: int,
+        o: dict,
+    ) -> ModelConfig:
+        params = {"intra_op_thread_count": str(o["threads"])} if o["threads"] else {}
+        return ModelConfig(
+            name=name,
+            platform="onnxruntime_onnx",
+            inputs=tensor_configs(inputs, drop_batch=batch is not None),
+            outputs=tensor_configs(outputs, drop_batch=batch is not None),
+            max_batch_size=max_batch,
+            preferred_batch_sizes=o["preferred_batch_sizes"] if max_batch else (),
+            max_queue_delay_us=o["max_queue_delay_us"] if max_batch else None,
+            instance_count=o["instance_count"],
+            instance_kind="KIND_GPU" if o["instance_kind"] == "gpu" else "KIND_CPU",
+            default_model_filename="model.onnx",
+            parameters=params,
+        )
+
+    @staticmethod
+    def _python_config(py_name: str, onnx_cfg: ModelConfig, mode: str, o: dict) -> ModelConfig:
+        params = {"precast_artifact": "../..", "precast_mode": mode, "precast_threads": str(o["threads"])}
+        if mode == "llm":
+            params["precast_num_blocks"] = str(o["llm_num_blocks"])
+            # One engine per instance owns the KV pool and batches continuously: Triton must not batch.
+            return ModelConfig(
+                name=py_name,
+                backend="python",
+                inputs=list(_LLM_INPUTS),
+                outputs=list(_LLM_OUTPUTS),
+                instance_count=1,
+                decoupled=True,
+                parameters=params,
+            )
+        # The precast artifact runs on ORT's CPU provider inside the stub, so its instances are CPU ones.
+        return ModelConfig(
+            name=py_name,
+            backend="python",
+            inputs=onnx_cfg.inputs,
+            outputs=onnx_cfg.outputs,
+            max_batch_size=onnx_cfg.max_batch_size,
+            preferred_batch_sizes=onnx_cfg.preferred_batch_sizes,
+            max_queue_delay_us=onnx_cfg.max_queue_delay_us,
+            instance_count=o["instance_count"],
+            parameters=params,
+        )
