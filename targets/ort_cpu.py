@@ -48,7 +48,7 @@ class OrtCpu(Target):
         "fuse-layernorm,fuse-rmsnorm,fuse-gelu,fuse-attention,fuse-skip-layernorm,fuse-matmul-add,"
         "eliminate-dead-code"
     )
-    option_defaults = {"ort_level": "extended", "threads": 0, "runtime_level": "all"}
+    option_defaults = {"ort_level": "none", "threads": 0, "runtime_level": "all"}
 
     def build(self, model: ir.Model, out_dir: Path) -> dict:
         files = save_onnx(model, out_dir / "model.onnx")
