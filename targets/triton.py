@@ -74,7 +74,7 @@ class Triton(Target):
         "instance_kind": "cpu",  # cpu | gpu (the onnxruntime model's instance group)
         "mode": "auto",  # auto | tensor | llm (the Python model's interface)
         "llm_num_blocks": 0,  # KV blocks of the Python model's LLM engine (0 = engine default)
-        "ort_level": "extended",  # offline ORT optimization of model.onnx (none|basic|extended)
+        "ort_level": "none",  # offline ORT optimization of model.onnx (none|basic|extended), as ort-cpu
         "threads": 0,
     }
 
