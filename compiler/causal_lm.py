@@ -20,7 +20,7 @@ import numpy as np
 from precast.compiler.source import Source, hash_files
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
 
-__all__ = ["BLOCK_SIZE", "SUPPORTED", "build_paged_decoder", "export_step", "llm_block", "load_causal_lm", "sample_step"]
+__all__ = ["BLOCK_SIZE", "SUPPORTED", "build_paged_decoder", "decode_step", "export_step", "llm_block", "load_causal_lm", "sample_step"]
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")
@@ -52,6 +52,14 @@ def _ids(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
+def _context(config: dict) -> int:
+    ctx = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    window = config.get("sliding_window")
+    if window and config.get("model_type") == "mistral":
+        ctx = min(ctx, int(window))  # beyond the window Mistral attends differently; refuse longer contexts
+    return ctx
+
+
 def llm_block(folder: Path, config: dict, module) -> dict:
     """The manifest's ``llm`` block (see the LLM contract)."""
     gen = {}
@@ -62,10 +70,7 @@ def llm_block(folder: Path, config: dict, module) -> dict:
     eos = _ids(gen.get("eos_token_id", config.get("eos_token_id")))
     pad = gen.get("pad_token_id", config.get("pad_token_id"))
     pad = int(pad) if pad is not None else (eos[0] if eos else 0)
-    ctx = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
-    window = config.get("sliding_window")
-    if window and config.get("model_type") == "mistral":
-        ctx = min(ctx, int(window))  # beyond the window Mistral attends differently; refuse longer contexts
+    ctx = _context(config)
     layers = len(module.layers) if hasattr(module, "layers") else len(module.blocks)
     return {
         "architecture": "gpt2" if config.get("model_type") == "gpt2" else "llama",
@@ -85,6 +90,9 @@ def llm_block(folder: Path, config: dict, module) -> dict:
         "eos_ids": eos,
         "pad_id": pad,
         "tokenizer": "tokenizer/tokenizer.json",
+        # False: the graph's fused attention (GroupQueryAttention) takes S > 1 only for one request at a
+        # time; ModelRunner runs such steps request by request.
+        "batched_prefill": not getattr(module, "fused", False),
     }
 
 
@@ -104,7 +112,9 @@ def build_paged_decoder(folder: Path, model_type: str):
         ).eval()
     except Exception as e:
         raise ModelLoadError(f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})") from e
-    return hf, (PagedGPT2 if model_type == "gpt2" else PagedLlama)(hf).eval()
+    if model_type == "gpt2":
+        return hf, PagedGPT2(hf).eval()
+    return hf, PagedLlama(hf, max_context=_context(json.loads((folder / "config.json").read_text()))).eval()
 
 
 def _input_names(layers: int) -> list[str]:
@@ -139,6 +149,15 @@ def sample_step(spec: dict, seed: int = 0, batch: int = 2, new: int = 5, past: i
     return dict(sorted(feeds.items(), key=lambda kv_: _input_names(spec["layers"]).index(kv_[0])))
 
 
+def decode_step(spec: dict, seed: int = 0, pasts: tuple[int, ...] = (20, 3, 37)) -> dict[str, np.ndarray]:
+    """A batched decode step (one new token per request after ``pasts`` cached ones), for graphs whose
+    prefill runs one request at a time (``batched_prefill`` false): what their batches look like."""
+    feeds = sample_step(spec, seed, batch=len(pasts), new=1, past=max(pasts))
+    feeds["past_lens"] = np.array(pasts, dtype=np.int64)
+    feeds["positions"] = feeds["past_lens"][:, None].copy()
+    return feeds
+
+
 def _call(module, feeds: dict, layers: int):
     import torch
 
@@ -166,6 +185,10 @@ def export_step(module, spec: dict):
 
     layers = spec["layers"]
     feeds = sample_step(spec, batch=3, new=5, past=37)  # distinct sizes: B=3, S=5, MAXB=3, NB=12
+    fused = getattr(module, "fused", False)
+    translations = {}
+    if fused:
+        from precast.compiler.paged_ops import TRANSLATIONS as translations
     t = {k: torch.from_numpy(v) for k, v in feeds.items()}
     keys = [t[f"key_cache.{i}"] for i in range(layers)]
     values = [t[f"value_cache.{i}"] for i in range(layers)]
@@ -179,7 +202,7 @@ def export_step(module, spec: dict):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
                 module, args, dynamo=True, input_names=_input_names(layers), output_names=_output_names(layers),
-                dynamic_shapes=dynamic, optimize=True, verbose=False,
+                dynamic_shapes=dynamic, optimize=True, verbose=False, custom_translation_table=translations,
             )
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -214,5 +237,5 @@ def load_causal_lm(folder: Path, config: dict, dims: dict[str, int] | None = Non
         reference_name="torch (paged decoder over the transformers model)",
         ship_files=ship,
         info={"model_type": model_type, "task": "causal-lm", "vocab_size": spec["vocab"], "llm": spec},
-        sample_feeds=sample_step(spec),
+        sample_feeds=sample_step(spec) if spec["batched_prefill"] else decode_step(spec),
     )

@@ -9,6 +9,9 @@ The step graph (precast's LLM contract, issue 5), for B requests with S new toke
       logits [B,V] of the last real new token (new_lens-1);  new_key.i/new_value.i [B,KV,S,D]
 
 The pool is read only in the graph: the runtime scatters new_key/new_value into it after the step.
+When the head size allows (paged_ops.supports_gqa), PagedLlama runs fused: Q/K/V and gate/up packed
+into one projection each, rotary and attention as the custom ops of paged_ops.py, which export to
+com.microsoft RotaryEmbedding and GroupQueryAttention (decode steps batch; prefill runs per request).
 The modules hold the Hugging Face model's own submodules (norms, projections, MLP, rotary), so
 weights and numerics are the model's own; only the attention and cache plumbing are new.
 torch is imported by the caller (this module is only imported on the compile side).
@@ -69,10 +72,23 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
+def _packed(linears: list[nn.Linear]) -> nn.Linear:
+    """One Linear computing cat([l(x) for l in linears], -1): one weight read per step instead of several."""
+    out = sum(lin.out_features for lin in linears)
+    bias = any(lin.bias is not None for lin in linears)
+    packed = nn.Linear(linears[0].in_features, out, bias=bias)
+    with torch.no_grad():
+        packed.weight.copy_(torch.cat([lin.weight for lin in linears], 0))
+        if bias:
+            packed.bias.copy_(torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features)
+                                         for lin in linears]))
+    return packed
+
+
 class PagedLlama(nn.Module):
     """Llama / Mistral / Qwen2 (RMSNorm, rotary, SwiGLU, grouped KV heads) over a paged KV pool."""
 
-    def __init__(self, hf_model: nn.Module):
+    def __init__(self, hf_model: nn.Module, max_context: int | None = None, fused: bool | None = None):
         super().__init__()
         body = hf_model.model
         self.embed = body.embed_tokens
@@ -86,8 +102,26 @@ class PagedLlama(nn.Module):
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = attn.head_dim
         self.scaling = float(attn.scaling)
+        from precast.compiler.paged_ops import supports_gqa
+
+        self.fused = supports_gqa(self.head_dim) if fused is None else fused
+        if self.fused:
+            ctx = int(max_context or cfg.max_position_embeddings)
+            with torch.no_grad():  # the model's own rotary module at every position: [C, D/2] tables
+                cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32), torch.arange(ctx)[None])
+            half = self.head_dim // 2
+            self.register_buffer("cos_cache", cos[0, :, :half].float().contiguous(), persistent=False)
+            self.register_buffer("sin_cache", sin[0, :, :half].float().contiguous(), persistent=False)
+            self.qkv = nn.ModuleList(_packed([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
+                                     for la in self.layers)
+            self.gate_up = nn.ModuleList(_packed([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers)
+            # The head as MatMul on its own [E, V] copy (not Gemm on the embedding table it may be tied to),
+            # so weight-only quantization can take it: at batch 1 it is the largest weight read per token.
+            self.register_buffer("lm_head_t", self.lm_head.weight.detach().t().contiguous(), persistent=False)
 
     def forward(self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list):
+        if self.fused:
+            return self._forward_fused(input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches)
         x = self.embed(input_ids)
         b, s, _ = x.shape
         p = block_tables.shape[1] * key_caches[0].shape[2]
@@ -109,6 +143,32 @@ class PagedLlama(nn.Module):
             new_keys.append(k)
             new_values.append(v)
         logits = self.lm_head(last_token(self.norm(x), new_lens))
+        return (logits, *[t for kv in zip(new_keys, new_values) for t in kv])
+
+
+    def _forward_fused(self, input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches):
+        from precast.compiler.paged_ops import paged_gqa, rotary
+
+        x = self.embed(input_ids)
+        b, s, _ = x.shape
+        hd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        seqlens_k = (past_lens + (s - 1)).to(torch.int32)  # GroupQueryAttention's lengths (see paged_ops)
+        total = (past_lens.max() + s).to(torch.int32)
+        new_keys, new_values = [], []
+        for i, layer in enumerate(self.layers):
+            q, k, v = self.qkv[i](layer.input_layernorm(x)).split([hd, kvd, kvd], dim=-1)
+            q = rotary(q, positions, self.cos_cache, self.sin_cache)
+            k = rotary(k, positions, self.cos_cache, self.sin_cache)
+            a = paged_gqa(q, k, v, key_caches[i], value_caches[i], block_tables, seqlens_k, total,
+                          self.heads, self.kv_heads, self.scaling)
+            x = x + layer.self_attn.o_proj(a)
+            gate, up = self.gate_up[i](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
+            x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+            new_keys.append(k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2))
+            new_values.append(v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2))
+        logits = torch.matmul(last_token(self.norm(x), new_lens), self.lm_head_t)
+        if self.lm_head.bias is not None:
+            logits = logits + self.lm_head.bias
         return (logits, *[t for kv in zip(new_keys, new_values) for t in kv])
 
 

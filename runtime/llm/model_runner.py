@@ -38,6 +38,7 @@ class LLMSpec:
     pad_id: int
     tokenizer: str
     model_type: str | None = None
+    batched_prefill: bool = True  # False: the graph takes S > 1 only with B == 1 (fused GroupQueryAttention)
 
     @classmethod
     def from_manifest(cls, manifest: dict, where: str = "artifact") -> LLMSpec:
@@ -133,6 +134,18 @@ class ModelRunner:
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
         """Run one step; write the new tokens' K/V into the pools; return logits [B, V] of each last real token."""
         ids, pos, past, new, tables = self._check(input_ids, positions, past_lens, new_lens, block_tables)
+        if ids.shape[1] > 1 and (ids.shape[0] == 1 or not self.spec.batched_prefill):
+            # One request at a time (what a fused-attention graph needs for S > 1), without padding.
+            rows = [self._run(ids[r : r + 1, : new[r]], pos[r : r + 1, : new[r]], past[r : r + 1], new[r : r + 1],
+                              tables[r : r + 1]) for r in range(ids.shape[0])]
+            return np.concatenate(rows, axis=0)
+        return self._run(ids, pos, past, new, tables)
+
+    def _run(self, ids, pos, past, new, tables) -> np.ndarray:
+        # The graph gathers every block of the table: hand it only the blocks this step's requests use.
+        used = self.spec.blocks_for(int((past + new).max()))
+        if tables.shape[1] > used:
+            tables = np.ascontiguousarray(tables[:, :used])
         feeds = {"input_ids": ids, "positions": pos, "past_lens": past, "new_lens": new, "block_tables": tables}
         for i, (k_name, v_name) in enumerate(self.spec.kv_inputs):
             feeds[k_name] = self.key_cache[i]
