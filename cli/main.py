@@ -42,6 +42,7 @@ def _register() -> None:
     from precast.cli import commands_ci  # noqa: F401  (bisect, pack, unpack, keygen, profile)
     from precast.cli import commands_serve  # noqa: F401  (serve)
     from precast.cli import commands_llm  # noqa: F401  (generate)
+    from precast.cli import commands_eval  # noqa: F401  (eval --perplexity)
 
 
 def main(argv: list[str] | None = None) -> None:

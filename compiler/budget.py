@@ -49,11 +49,21 @@ def apply_budget(
     expected: Mapping[str, np.ndarray],
     actual: Mapping[str, np.ndarray],
     report: dict[str, dict],
+    extra: Mapping[str, Mapping[str, float]] | None = None,
 ) -> dict | None:
-    """Measure, check, mark violating outputs not ok in ``report``; the manifest's parity.budget block."""
+    """Measure, check, mark violating outputs not ok in ``report``; the manifest's parity.budget block.
+
+    ``extra``: metrics measured elsewhere (a causal LM's top1 / ppl_delta on text, compiler/llm_text.py);
+    an extra top1 replaces the sample step's (a handful of random-token rows says little about top-1).
+    """
     if bounds is None:
         return None
     metrics = measure(expected, actual)
+    if extra:
+        if any("top1" in m for m in extra.values()):
+            for m in metrics.values():
+                m.pop("top1", None)
+        metrics.update({k: dict(v) for k, v in extra.items()})
     violations = check_budget(bounds, metrics)
     for name, r in report.items():
         if any(f"on output '{name}'" in v for v in violations):

@@ -2,7 +2,8 @@
 
     feeds.npz  with keys 'input_ids', 'attention_mask'        -> one feeds dict (one batch)
     feeds.npz  with keys '0/input_ids', '1/input_ids', ...    -> one feeds dict per prefix
-    text.txt                                                  -> PassContext.calibration_text (LLMs)
+    text.txt                                                  -> PassContext.calibration_text (LLMs; a causal-lm
+                                                                 step graph calibrates on it as prefill steps)
 
 A pass asks ``calibration_batches(context, inputs)`` for feeds checked against the model's inputs;
 without --calibration data it falls back to the sample feeds and says so in its stats.
@@ -61,6 +62,12 @@ def calibration_batches(context: Any, inputs: Sequence[TensorSpec]) -> tuple[lis
     """The feeds a quantizer calibrates on and where they came from ('calibration' or 'sample-feeds')."""
     feeds = getattr(context, "calibration_feeds", None)
     source = "calibration"
+    text = getattr(context, "calibration_text", None)
+    if not feeds and text:
+        from precast.compiler.llm_text import is_step_graph, step_calibration_feeds
+
+        if is_step_graph(inputs):  # a causal-lm step graph: the text, tokenized, as prefill steps
+            feeds, source = step_calibration_feeds(text, getattr(context, "source_dir", None), inputs), "calibration-text"
     if not feeds:
         sample = getattr(context, "sample_feeds", None)
         if not sample:

@@ -160,6 +160,11 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
     say(f"loading {model if isinstance(model, str) else model.name}")
     source = model if isinstance(model, Source) else load_source(model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims)
     timings["load"] = time.perf_counter() - t0
+    if "llm" in source.info:  # a causal LM's top1/ppl_delta budget needs text: say so before any work
+        from precast.compiler.llm_text import check_text_budget
+
+        for t in targets:
+            check_text_budget(budget_bounds(pipelines[t.name], opts.accuracy_budget, t.precision), opts.calibration_text)
     inputs, outputs = io_signature(source.model)
     if opts.sample_inputs is not None:
         feeds = check_feeds(opts.sample_inputs, inputs)
@@ -217,6 +222,12 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
     return CompileResult(output, manifest, all_records, timings, cache=cache_status)
 
 
+def _tokenizer_dir(source: Source) -> Path | None:
+    """Where the source's tokenizer.json lives (causal-lm sources ship it; passes tokenize calibration text)."""
+    tok = source.ship_files.get("tokenizer/tokenizer.json")
+    return Path(tok).parent if tok else None
+
+
 def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected, opts, say, timings, records) -> dict:
     from precast.runtime import load as runtime_load
 
@@ -230,7 +241,7 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         sample_feeds=feeds,
         calibration_feeds=opts.calibration_feeds,
         calibration_text=opts.calibration_text,
-        source_dir=source.info.get("folder"),
+        source_dir=source.info.get("folder") or _tokenizer_dir(source),
     )
     pm = PassManager(specs, print_ir_after=opts.print_ir_after, on_pass=on_pass, context=context)
     optimized = pm.run(source.model)
@@ -276,7 +287,13 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
     except InputError as e:
         raise UsageError(f"compiled model rejects the sample inputs: {e}") from e
     report = compare_outputs(expected, actual, tol)
-    budget = apply_budget(budget_bounds(specs, opts.accuracy_budget, target.precision), expected, actual, report)
+    bounds = budget_bounds(specs, opts.accuracy_budget, target.precision)
+    text_metrics = None
+    if bounds is not None and "llm" in source.info:  # causal LMs: top1 / ppl_delta on text vs the fp32 graph
+        from precast.compiler.llm_text import llm_text_metrics
+
+        text_metrics = llm_text_metrics(source, out_dir, bounds, opts.calibration_text, say)
+    budget = apply_budget(bounds, expected, actual, report, extra=text_metrics)
     timings[f"{target.name}:verify"] = time.perf_counter() - t2
     parity = {
         "ok": all(r["ok"] for r in report.values()),

@@ -1,0 +1,134 @@
+"""Language-model text for the compiler: calibration feeds for the paged step graph, and the accuracy of a
+compiled causal-lm artifact against the fp32 step graph on text (top-1 agreement, perplexity delta).
+
+Calibration: ``--calibration text.txt`` is tokenized with the model's own tokenizer and cut into
+prefill steps (past_lens 0, S tokens per request, an empty one-block pool). Prefill runs every MatMul
+on the same per-token activations as the full-sequence model, which is what GPTQ's Hessians need.
+
+Accuracy: the same sliding-window scorer as ``precast eval --perplexity`` runs the fp32 source graph
+and the artifact on the last ``tokens`` tokens of the text; the budget's ``top1`` is the fraction of
+scored positions where both predict the same next token, ``ppl_delta`` = ppl(artifact) - ppl(fp32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from precast.runtime.errors import InputError, UsageError
+from precast.runtime.manifest import TensorSpec
+
+__all__ = ["STEP_INPUTS", "TEXT_METRICS_KEY", "check_text_budget", "is_step_graph", "llm_text_metrics", "step_calibration_feeds", "text_accuracy"]
+
+STEP_INPUTS = ("input_ids", "positions", "past_lens", "new_lens", "block_tables")
+TEXT_METRICS_KEY = "logits@text"  # the budget's name for metrics measured on text (not on the sample step)
+
+
+def is_step_graph(inputs: Sequence[TensorSpec]) -> bool:
+    names = {s.name for s in inputs}
+    return all(n in names for n in STEP_INPUTS) and "key_cache.0" in names
+
+
+def _tokenizer(folder) -> object:
+    from precast.runtime.llm.tokenizer import TextTokenizer
+
+    path = Path(folder) / "tokenizer.json" if folder is not None else None
+    if path is None or not path.is_file():
+        raise UsageError("calibration text needs the model's tokenizer.json (compile a Hugging Face folder)")
+    return TextTokenizer.from_file(path)
+
+
+def step_calibration_feeds(
+    text: str, tokenizer_dir, inputs: Sequence[TensorSpec], seq: int = 128, batch: int = 1, max_batches: int = 16
+) -> list[dict[str, np.ndarray]]:
+    """Prefill feeds of ``batch`` x ``seq`` tokens from ``text`` (up to ``max_batches`` of them).
+
+    One request per feed by default: graphs with fused attention take S > 1 for one request at a time.
+    """
+    by_name = {s.name: s for s in inputs}
+    ids = np.asarray(_tokenizer(tokenizer_dir).encode(text), dtype=np.int64)
+    seq = max(2, min(seq, len(ids)))
+    rows = len(ids) // seq
+    if rows < 1:
+        raise InputError(f"calibration text is too short: {len(ids)} tokens")
+    rows = min(rows, batch * max_batches)
+    chunks = ids[: rows * seq].reshape(rows, seq)
+    kv_names = sorted((n for n in by_name if n.startswith(("key_cache.", "value_cache."))), key=str)
+    for name in kv_names:
+        shape = by_name[name].shape or ()
+        if len(shape) != 4 or not all(isinstance(d, int) for d in shape[1:]):
+            raise InputError(f"step graph input '{name}' has shape {shape}; expected [num_blocks, KV, block, D]")
+    # Each request's table covers its tokens, as the engine's would (fused attention checks it).
+    maxb = -(-seq // int(by_name[kv_names[0]].shape[2]))
+    feeds = []
+    for g in range(0, rows, batch):
+        x = chunks[g : g + batch]
+        b = x.shape[0]
+        f = {
+            "input_ids": x,
+            "positions": np.broadcast_to(np.arange(seq, dtype=np.int64), x.shape).copy(),
+            "past_lens": np.zeros(b, np.int64),
+            "new_lens": np.full(b, seq, np.int64),
+            "block_tables": np.arange(b * maxb, dtype=np.int64).reshape(b, maxb),
+        }
+        for name in kv_names:
+            f[name] = np.zeros((b * maxb, *by_name[name].shape[1:]), np.float32)
+        feeds.append(f)
+    return feeds
+
+
+def text_accuracy(
+    source, artifact_dir: Path, text: str, tokens: int = 512, window: int = 128, batch: int = 8
+) -> dict[str, float]:
+    """top1 agreement and perplexity delta of the artifact vs the fp32 source graph on the end of ``text``."""
+    import onnx_ir as ir
+    import onnxruntime as ort
+    from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
+    from precast.runtime.llm.perplexity import make_windows, score_windows
+    from precast.runtime.model import load
+
+    spec = LLMSpec.from_manifest({"llm": source.info["llm"]}, source.name)
+    tok_file = source.ship_files.get("tokenizer/tokenizer.json")
+    ids = _tokenizer(Path(tok_file).parent if tok_file else None).encode(text)[-tokens:]
+    window = min(window, spec.max_context, len(ids))
+    windows = make_windows(len(ids), window, window)
+    nb = min(batch, len(windows)) * spec.blocks_for(window)
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    ref_session = ort.InferenceSession(
+        ir.serde.serialize_model(source.model).SerializeToString(), so, providers=["CPUExecutionProvider"]
+    )
+    ref = score_windows(ModelRunner(ref_session, spec, nb), ids, windows, batch)
+    art = load(artifact_dir, verify=False)
+    got = score_windows(ModelRunner(art._session, spec, nb, Path(art.path)), ids, windows, batch)
+    ppl_ref, ppl = float(np.exp(-ref.logprobs.mean())), float(np.exp(-got.logprobs.mean()))
+    return {
+        "top1": round(float(np.mean(ref.argmax == got.argmax)), 6),
+        "ppl_delta": round(ppl - ppl_ref, 6),
+        "ppl": round(ppl, 6),
+        "ppl_reference": round(ppl_ref, 6),
+        "tokens": int(ref.logprobs.size),
+    }
+
+
+def check_text_budget(bounds, text: str | None) -> None:
+    """A causal-lm budget naming top1 or ppl_delta without text to measure them on: UsageError."""
+    wanted = sorted({b.metric for b in bounds or ()} & {"top1", "ppl_delta"})
+    if wanted and not text:
+        raise UsageError(
+            f"accuracy budget {', '.join(wanted)} of a causal-lm compile is measured on text: pass --calibration FILE.txt"
+        )
+
+
+def llm_text_metrics(source, artifact_dir: Path, bounds, text: str | None, say=lambda _m: None) -> dict | None:
+    """The compile driver's hook: {TEXT_METRICS_KEY: metrics} when there is text, else None.
+
+    A budget that names top1 or ppl_delta on a causal-lm compile without text is a usage error: the
+    bound could not be checked, and an unchecked bound must not pass silently.
+    """
+    check_text_budget(bounds, text)
+    if not text:
+        return None
+    say("measuring top-1 agreement and perplexity delta against the fp32 graph on the calibration text")
+    return {TEXT_METRICS_KEY: text_accuracy(source, Path(artifact_dir), text)}
