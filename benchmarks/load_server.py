@@ -43,7 +43,7 @@ def _v2_body(artifact: Path) -> dict:
     manifest = json.loads((artifact / "manifest.json").read_text())
     inputs = []
     for name, rel in manifest["parity"]["inputs"].items():
-        a = np.load(artifact / rel)[:1]
+        a = np.load(artifact / rel, allow_pickle=False)[:1]
         dtype = {"float32": "FP32", "int64": "INT64", "int32": "INT32", "float64": "FP64", "bool": "BOOL"}[a.dtype.name]
         inputs.append({"name": name, "shape": list(a.shape), "datatype": dtype, "data": a.ravel().tolist()})
     return {"inputs": inputs}

@@ -180,11 +180,11 @@ def check_tensor_model(url: str, model: str, artifact: Path, manifest: dict) -> 
     client = httpclient.InferenceServerClient(url)
 
     # 1. The compile's own sample: Triton's answer == the expected outputs stored in the artifact.
-    feeds = {n: np.load(artifact / rel) for n, rel in parity["inputs"].items()}
+    feeds = {n: np.load(artifact / rel, allow_pickle=False) for n, rel in parity["inputs"].items()}
     got = _infer(client, model, feeds, out_names)
     worst = 0.0
     for n, rel in parity["expected"].items():
-        exp = np.load(artifact / rel)
+        exp = np.load(artifact / rel, allow_pickle=False)
         np.testing.assert_allclose(
             got[n], exp, rtol=rtol, atol=atol, err_msg=f"output '{n}' vs parity/expected"
         )
@@ -194,7 +194,7 @@ def check_tensor_model(url: str, model: str, artifact: Path, manifest: dict) -> 
     # 2. Concurrent requests of mixed batch sizes (the dynamic batcher stacks them): each == local run.
     batch_dim = manifest["target"]["triton"]["batch_dim"]
     rng = np.random.default_rng(0)
-    sample = {n: np.load(artifact / rel) for n, rel in parity["inputs"].items()}
+    sample = {n: np.load(artifact / rel, allow_pickle=False) for n, rel in parity["inputs"].items()}
 
     def make(i: int) -> dict:
         rows = 1 + i % 3 if batch_dim else None
@@ -238,7 +238,7 @@ def check_tensor_model(url: str, model: str, artifact: Path, manifest: dict) -> 
         _log(f"{model}: bad shape rejected: {str(e).splitlines()[0][:160]}")
     np.testing.assert_allclose(
         _infer(client, model, feeds, out_names)[out_names[0]],
-        np.load(artifact / parity["expected"][out_names[0]]),
+        np.load(artifact / parity["expected"][out_names[0]], allow_pickle=False),
         rtol=rtol,
         atol=atol,
     )
