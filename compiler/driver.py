@@ -123,11 +123,16 @@ def bisect_parity(
     feeds: dict[str, np.ndarray],
     expected: dict[str, np.ndarray],
     tol: Tolerance,
+    context: PassContext | None = None,
 ) -> tuple[int, str] | None:
-    """Re-run the pipeline prefix by prefix; (index, message) of the first pass that breaks tolerance."""
+    """Re-run the pipeline prefix by prefix; (index, message) of the first pass that breaks tolerance.
+
+    ``context`` gives the passes the same calibration data as the compile, so a quantize pass re-runs as it did.
+    """
     model = clone_model(source_model)
+    context = context or PassContext(sample_feeds=feeds)
     for i, spec in enumerate(specs):
-        model = PassManager([spec]).run(model, copy_input=False)
+        model = PassManager([spec], context=context).run(model, copy_input=False)
         report = compare_outputs(expected, ort_run_model(model, feeds), tol)
         bad = _first_failure(report)
         if bad:
@@ -314,7 +319,7 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
             say("parity failed; bisecting the pipeline")
             # Bisect against ORT on the source graph: that isolates the passes from the exporter.
             base_expected = ort_run_model(source.model, feeds) if source.reference is not None else expected
-            culprit = bisect_parity(source.model, specs, feeds, base_expected, tol)
+            culprit = bisect_parity(source.model, specs, feeds, base_expected, tol, context)
             if culprit:
                 i, why = culprit
                 done = [s.name for s in specs[:i]]
