@@ -181,6 +181,9 @@ def _scan_length(scan: ir.Node) -> int | str:
 
 
 def _why_not_scan(scan: ir.Node, max_trip: int) -> str | None:
+    opset = scan.version or (scan.graph.opset_imports.get("", 0) if scan.graph is not None else 0)
+    if opset < 9:
+        return "Scan-8 (batched, sequence_lens) form"
     reason = _body_why_not(scan)
     if reason:
         return reason

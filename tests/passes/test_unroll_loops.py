@@ -174,3 +174,9 @@ def test_two_unnamed_scans_get_distinct_names():
     assert result.stats["unrolled"] == 2
     for g, e in zip(ort_run(result.model, feeds), expected):
         np.testing.assert_allclose(g, e, rtol=1e-6, atol=1e-6)
+
+
+def test_opset8_batched_scan_is_kept():
+    model = scan_model()
+    model.graph.opset_imports[""] = 8  # Scan-8: inputs are [sequence_lens, ...] with a batch axis
+    assert UnrollLoops()(model).stats == {"unrolled": 0, "kept": 1}
