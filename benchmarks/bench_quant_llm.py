@@ -59,7 +59,7 @@ def compile_variants(name: str, folder: Path, work: Path, calib: str) -> dict[st
 
     out, source = {}, None
     for variant, passes in VARIANTS.items():
-        art = work / f"quant-{name}" / variant
+        art = work / f"quant-{name}-{folder.name}" / variant  # a retrained fixture gets new artifacts
         if not (art / "manifest.json").is_file():
             if source is None:
                 print(f"[{name}] exporting {folder}", flush=True)

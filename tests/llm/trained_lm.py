@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -52,6 +53,9 @@ def trained_lm_dir() -> Path:
         if done.returncode != 0:
             raise RuntimeError(f"training the tiny LM failed:\n{done.stderr[-3000:]}")
         tmp.rename(out)
+        for stale in CACHE.glob("tiny-lm-*"):  # models of older scripts/texts/settings
+            if stale != out and stale.is_dir() and ".tmp" not in stale.name:
+                shutil.rmtree(stale, ignore_errors=True)
     return out
 
 
