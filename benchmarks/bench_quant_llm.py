@@ -14,7 +14,7 @@ that text (`logits@text`). Columns:
               interleaved rounds) and the ratio to fp32
   size        artifact model files (MB) and the ratio to fp32
   ppl         perplexity on the held-out split (tiny only; random weights have no meaningful perplexity)
-  top1/dppl   the compile's budget metrics on the calibration text's last 512 tokens
+  top1/dppl   the compile's budget metrics on the calibration text's last 1024 tokens
 """
 
 from __future__ import annotations

@@ -79,7 +79,7 @@ def step_calibration_feeds(
 
 
 def text_accuracy(
-    source, artifact_dir: Path, text: str, tokens: int = 512, window: int = 128, batch: int = 8
+    source, artifact_dir: Path, text: str, tokens: int = 1024, window: int = 128, batch: int = 8
 ) -> dict[str, float]:
     """top1 agreement and perplexity delta of the artifact vs the fp32 source graph on the end of ``text``."""
     import onnx_ir as ir
