@@ -1,4 +1,4 @@
-"""Quantized causal LMs: fp32 vs INT8 dynamic vs INT4 RTN vs INT4 GPTQ (block 32), one table.
+"""Quantized causal LMs: fp32 vs INT8 dynamic vs INT4 RTN vs INT4 GPTQ (blocks 32 and 128), one table.
 
     python benchmarks/bench_quant_llm.py [--runs 40] [--threads 2] [--past 128] [--work /tmp/precast-bench-llm]
                                          [--models tiny,llama512] [--eval-tokens 2048]
@@ -35,6 +35,8 @@ VARIANTS = {
     "int8-dynamic": "default,quantize-int8",
     "int4-rtn-b32": "default,quantize-int4{algo=rtn,block=32}",
     "int4-gptq-b32": "default,quantize-int4{algo=gptq,block=32}",
+    "int4-rtn-b128": "default,quantize-int4{algo=rtn,block=128}",
+    "int4-gptq-b128": "default,quantize-int4{algo=gptq,block=128}",
 }
 
 
@@ -139,7 +141,7 @@ def main() -> None:
                          "ppl": ppl, "top1": text.get("top1"), "ppl_delta": text.get("ppl_delta")})
     print(f"\ndecode step b1 past {args.past}, {args.threads} threads, median of {args.runs}; "
           f"held-out perplexity over {args.eval_tokens} tokens (window 64); top1/dppl vs fp32 on calibration text")
-    head = f"{'model':<9} {'variant':<14} {'step ms':>8} {'vs fp32':>8} {'size MB':>8} {'vs fp32':>8} {'ppl':>8} {'top1':>6} {'dppl':>8}"
+    head = f"{'model':<9} {'variant':<15} {'step ms':>8} {'vs fp32':>8} {'size MB':>8} {'vs fp32':>8} {'ppl':>8} {'top1':>6} {'dppl':>8}"
     print(head)
     base: dict[str, dict] = {}
     for r in rows:
@@ -147,7 +149,7 @@ def main() -> None:
         ppl = f"{r['ppl']:.3f}" if r["ppl"] is not None else "-"
         top1 = f"{r['top1']:.3f}" if r["top1"] is not None else "-"
         dppl = f"{r['ppl_delta']:+.3f}" if r["ppl_delta"] is not None else "-"
-        print(f"{r['model']:<9} {r['variant']:<14} {r['step_ms']:>8.2f} {b['step_ms'] / r['step_ms']:>7.2f}x "
+        print(f"{r['model']:<9} {r['variant']:<15} {r['step_ms']:>8.2f} {b['step_ms'] / r['step_ms']:>7.2f}x "
               f"{r['size_mb']:>8.2f} {r['size_mb'] / b['size_mb']:>7.0%} {ppl:>8} {top1:>6} {dppl:>8}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")

@@ -109,6 +109,7 @@ def test_budget_metrics_recorded_on_text(artifacts):
         assert "top1" not in budget["metrics"]["logits"]  # the text's top1 replaces the random sample step's
     a, b = (artifacts[k].manifest["parity"]["budget"]["metrics"]["logits@text"] for k in ("rtn", "gptq"))
     assert a["ppl_reference"] == b["ppl_reference"]
+    assert b["top1"] > a["top1"] and b["ppl_delta"] < a["ppl_delta"]  # GPTQ keeps more of the fp32 predictions
 
 
 def test_ppl_budget_exceeded_fails_without_artifact(lm, tmp_path):
