@@ -1,7 +1,7 @@
 """Quantized causal LMs: fp32 vs INT8 dynamic vs INT4 RTN vs INT4 GPTQ (blocks 32 and 128), one table.
 
     python benchmarks/bench_quant_llm.py [--runs 40] [--threads 2] [--past 128] [--work /tmp/precast-bench-llm]
-                                         [--models tiny,llama512] [--eval-tokens 2048]
+                                         [--models tiny,llama512] [--eval-tokens N]
 
 Models:
   tiny      the tiny Llama trained on tests/data/web_genesis_exodus.txt (tests/llm/trained_lm.py, cached)
@@ -112,7 +112,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--past", type=int, default=128)
-    ap.add_argument("--eval-tokens", type=int, default=2048)
+    ap.add_argument("--eval-tokens", type=int, default=None, help="Held-out tokens to score (default: all, ~12.9k).")
     ap.add_argument("--models", default="tiny,llama512")
     ap.add_argument("--work", default="/tmp/precast-bench-llm")
     ap.add_argument("--json", default=None, help="Also write the rows as JSON here.")
@@ -136,11 +136,12 @@ def main() -> None:
             text = manifest["parity"].get("budget", {}).get("metrics", {}).get("logits@text", {})
             ppl = None
             if name == "tiny":
-                ppl = perplexity_of_text(art, held, window=64, max_tokens=args.eval_tokens, threads=args.threads).perplexity
+                ppl = perplexity_of_text(art, held, window=64, max_tokens=args.eval_tokens, batch=64,
+                                         threads=args.threads).perplexity
             rows.append({"model": name, "variant": variant, "step_ms": lat[variant] * 1e3, "size_mb": _size(art) / 1e6,
                          "ppl": ppl, "top1": text.get("top1"), "ppl_delta": text.get("ppl_delta")})
     print(f"\ndecode step b1 past {args.past}, {args.threads} threads, median of {args.runs}; "
-          f"held-out perplexity over {args.eval_tokens} tokens (window 64); top1/dppl vs fp32 on calibration text")
+          f"held-out perplexity over {args.eval_tokens or 'all'} tokens (window 64); top1/dppl vs fp32 on calibration text")
     head = f"{'model':<9} {'variant':<15} {'step ms':>8} {'vs fp32':>8} {'size MB':>8} {'vs fp32':>8} {'ppl':>8} {'top1':>6} {'dppl':>8}"
     print(head)
     base: dict[str, dict] = {}

@@ -18,7 +18,6 @@ from precast.runtime.llm.perplexity import make_windows, perplexity_of_text
 from tests.llm.trained_lm import texts, trained_lm_dir
 
 WINDOW = 64  # the fixture's training length
-EVAL_TOKENS = 1536
 
 pytestmark = pytest.mark.slow
 
@@ -45,7 +44,7 @@ def artifacts(lm, tmp_path_factory):
 
 
 def _ppl(path, text, **kw) -> float:
-    return perplexity_of_text(path, text, **{"window": WINDOW, "max_tokens": EVAL_TOKENS, **kw}).perplexity
+    return perplexity_of_text(path, text, **{"window": WINDOW, "batch": 64, **kw}).perplexity
 
 
 def test_make_windows_score_every_token_once():
@@ -89,8 +88,11 @@ def test_perplexity_equals_torch(lm, artifacts, stride):
 
 
 def test_gptq_beats_rtn_on_heldout_perplexity(lm, artifacts):
-    _, _, _, held = lm
+    """Over the whole held-out split (~12.9k tokens): measured fp32 50.04, RTN +0.35, GPTQ +0.15, INT8 +0.05."""
+    folder, _, _, held = lm
     ppl = {k: _ppl(artifacts[k].output, held) for k in ("fp32", "rtn", "gptq", "int8")}
+    # The training script measured the same held-out perplexity with torch.
+    assert ppl["fp32"] == pytest.approx(json.loads((folder / "training.json").read_text())["heldout_ppl"], rel=1e-4)
     d_rtn, d_gptq = ppl["rtn"] - ppl["fp32"], ppl["gptq"] - ppl["fp32"]
     assert 0 < d_gptq < d_rtn, ppl
     assert abs(ppl["int8"] - ppl["fp32"]) < d_rtn, ppl
