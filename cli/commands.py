@@ -164,6 +164,10 @@ def _print_parity(manifest: dict, title: str = "parity", console=err_console) ->
     if budget:
         state = "[green]ok[/green]" if budget["ok"] else "[red]EXCEEDED[/red]"
         console.print(f"accuracy budget {escape(budget['budget'])}: {state}")
+        text = budget.get("metrics", {}).get("logits@text")  # causal LMs: measured on the calibration text
+        if text:
+            console.print(f"on {text['tokens']} tokens of text vs fp32: top-1 agreement {text['top1']:.4f}, perplexity "
+                          f"{text['ppl_reference']:.3f} -> {text['ppl']:.3f} ({text['ppl_delta']:+.3f})")
 
 
 @cli.command()
