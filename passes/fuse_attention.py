@@ -18,8 +18,8 @@ from onnxscript.rewriter.ort_fusions.mha_scale import _mha_scale_rules
 from onnxscript.rewriter.ort_fusions.rotary_embedding import partial_embedding_rules, rotary_embedding_rules
 from onnxscript.rewriter.ort_fusions.sdpa import sdpa_rules
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import _rules as sdpa_to_mha_rules
-
 from precast.compiler.registry import Pass, PassResult, register
+from precast.passes._decoder_rules import cos_sin_cache_mul_rules, gqa_no_past_rules
 from precast.passes._rewrite import apply_rules
 
 # onnxscript's rules go through intermediate ops in this private domain; none may survive the pass.
@@ -71,13 +71,16 @@ class FuseAttention(Pass):
 
         ShapeInferencePass()(model)
         if self.options.decoder:
-            step("rotary", rotary_embedding_rules)
+            # One application: the rule wraps its match in a function whose body it would match again.
+            stats["rotary"] = rotary_embedding_rules.apply_to_model(model)
             step("cos_sin_cache", cos_sin_cache_rules)
+            stats["cos_sin_cache"] += apply_rules(model, cos_sin_cache_mul_rules)  # dynamo export's Mul form
             step("partial_rotary", partial_embedding_rules)
         step("sdpa", sdpa_rules)
         ShapeInferencePass()(model)  # the SDPA rewrite adds nodes whose shapes the next rules check
         if self.options.decoder:
             step("gqa", gqa_rules)
+            stats["gqa"] += apply_rules(model, gqa_no_past_rules)  # plain forward, causal mask, no KV cache
             step("packed_qkv_gqa", fuse_qkv_gqa_rules)
         step("mha", mha_rules_with_past)
         stats["mha"] += apply_rules(model, mha_rules_no_past)
@@ -92,6 +95,8 @@ class FuseAttention(Pass):
             return PassResult(backup, {"fused": 0, "skipped": f"unfinished fusion at node '{leftover[0]}'"})
         stats["packed_weights"] = _fold_constant_concats(model)
         RemoveUnusedNodesPass()(model)
+        for key in [k for k in model.functions if k[0] == _PRIVATE_DOMAIN]:  # bodies of fused rotary matches
+            del model.functions[key]
         fused = sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type in _ATTENTION_OPS)
         before = sum(1 for n in backup.graph if n.domain == "com.microsoft" and n.op_type in _ATTENTION_OPS)
         return PassResult(model, {"fused": fused - before, **{k: v for k, v in stats.items() if v}})

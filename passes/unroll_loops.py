@@ -18,6 +18,39 @@ def _const_scalar(value: ir.Value | None):
     return tensor.numpy().reshape(()).item()
 
 
+def _static_dim(value: ir.Value | None):
+    """Gather(Shape(x), k) / Squeeze(Shape(x, start=k, end=k+1)) where x's dim k is static -> that size."""
+    node = value.producer() if value is not None else None
+    if node is None or node.domain != "" or node.op_type not in ("Gather", "Squeeze"):
+        return None
+    shape_node = node.inputs[0].producer() if node.inputs and node.inputs[0] is not None else None
+    if shape_node is None or shape_node.op_type != "Shape" or shape_node.inputs[0].shape is None:
+        return None
+    dims = list(shape_node.inputs[0].shape)
+    dims = dims[shape_node.attributes.get_int("start", 0) : shape_node.attributes.get_int("end", len(dims))]
+    if node.op_type == "Gather":
+        k = _const_scalar(node.inputs[1])
+        if node.attributes.get_int("axis", 0) != 0 or not isinstance(k, int) or not -len(dims) <= k < len(dims):
+            return None
+        dim = dims[k]
+    else:
+        if len(dims) != 1:
+            return None
+        dim = dims[0]
+    return dim if isinstance(dim, int) else None
+
+
+def _trip_count(value: ir.Value | None):
+    """A constant trip count, also one read from a static dim (a torch.jit.script `range(x.size(1))`)."""
+    trip = _const_scalar(value)
+    return trip if trip is not None else _static_dim(value)
+
+
+def _hoist_initializers(graph: ir.Graph, body: ir.Graph, prefix: str) -> dict[ir.Value, ir.Value]:
+    """The body's initializers (constants lifted by fold-constants) as outer-graph initializers."""
+    return {v: _const(graph, f"{prefix}/{v.name}", v.const_value.numpy()) for v in body.initializers.values()}
+
+
 def _always_true(cond_out: ir.Value, cond_in: ir.Value) -> bool:
     """The body's condition output keeps the loop running: cond_in passed through, or constant true."""
     if cond_out is cond_in:
@@ -39,8 +72,8 @@ def _const(graph: ir.Graph, name: str, array: np.ndarray) -> ir.Value:
 
 def _body_why_not(node: ir.Node) -> str | None:
     body = node.attributes["body"].as_graph()
-    if body.initializers:
-        return "body has initializers"
+    if any(v.const_value is None for v in body.initializers.values()):
+        return "body has initializers without values"
     if any(
         a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS)
         for n in body
@@ -55,7 +88,7 @@ def _why_not(loop: ir.Node, max_trip: int) -> str | None:
     reason = _body_why_not(loop)
     if reason:
         return reason
-    trip = _const_scalar(loop.inputs[0] if loop.inputs else None)
+    trip = _trip_count(loop.inputs[0] if loop.inputs else None)
     if trip is None:
         return "trip count is not constant"
     if not 0 < trip <= max_trip:
@@ -128,16 +161,17 @@ def _replace(
 
 def _unroll(graph: ir.Graph, loop: ir.Node) -> None:
     body = loop.attributes["body"].as_graph()
-    trip = int(_const_scalar(loop.inputs[0]))
+    trip = int(_trip_count(loop.inputs[0]))
     carried = list(loop.inputs[2:])
     n_carried = len(carried)
     scans: list[list[ir.Value]] = [[] for _ in body.outputs[1 + n_carried :]]
     new_nodes: list[ir.Node] = []
     prefix = loop.name or "loop"
     true = _const(graph, f"{prefix}/true", np.array(True))
+    consts = _hoist_initializers(graph, body, prefix)
     for i in range(trip):
         iter_num = _const(graph, f"{prefix}/iter{i}", np.array(i, dtype=np.int64))
-        mapping: dict[ir.Value, ir.Value] = {body.inputs[0]: iter_num, body.inputs[1]: true}
+        mapping: dict[ir.Value, ir.Value] = {**consts, body.inputs[0]: iter_num, body.inputs[1]: true}
         mapping.update(zip(body.inputs[2:], carried))
         outs = _inline_body(body, mapping, f"{prefix}/iter{i}", new_nodes)
         carried = outs[1 : 1 + n_carried]
@@ -204,8 +238,9 @@ def _unroll_scan(graph: ir.Graph, scan: ir.Node) -> None:
     scans: list[list[ir.Value]] = [[] for _ in body.outputs[n:]]
     new_nodes: list[ir.Node] = []
     prefix = scan.name or "scan"
+    consts = _hoist_initializers(graph, body, prefix)
     for i in range(length):
-        mapping: dict[ir.Value, ir.Value] = dict(zip(body.inputs[:n], states))
+        mapping: dict[ir.Value, ir.Value] = {**consts, **dict(zip(body.inputs[:n], states))}
         for j, (x, axis, rev) in enumerate(zip(scan.inputs[n:], in_axes, in_dirs)):
             # Gather with a scalar index drops the scanned axis: the body sees one slice.
             t = _const(
