@@ -147,25 +147,22 @@ class PagedLlama(nn.Module):
 
 
     def _forward_fused(self, input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches):
-        from precast.compiler.paged_ops import paged_gqa, rotary
+        from precast.compiler.paged_ops import paged_gqa
 
         x = self.embed(input_ids)
-        b, s, _ = x.shape
-        hd, kvd = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        s = x.shape[1]
         seqlens_k = (past_lens + (s - 1)).to(torch.int32)  # GroupQueryAttention's lengths (see paged_ops)
         total = (past_lens.max() + s).to(torch.int32)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
-            q, k, v = self.qkv[i](layer.input_layernorm(x)).split([hd, kvd, kvd], dim=-1)
-            q = rotary(q, positions, self.cos_cache, self.sin_cache)
-            k = rotary(k, positions, self.cos_cache, self.sin_cache)
-            a = paged_gqa(q, k, v, key_caches[i], value_caches[i], block_tables, seqlens_k, total,
-                          self.heads, self.kv_heads, self.scaling)
+            a, k, v = paged_gqa(self.qkv[i](layer.input_layernorm(x)), positions, self.cos_cache, self.sin_cache,
+                                key_caches[i], value_caches[i], block_tables, seqlens_k, total, self.heads,
+                                self.kv_heads, self.scaling)
             x = x + layer.self_attn.o_proj(a)
             gate, up = self.gate_up[i](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
             x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-            new_keys.append(k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2))
-            new_values.append(v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2))
+            new_keys.append(k)
+            new_values.append(v)
         logits = torch.matmul(last_token(self.norm(x), new_lens), self.lm_head_t)
         if self.lm_head.bias is not None:
             logits = logits + self.lm_head.bias

@@ -4,10 +4,14 @@ Two ops, each a torch reference (the parity reference, any batch shape) plus a t
 dynamo exporter uses instead of decomposing it:
 
     precast::rotary(x [B,S,N*D], positions [B,S], cos [C,D/2], sin [C,D/2])   ==>  RotaryEmbedding (1 node)
-    precast::paged_gqa(q [B,S,H*D], k, v [B,S,KV*D], key_cache, value_cache [NB,KV,bs,D],
-                       block_tables [B,MAXB], seqlens_k [B] int32, total int32)
-        ==>  Gather(pool, tables) -> Transpose -> Reshape [B,KV,MAXB*bs,D]   (past K and V, 3 nodes each)
-             GroupQueryAttention(q, k, v, past_k, past_v, seqlens_k, total)  (GQA without repeating KV heads)
+    precast::paged_gqa(qkv [B,S,(H+2KV)*D], positions, cos, sin, key_cache, value_cache [NB,KV,bs,D],
+                       block_tables [B,MAXB], seqlens_k [B] int32, total int32) -> (out, new_k, new_v)
+        ==>  Gather(pool as [NB*KV,bs,D], block*KV+kv) -> Reshape [B,KV,MAXB*bs,D]  (past K and V, no Transpose)
+             GroupQueryAttention(packed qkv, past_k, past_v, seqlens_k, total, cos, sin, positions, do_rotary=1)
+             GatherElements(present, positions) -> new_k / new_v [B,KV,S,D]  (the new tokens' rows)
+    This is onnxruntime-genai's layer shape (packed QKV, rotary inside GQA) over a paged pool: per layer
+    7 nodes between the QKV projection and o_proj, where Split + 2 RotaryEmbedding + Gather/Transpose
+    + output Transposes took 13. Rows of padding tokens in new_k/new_v are unspecified.
 
 seqlens_k[b] = past_lens[b] + S - 1 and total = max(past_lens) + S, as GroupQueryAttention reads them:
 query s of row b attends to past [0, past_lens[b]) and new tokens [0, s]. ORT's CPU kernel refuses
@@ -55,7 +59,8 @@ _ROTARY = _msft_op("RotaryEmbedding", ["input", "position_ids", "cos_cache", "si
                    {"interleaved": _INT, "num_heads": _INT, "rotary_embedding_dim": _INT, "scale": _FLOAT})
 _GQA = _msft_op(
     "GroupQueryAttention",
-    ["query", "key?", "value?", "past_key?", "past_value?", "seqlens_k", "total_sequence_length"],
+    ["query", "key?", "value?", "past_key?", "past_value?", "seqlens_k", "total_sequence_length", "cos_cache?",
+     "sin_cache?", "position_ids?"],
     ["output", "present_key", "present_value"],
     {"num_heads": _INT, "kv_num_heads": _INT, "scale": _FLOAT, "do_rotary": _INT, "rotary_interleaved": _INT},
 )
@@ -88,23 +93,38 @@ def _rotary_onnx(x, positions, cos, sin):
 # --- precast::paged_gqa ----------------------------------------------------------------------------
 
 
+def _rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    b, s, nd = x.shape
+    half = cos.shape[1]
+    xs = x.reshape(b, s, nd // (2 * half), 2 * half)
+    c, sn = cos[positions][:, :, None], sin[positions][:, :, None]  # [B,S,1,D/2]
+    x1, x2 = xs[..., :half], xs[..., half:]
+    return torch.cat([x1 * c - x2 * sn, x2 * c + x1 * sn], dim=-1).reshape(b, s, nd)
+
+
 @torch.library.custom_op("precast::paged_gqa", mutates_args=())
 def paged_gqa(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-    block_tables: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor, heads: int, kv_heads: int, scale: float,
-) -> torch.Tensor:
-    """Attention of q over the pool's past (through block_tables) and the new k/v; any B, S (the reference)."""
-    b, s, _ = q.shape
+    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
+    value_cache: torch.Tensor, block_tables: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor, heads: int,
+    kv_heads: int, scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotary + attention of packed qkv [B,S,(H+2KV)*D] over the pool's past (through block_tables) and the new
+    tokens; returns (out [B,S,H*D], new_k [B,KV,S,D] after rotary, new_v [B,KV,S,D]). The reference (any B, S)."""
+    b, s, _ = qkv.shape
     d = key_cache.shape[-1]
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q, k = _rope(q, positions, cos, sin), _rope(k, positions, cos, sin)
     past_lens = seqlens_k.long() - (s - 1)
     blocks = key_cache[block_tables]  # [B,MAXB,KV,bs,D]
     p = blocks.shape[1] * blocks.shape[3]
     pk = blocks.permute(0, 2, 1, 3, 4).reshape(b, kv_heads, p, d)
     pv = value_cache[block_tables].permute(0, 2, 1, 3, 4).reshape(b, kv_heads, p, d)
-    keys = torch.cat([pk, k.view(b, s, kv_heads, d).transpose(1, 2)], dim=2)  # [B,KV,P+S,D]
-    values = torch.cat([pv, v.view(b, s, kv_heads, d).transpose(1, 2)], dim=2)
+    new_k = k.reshape(b, s, kv_heads, d).transpose(1, 2)
+    new_v = v.reshape(b, s, kv_heads, d).transpose(1, 2)
+    keys = torch.cat([pk, new_k], dim=2)  # [B,KV,P+S,D]
+    values = torch.cat([pv, new_v], dim=2)
     g = heads // kv_heads
-    qg = q.view(b, s, kv_heads, g, d).permute(0, 2, 3, 1, 4)  # [B,KV,G,S,D]: head i reads KV head i // G
+    qg = q.reshape(b, s, kv_heads, g, d).permute(0, 2, 3, 1, 4)  # [B,KV,G,S,D]: head i reads KV head i // G
     scores = torch.matmul(qg, keys[:, :, None].transpose(-1, -2)) * scale  # [B,KV,G,S,P+S]
     j = torch.arange(p)
     past_ok = (j[None, :] < past_lens[:, None])[:, None, None, None, :].expand(b, 1, 1, s, p)
@@ -113,22 +133,41 @@ def paged_gqa(
     mask = torch.cat([past_ok, causal], dim=-1)
     probs = torch.softmax(torch.where(mask, scores, torch.full_like(scores, _NEG)), dim=-1)
     out = torch.matmul(probs, values[:, :, None])  # [B,KV,G,S,D]
-    return out.permute(0, 3, 1, 2, 4).reshape(b, s, heads * d)
+    return (out.permute(0, 3, 1, 2, 4).reshape(b, s, heads * d), new_k.clone(memory_format=torch.contiguous_format),
+            new_v.clone(memory_format=torch.contiguous_format))  # clones: outputs may not alias qkv
 
 
 @paged_gqa.register_fake
-def _(q, k, v, key_cache, value_cache, block_tables, seqlens_k, total, heads, kv_heads, scale):
-    return torch.empty_like(q)
+def _(qkv, positions, cos, sin, key_cache, value_cache, block_tables, seqlens_k, total, heads, kv_heads, scale):
+    b, s, _ = qkv.shape
+    d = key_cache.shape[-1]
+    new = qkv.new_empty((b, kv_heads, s, d))
+    return qkv.new_empty((b, s, heads * d)), new, torch.empty_like(new)
 
 
-def _paged_gqa_onnx(q, k, v, key_cache, value_cache, block_tables, seqlens_k, total, heads: int, kv_heads: int,
-                    scale: float):
-    shape = op.Constant(value_ints=[0, 0, -1, key_cache.shape[-1]])
-    past_k = op.Reshape(op.Transpose(op.Gather(key_cache, block_tables, axis=0), perm=[0, 2, 1, 3, 4]), shape)
-    past_v = op.Reshape(op.Transpose(op.Gather(value_cache, block_tables, axis=0), perm=[0, 2, 1, 3, 4]), shape)
-    out, _present_k, _present_v = _GQA(q, k, v, past_k, past_v, seqlens_k, total, num_heads=heads,
-                                       kv_num_heads=kv_heads, scale=scale)
-    return out
+def _paged_gqa_onnx(qkv, positions, cos, sin, key_cache, value_cache, block_tables, seqlens_k, total, heads: int,
+                    kv_heads: int, scale: float):
+    # Past K/V without a Transpose: the pool [NB,KV,bs,D] viewed as [NB*KV,bs,D] and gathered at
+    # block*KV + kv_head ([B,KV,MAXB] rows) comes out [B,KV,MAXB,bs,D] = BNSH after a free Reshape.
+    bs, d = key_cache.shape[2], key_cache.shape[3]
+    rows = op.Add(op.Mul(op.Unsqueeze(block_tables, op.Constant(value_ints=[1])), op.Constant(value_int=kv_heads)),
+                  op.Constant(value=_int64_tensor(list(range(kv_heads)), [1, kv_heads, 1])))
+    pool = op.Constant(value_ints=[-1, bs, d])
+    bnsh = op.Constant(value_ints=[0, 0, -1, d])
+    past_k = op.Reshape(op.Gather(op.Reshape(key_cache, pool), rows, axis=0), bnsh)
+    past_v = op.Reshape(op.Gather(op.Reshape(value_cache, pool), rows, axis=0), bnsh)
+    # Packed QKV straight from the projection, rotary inside (as onnxruntime-genai's graphs).
+    out, present_k, present_v = _GQA(qkv, None, None, past_k, past_v, seqlens_k, total, cos, sin, positions,
+                                     num_heads=heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1)
+    # New token s of row b sits at present[b, :, positions[b, s]] (its absolute position = past_lens + s).
+    at = op.Expand(op.Unsqueeze(positions, op.Constant(value_ints=[1, 3])), op.Constant(value_ints=[1, kv_heads, 1, d]))
+    return out, op.GatherElements(present_k, at, axis=2), op.GatherElements(present_v, at, axis=2)
+
+
+def _int64_tensor(values: list[int], dims: list[int]):
+    import onnx
+
+    return onnx.helper.make_tensor("value", onnx.TensorProto.INT64, dims, values)
 
 
 def default_scale(head_size: int) -> float:

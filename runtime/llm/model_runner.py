@@ -72,9 +72,13 @@ class ModelRunner:
         self.spec = spec
         self.num_blocks = int(num_blocks)
         self._session = session
-        shape = (self.num_blocks, spec.kv_heads, spec.block_size, spec.head_size)
-        self.key_cache = [np.zeros(shape, dtype=np.float32) for _ in range(spec.layers)]
-        self.value_cache = [np.zeros(shape, dtype=np.float32) for _ in range(spec.layers)]
+        shape = (spec.layers, self.num_blocks, spec.kv_heads, spec.block_size, spec.head_size)
+        # One array per K/V holding every layer's pool; key_cache[i] / value_cache[i] are its views, so
+        # the step's scatter is one indexed write for all layers instead of one per layer.
+        self._k_all, self._v_all = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
+        self.key_cache = list(self._k_all)
+        self.value_cache = list(self._v_all)
+        self._views = (tuple(self.key_cache), tuple(self.value_cache))
         self._outputs = ["logits"] + [n for pair in spec.kv_outputs for n in pair]
 
     @classmethod
@@ -156,7 +160,13 @@ class ModelRunner:
         slot = past[b_idx] + s_idx
         blocks = tables[b_idx, slot // self.spec.block_size]
         offsets = slot % self.spec.block_size
-        for i in range(self.spec.layers):
+        if all(a is b for a, b in zip(self.key_cache, self._views[0])) and all(
+            a is b for a, b in zip(self.value_cache, self._views[1])
+        ):  # all layers at once: [L, n, KV, D] into [L, NB, KV, bs, D] (the pools are views of _k_all/_v_all)
+            self._k_all[:, blocks, :, offsets] = np.stack(out[1::2])[:, b_idx, :, s_idx]
+            self._v_all[:, blocks, :, offsets] = np.stack(out[2::2])[:, b_idx, :, s_idx]
+            return out[0]
+        for i in range(self.spec.layers):  # a caller replaced a pool array: write layer by layer
             self.key_cache[i][blocks, :, offsets] = out[1 + 2 * i][b_idx, :, s_idx]
             self.value_cache[i][blocks, :, offsets] = out[2 + 2 * i][b_idx, :, s_idx]
         return out[0]
