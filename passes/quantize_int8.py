@@ -64,10 +64,12 @@ class QuantizeInt8(Pass):
         from onnxruntime.quantization import QuantType
 
         o = self.options
-        excluded = resolve_exclude(model, o.exclude, self.name)
         unpacked = 0
         if o.unpack_attention and (not o.ops or "MatMul" in o.ops):
-            unpacked = unpack_attention(model, skip=set(excluded))  # an excluded Attention stays packed, fp32
+            # An excluded Attention (by name or op type) stays packed and fp32.
+            skip = {n.name for n in model.graph if n.name in o.exclude or n.op_type in o.exclude}
+            unpacked = unpack_attention(model, skip=skip)
+        excluded = resolve_exclude(model, o.exclude, self.name)  # after unpacking: exclude=[MatMul] covers Q/K/V
         proto = to_proto(model)
         qtype = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
         # Fused contrib ops (SkipLayerNormalization, ...) defeat the quantizer's type inference; their

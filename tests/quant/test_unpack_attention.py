@@ -91,3 +91,9 @@ def test_excluded_attention_stays_packed():
     model = attention_model("bias")
     out, stats = run("quantize-int8{exclude=[att]}", model)
     assert "attention_unpacked" not in stats and "Attention" in op_types(out)
+
+
+def test_exclude_matmul_covers_the_unpacked_projections():
+    model = attention_model("bias")
+    out, stats = run("quantize-int8{exclude=[MatMul]}", model)
+    assert stats["int8_weights"] == 0 and "MatMulInteger" not in op_types(out)
