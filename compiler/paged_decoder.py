@@ -118,6 +118,10 @@ class PagedLlama(nn.Module):
             # The head as MatMul on its own [E, V] copy (not Gemm on the embedding table it may be tied to),
             # so weight-only quantization can take it: at batch 1 it is the largest weight read per token.
             self.register_buffer("lm_head_t", self.lm_head.weight.detach().t().contiguous(), persistent=False)
+            # Tied: the embedding reads Transpose(lm_head_t) instead of its own [V, E] table, so the artifact
+            # stores the table once (ONNX Runtime folds the Transpose in memory at load; quantize-int4 turns
+            # the pair into MatMulNBits + GatherBlockQuantized over the same 4-bit bytes).
+            self.tied = self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr()
 
     def forward(self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list):
         if self.fused:
@@ -149,7 +153,7 @@ class PagedLlama(nn.Module):
     def _forward_fused(self, input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches):
         from precast.compiler.paged_ops import paged_gqa
 
-        x = self.embed(input_ids)
+        x = nn.functional.embedding(input_ids, self.lm_head_t.t()) if self.tied else self.embed(input_ids)
         s = x.shape[1]
         seqlens_k = (past_lens + (s - 1)).to(torch.int32)  # GroupQueryAttention's lengths (see paged_ops)
         total = (past_lens.max() + s).to(torch.int32)

@@ -7,6 +7,12 @@ quantizer). algo=gptq (Frantar et al. 2022, passes/_gptq.py; see there why not O
 columns of W one by one and spreads each rounding error over the not-yet-quantized columns, weighted
 by the inverse Hessian H = 2 X^T X of the calibration activations X that reach that MatMul, so the
 error of X @ W (not of W) is minimised.
+
+embeddings=true (default) also stores large embedding tables in 4 bits (passes/_embed_int4.py):
+
+    Gather(table[V,E] fp32, ids)   ==>   GatherBlockQuantized(table_q4, ids, scales)
+
+and a tied table (Gather(Transpose(lm head weight))) shares the lm head's MatMulNBits bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from precast.runtime.errors import PassOptionError
 __all__ = ["QuantizeInt4"]
 
 _BLOCKS = (16, 32, 64, 128, 256)
+_EMBED_MIN_ELEMENTS = 1 << 16  # a table below 256 KiB fp32 is not worth a GatherBlockQuantized
 
 
 @register("quantize-int4")
@@ -31,7 +38,8 @@ class QuantizeInt4(Pass):
 
     Options: algo=rtn|gptq; block=16|32|64|128|256; symmetric; accuracy_level=0..4 (MatMulNBits compute
     type: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8); exclude=[node name or op type,...] keeps layers fp32
-    (e.g. the lm head); gptq: percdamp (Hessian dampening).
+    (e.g. the lm head); embeddings=true|false: 4-bit embedding tables (Gathers on 2-D float tables of at least
+    64Ki elements; a tied one shares the lm head's bytes); gptq: percdamp (Hessian dampening).
     """
 
     @dataclass(frozen=True)
@@ -42,6 +50,7 @@ class QuantizeInt4(Pass):
         accuracy_level: int = 0
         exclude: tuple[str, ...] = ()
         percdamp: float = 0.01
+        embeddings: bool = True
 
         def __post_init__(self) -> None:
             if self.block not in _BLOCKS:
@@ -59,6 +68,10 @@ class QuantizeInt4(Pass):
         proto = to_proto(model)
         excluded = resolve_exclude(model, o.exclude, self.name)
         stats: dict = {"algo": o.algo, "block": o.block}
+        if o.embeddings:
+            from precast.passes._embed_int4 import find_tables, quantize_tables
+
+            untied, tied = find_tables(proto, _EMBED_MIN_ELEMENTS, excluded)
         if o.algo == "gptq":
             from precast.compiler.calibration import calibration_batches
             from precast.compiler.parity import io_signature
@@ -81,6 +94,9 @@ class QuantizeInt4(Pass):
             with quiet():
                 quantizer.process()
             qproto = quantizer.model.model
+        if o.embeddings:
+            qproto, embed_stats = quantize_tables(qproto, list(untied), tied, o.block, o.symmetric)
+            stats.update(embed_stats)
         result = from_proto(qproto)
         ops = count_ops(result)
         stats.update({"quantized": ops.get("MatMulNBits", 0), "kept_fp32": ops.get("MatMul", 0), "excluded": len(excluded)})
