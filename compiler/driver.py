@@ -23,6 +23,7 @@ from precast.compiler.source import Source, load_source
 from precast.runtime.backends import explain_ort_error
 from precast.runtime.errors import InputError, ParityError, PrecastError, UnsupportedOpError, UsageError
 from precast.runtime.feeds import check_feeds
+from precast.runtime.verify import mask_padding
 from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
 from precast.runtime.model import preference_order
 from precast.targets.base import Target, get_target
@@ -291,14 +292,17 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         actual = stand_in(feeds) if stand_in is not None else runtime_load(out_dir).run(feeds)
     except InputError as e:
         raise UsageError(f"compiled model rejects the sample inputs: {e}") from e
-    report = compare_outputs(expected, actual, tol)
+    mask_input = source.info.get("padding_mask")
+    expected_cmp = mask_padding(expected, feeds, mask_input)  # padded positions are don't-cares
+    actual = mask_padding(actual, feeds, mask_input)
+    report = compare_outputs(expected_cmp, actual, tol)
     bounds = budget_bounds(specs, opts.accuracy_budget, target.precision)
     text_metrics = None
     if bounds is not None and "llm" in source.info:  # causal LMs: top1 / ppl_delta on text vs the fp32 graph
         from precast.compiler.llm_text import llm_text_metrics
 
         text_metrics = llm_text_metrics(source, out_dir, bounds, opts.calibration_text, say)
-    budget = apply_budget(bounds, expected, actual, report, extra=text_metrics)
+    budget = apply_budget(bounds, expected_cmp, actual, report, extra=text_metrics)
     timings[f"{target.name}:verify"] = time.perf_counter() - t2
     parity = {
         "ok": all(r["ok"] for r in report.values()),
@@ -307,6 +311,7 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         "inputs": parity_inputs,
         "expected": parity_expected,
         "outputs": report,
+        **({"padding_mask": mask_input} if mask_input else {}),
         **({"budget": budget} if budget else {}),
     }
     if budget and budget["violations"]:

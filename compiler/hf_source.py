@@ -39,6 +39,37 @@ def _read_config(folder: Path) -> dict:
         raise ModelLoadError(f"{folder}/config.json is not valid JSON ({e})") from e
 
 
+# Verification text for encoders with a tokenizer: random token ids are far from what the model sees in
+# use, and they exaggerate the error of quantized artifacts (cosine 0.986 on random ids vs 0.993 on text).
+SAMPLE_SENTENCES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A man is playing a guitar on a small stage while the audience sings along.",
+    "Interest rates were raised again to fight inflation.",
+    "How do I reset my password if I no longer have access to my email account?",
+)
+
+
+def _text_sample_feeds(folder: Path, names: list[str]) -> dict | None:
+    """Tokenized sample sentences (padded batch) when the folder ships a tokenizer.json, else None."""
+    if not (folder / "tokenizer.json").is_file():
+        return None
+    try:
+        import numpy as np
+        from tokenizers import Tokenizer
+    except ImportError:
+        return None
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.enable_padding()
+    tok.enable_truncation(max_length=128)
+    enc = tok.encode_batch(list(SAMPLE_SENTENCES))
+    arrays = {
+        "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
+        "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
+        "token_type_ids": np.array([e.type_ids for e in enc], dtype=np.int64),
+    }
+    return {n: arrays[n] for n in names}
+
+
 def load_hf_folder(folder: Path, task: str | None = None, dims: dict[str, int] | None = None) -> Source:
     config = _read_config(folder)
     model_type = config.get("model_type", "?")
@@ -72,6 +103,7 @@ def load_hf_folder(folder: Path, task: str | None = None, dims: dict[str, int] |
         names.append("token_type_ids")
     inputs = [TensorSpec(n, "int64", ("batch", "sequence")) for n in names]
     outputs = ["last_hidden_state"] + (["pooler_output"] if getattr(module, "pooler", None) is not None else [])
+    dims_given = bool(dims)  # --dim asks for generated feeds of those sizes
     dims = sample_dims(inputs, dims)
     model = export_module(module, inputs, outputs, dims)
     if [v.name for v in model.graph.outputs] != outputs:
@@ -86,5 +118,9 @@ def load_hf_folder(folder: Path, task: str | None = None, dims: dict[str, int] |
         reference=torch_reference(module, names, outputs),
         reference_name="torch (transformers eager)",
         ship_files=ship,
-        info={"model_type": model_type, "task": task, "vocab_size": config.get("vocab_size")},
+        info={
+            "model_type": model_type, "task": task, "vocab_size": config.get("vocab_size"),
+            "padding_mask": "attention_mask",
+        },
+        sample_feeds=None if dims_given else _text_sample_feeds(folder, names),
     )

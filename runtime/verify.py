@@ -11,7 +11,7 @@ import numpy as np
 from precast.runtime.errors import ArtifactError
 from precast.runtime.manifest import read_manifest
 
-__all__ = ["Tolerance", "compare_outputs", "verify_artifact"]
+__all__ = ["Tolerance", "compare_outputs", "mask_padding", "verify_artifact"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +21,28 @@ class Tolerance:
     atol: float | None = 1e-4
     rtol: float | None = 1e-3
     min_cosine: float = 0.9999
+
+
+def mask_padding(
+    outputs: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray], mask_input: str | None
+) -> dict[str, np.ndarray]:
+    """Zero the padded positions of outputs laid out [batch, seq, ...] like the model's attention mask.
+
+    A padded position's output is whatever the model computes for a token it was told to ignore: a
+    don't-care that no caller reads. Zeroing it on both sides of a comparison leaves max abs and cosine
+    measured over the real tokens only.
+    """
+    mask = feeds.get(mask_input) if mask_input else None
+    if mask is None or mask.ndim != 2 or mask.all():
+        return dict(outputs)
+    keep = mask.astype(bool)
+    out = {}
+    for name, arr in outputs.items():
+        arr = np.asarray(arr)
+        if arr.ndim >= 2 and arr.shape[:2] == keep.shape:
+            arr = np.where(keep.reshape(keep.shape + (1,) * (arr.ndim - 2)), arr, np.zeros((), arr.dtype))
+        out[name] = arr
+    return out
 
 
 def compare_outputs(
@@ -80,5 +102,7 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     feeds = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["inputs"].items()}
     expected = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["expected"].items()}
     tol = Tolerance(**parity.get("tolerance", {}))
-    report = compare_outputs(expected, model.run(feeds), tol)
+    mask_input = parity.get("padding_mask")
+    actual = mask_padding(model.run(feeds), feeds, mask_input)
+    report = compare_outputs(mask_padding(expected, feeds, mask_input), actual, tol)
     return {"ok": all(r["ok"] for r in report.values()), "target": model.target, "outputs": report, "tolerance": parity.get("tolerance")}

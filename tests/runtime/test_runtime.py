@@ -106,3 +106,23 @@ def test_runtime_imports_only_numpy_and_onnxruntime(artifact):
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "RUNTIME-OK" in r.stdout, r.stderr
+
+
+def test_mask_padding_ignores_padded_positions_only():
+    from precast.runtime.verify import Tolerance, compare_outputs, mask_padding
+
+    mask = np.array([[1, 1, 0], [1, 1, 1]], np.int64)
+    ref = np.ones((2, 3, 4), np.float32)
+    got = ref.copy()
+    got[0, 2] = 100.0  # garbage at a padded position: a don't-care
+    pooled = np.ones((2, 4), np.float32)  # not [batch, seq, ...]: left alone
+    feeds = {"attention_mask": mask}
+    tol = Tolerance(1e-6, 0, 0.9999)
+    assert not compare_outputs({"h": ref}, {"h": got}, tol)["h"]["ok"]
+    masked = compare_outputs(mask_padding({"h": ref}, feeds, "attention_mask"), mask_padding({"h": got}, feeds, "attention_mask"), tol)
+    assert masked["h"]["ok"] and masked["h"]["max_abs"] == 0
+    got[1, 2] = 100.0  # a real token that differs still fails
+    masked = compare_outputs(mask_padding({"h": ref}, feeds, "attention_mask"), mask_padding({"h": got}, feeds, "attention_mask"), tol)
+    assert not masked["h"]["ok"]
+    assert mask_padding({"p": pooled}, feeds, "attention_mask")["p"] is not None
+    np.testing.assert_array_equal(mask_padding({"p": pooled}, feeds, "attention_mask")["p"], pooled)
