@@ -134,7 +134,10 @@ def quantize_tables(
     proto: onnx.ModelProto, untied: list[str], tied: list[TiedTable], block: int, symmetric: bool
 ) -> tuple[onnx.ModelProto, dict]:
     """Quantize the tables ``find_tables`` found (before the MatMuls were quantized) in the quantized model."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, DefaultWeightOnlyQuantizer
+    from onnxruntime.quantization.matmul_nbits_quantizer import (
+        DefaultWeightOnlyQuantConfig,
+        DefaultWeightOnlyQuantizer,
+    )
 
     quantizer = DefaultWeightOnlyQuantizer(
         DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=symmetric, op_types_to_quantize=("Gather",),
