@@ -248,6 +248,7 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         calibration_feeds=opts.calibration_feeds,
         calibration_text=opts.calibration_text,
         source_dir=source.info.get("folder") or _tokenizer_dir(source),
+        extra={"task": source.info.get("task")},
     )
     pm = PassManager(specs, print_ir_after=opts.print_ir_after, on_pass=on_pass, context=context)
     optimized = pm.run(source.model)

@@ -10,6 +10,7 @@ import dataclasses
 import difflib
 import importlib
 import pkgutil
+import types
 import typing
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal, get_args, get_origin
@@ -116,6 +117,8 @@ def get_pass(name: str) -> type[Pass]:
 
 
 def _type_name(tp: Any) -> str:
+    if get_origin(tp) in (typing.Union, types.UnionType):
+        return "|".join("none" if a is type(None) else _type_name(a) for a in get_args(tp))
     if get_origin(tp) is Literal:
         return "|".join(str(a) for a in get_args(tp))
     if get_origin(tp) in (tuple, list):
@@ -138,6 +141,8 @@ def describe_options(options_cls: type) -> str:
 
 
 def _fmt(value: Any) -> str:
+    if value is None:
+        return "none"
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (tuple, list)):
@@ -153,7 +158,7 @@ def parse_option_value(pass_name: str, key: str, raw: str | list, tp: Any) -> An
     """Convert the raw text of ``key=raw`` to the option's declared type."""
     origin = get_origin(tp)
     where = f"pass '{pass_name}' option '{key}'"
-    if origin is typing.Union or str(origin) == "types.UnionType":
+    if origin in (typing.Union, types.UnionType):
         args = [a for a in get_args(tp) if a is not type(None)]
         if raw in ("none", "null"):
             return None
