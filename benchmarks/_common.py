@@ -48,7 +48,9 @@ def precast_engine(artifact: Path, threads: int, output: str | None = None) -> E
     return run
 
 
-def interleave(engines: dict[str, Engine], feeds: dict[str, np.ndarray], rounds: int, warmup: int = 2) -> dict[str, float]:
+def interleave(
+    engines: dict[str, Engine], feeds: dict[str, np.ndarray], rounds: int, warmup: int = 2
+) -> dict[str, float]:
     """Median milliseconds per engine; one call each per round, order reversed every other round."""
     names = list(engines)
     for _ in range(warmup):
@@ -73,9 +75,15 @@ def ms_ops(path: Path) -> collections.Counter:
 
 
 def fmt_ops(ops: collections.Counter) -> str:
-    short = {"SkipSimplifiedLayerNormalization": "SkipSimpLN", "SimplifiedLayerNormalization": "SimpLN",
-             "SkipLayerNormalization": "SkipLN", "EmbedLayerNormalization": "EmbedLN",
-             "GroupQueryAttention": "GQA", "MultiHeadAttention": "MHA", "RotaryEmbedding": "Rotary"}
+    short = {
+        "SkipSimplifiedLayerNormalization": "SkipSimpLN",
+        "SimplifiedLayerNormalization": "SimpLN",
+        "SkipLayerNormalization": "SkipLN",
+        "EmbedLayerNormalization": "EmbedLN",
+        "GroupQueryAttention": "GQA",
+        "MultiHeadAttention": "MHA",
+        "RotaryEmbedding": "Rotary",
+    }
     return ", ".join(f"{short.get(k, k)} {v}" for k, v in sorted(ops.items())) or "-"
 
 

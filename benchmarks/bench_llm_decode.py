@@ -62,8 +62,13 @@ def profile_graphs(paths: dict[str, Path], threads: int, runs: int = 30) -> None
         sess = ort.InferenceSession(str(path / "model.onnx"), so, providers=["CPUExecutionProvider"])
         names = [i.name for i in sess.get_inputs()]
         if "block_tables" in names:
-            feeds = {"input_ids": np.array([[17]]), "positions": np.array([[PAST]]), "past_lens": np.array([PAST]),
-                     "new_lens": np.array([1]), "block_tables": np.arange(-(-(PAST + 1) // 16))[None]}
+            feeds = {
+                "input_ids": np.array([[17]]),
+                "positions": np.array([[PAST]]),
+                "past_lens": np.array([PAST]),
+                "new_lens": np.array([1]),
+                "block_tables": np.arange(-(-(PAST + 1) // 16))[None],
+            }
             pool = (272, *sess.get_inputs()[5].shape[1:])
             feeds.update({n: rng.standard_normal(pool).astype(np.float32) for n in names[5:]})
         else:
@@ -77,8 +82,10 @@ def profile_graphs(paths: dict[str, Path], threads: int, runs: int = 30) -> None
         for e in events:
             if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
                 total[e["args"]["op_name"]] += e["dur"]
-        print(f"{name}: {sum(total.values()) / runs / 1e3:.2f} ms of kernels per step; "
-              + ", ".join(f"{op} {us / runs / 1e3:.2f}" for op, us in total.most_common(6)))
+        print(
+            f"{name}: {sum(total.values()) / runs / 1e3:.2f} ms of kernels per step; "
+            + ", ".join(f"{op} {us / runs / 1e3:.2f}" for op, us in total.most_common(6))
+        )
 
 
 def main() -> None:
@@ -86,24 +93,34 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--work", default="/tmp/precast-bench-llm")
-    ap.add_argument("--extra", action="append", default=[], help="NAME=ARTIFACT: another precast artifact to step")
+    ap.add_argument(
+        "--extra", action="append", default=[], help="NAME=ARTIFACT: another precast artifact to step"
+    )
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     work = Path(args.work)
-    paths = {n: work / n for n in ("precast-fp32", "genai-fp32", "precast-int4", "genai-int4") if (work / n).is_dir()}
+    paths = {
+        n: work / n
+        for n in ("precast-fp32", "genai-fp32", "precast-int4", "genai-int4")
+        if (work / n).is_dir()
+    }
     paths.update({kv.split("=", 1)[0]: Path(kv.split("=", 1)[1]) for kv in args.extra})
-    engines = {n: (GenaiStep if n.startswith("genai") else PrecastStep)(p, args.threads) for n, p in paths.items()}
+    engines = {
+        n: (GenaiStep if n.startswith("genai") else PrecastStep)(p, args.threads) for n, p in paths.items()
+    }
     for e in engines.values():
         e.step()
     times: dict[str, list[float]] = {n: [] for n in engines}
     names = list(engines)
     for r in range(args.steps):
-        for n in names[r % len(names):] + names[: r % len(names)]:
+        for n in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
             engines[n].step()
             times[n].append(time.perf_counter() - t0)
-    print(f"decode step b1, past {PAST}+, {args.threads} thread(s), {args.steps} interleaved steps, "
-          f"load {os.getloadavg()[0]:.1f}")
+    print(
+        f"decode step b1, past {PAST}+, {args.threads} thread(s), {args.steps} interleaved steps, "
+        f"load {os.getloadavg()[0]:.1f}"
+    )
     for n in names:
         med, low = statistics.median(times[n]) * 1e3, min(times[n]) * 1e3
         prec = n.rsplit("-", 1)[-1]

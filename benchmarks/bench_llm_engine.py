@@ -26,13 +26,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-SMALL = {"hidden_size": 256, "intermediate_size": 704, "num_hidden_layers": 4, "num_attention_heads": 8,
-             "num_key_value_heads": 4, "vocab_size": 512, "max_position_embeddings": 512}
+SMALL = {
+    "hidden_size": 256,
+    "intermediate_size": 704,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+}
 
 
 def build_artifact(work: Path) -> Path:
     from precast.compiler.driver import CompileOptions, compile_model
-
     from tests.llm.fixtures import build_llama
 
     out = work / "artifact"
@@ -110,7 +116,9 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         art = args.artifact or build_artifact(Path(tmp))
         cfg = SchedulerConfig(max_num_batched_tokens=args.budget)
-        engine = Engine.load(art, num_blocks=512, config=cfg, enable_prefix_caching=False, threads=args.threads)
+        engine = Engine.load(
+            art, num_blocks=512, config=cfg, enable_prefix_caching=False, threads=args.threads
+        )
         spec = engine.runner.spec
         prompts = prompts_for(engine, args.requests)
         params = SamplingParams(max_tokens=args.new, ignore_eos=True)
@@ -118,23 +126,31 @@ def main(argv=None) -> None:
         seq_wall, seq_tokens, seq_ttft = run(engine, prompts, params, together=False)
         cb_wall, cb_tokens, cb_ttft = run(engine, prompts, params, together=True)
         same = seq_tokens == cb_tokens
-        step_ms, copy_ms, blocks = copy_vs_step(engine, prompts, SamplingParams(max_tokens=10_000, ignore_eos=True))
+        step_ms, copy_ms, blocks = copy_vs_step(
+            engine, prompts, SamplingParams(max_tokens=10_000, ignore_eos=True)
+        )
 
     n_out = args.requests * args.new
     per_token = 2 * spec.layers * spec.kv_heads * spec.head_size * 4
     held = blocks * spec.block_size * per_token
     contiguous = args.requests * spec.max_context * per_token
-    print(f"model: {spec.architecture} layers {spec.layers} kv_heads {spec.kv_heads} head {spec.head_size} "
-          f"vocab {spec.vocab}; {args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
-          f"tokens, {args.new} new each, {args.threads} threads")
+    print(
+        f"model: {spec.architecture} layers {spec.layers} kv_heads {spec.kv_heads} head {spec.head_size} "
+        f"vocab {spec.vocab}; {args.requests} requests, prompts {min(map(len, prompts))}-{max(map(len, prompts))} "
+        f"tokens, {args.new} new each, {args.threads} threads"
+    )
     print(f"{'mode':<12} {'wall s':>8} {'tokens/s':>9} {'TTFT median ms':>15}")
     for name, wall, ttft in [("sequential", seq_wall, seq_ttft), ("continuous", cb_wall, cb_ttft)]:
         print(f"{name:<12} {wall:8.2f} {n_out / wall:9.1f} {1000 * statistics.median(ttft):15.1f}")
     print(f"speedup continuous / sequential: {seq_wall / cb_wall:.2f}x; tokens identical: {same}")
-    print(f"decode step, batch {args.requests}: {step_ms:.2f} ms; copying all caches contiguous each step would add "
-          f"{copy_ms:.2f} ms ({100 * copy_ms / step_ms:.0f}% of the step)")
-    print(f"KV memory held: {held / 2**20:.2f} MiB ({blocks} blocks) vs contiguous max-length caches "
-          f"{contiguous / 2**20:.2f} MiB ({100 * held / contiguous:.0f}%)")
+    print(
+        f"decode step, batch {args.requests}: {step_ms:.2f} ms; copying all caches contiguous each step would add "
+        f"{copy_ms:.2f} ms ({100 * copy_ms / step_ms:.0f}% of the step)"
+    )
+    print(
+        f"KV memory held: {held / 2**20:.2f} MiB ({blocks} blocks) vs contiguous max-length caches "
+        f"{contiguous / 2**20:.2f} MiB ({100 * held / contiguous:.0f}%)"
+    )
 
 
 if __name__ == "__main__":

@@ -26,8 +26,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 CONFIG = {
-    "hidden_size": 512, "intermediate_size": 1408, "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 4,
-    "vocab_size": 32000, "max_position_embeddings": 2048, "tie_word_embeddings": True,
+    "hidden_size": 512,
+    "intermediate_size": 1408,
+    "num_hidden_layers": 8,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
 }
 
 
@@ -68,9 +74,14 @@ def _plain_module(folder: Path):
             cache = DynamicCache(config=self.m.config)
             for i in range(layers):
                 cache.update(past_keys[i], past_values[i], i)
-            out = self.m(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            out = self.m(
+                input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, use_cache=True
+            )
             kv = out.past_key_values
-            return (out.logits[:, -1], *[t for i in range(layers) for t in (kv.layers[i].keys, kv.layers[i].values)])
+            return (
+                out.logits[:, -1],
+                *[t for i in range(layers) for t in (kv.layers[i].keys, kv.layers[i].values)],
+            )
 
     return Plain().eval(), hf
 
@@ -88,7 +99,10 @@ def _export_plain(folder: Path, out: Path) -> None:
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         prog = torch.onnx.export(
-            module, (ids, mask, pk, [t.clone() for t in pk]), dynamo=True, optimize=True,
+            module,
+            (ids, mask, pk, [t.clone() for t in pk]),
+            dynamo=True,
+            optimize=True,
             dynamic_shapes=({0: b}, {0: b, 1: total}, [{0: b, 2: past}] * n, [{0: b, 2: past}] * n),
         )
     prog.save(str(out))
@@ -108,8 +122,9 @@ def main() -> None:
 
     import onnxruntime as ort
     import torch
-    from precast.runtime.llm import ModelRunner
     from transformers import DynamicCache
+
+    from precast.runtime.llm import ModelRunner
 
     torch.set_num_threads(args.threads)
     runner = ModelRunner.from_artifact(art, num_blocks=64, threads=args.threads)
@@ -119,8 +134,13 @@ def main() -> None:
     for pool in (*runner.key_cache, *runner.value_cache):
         pool[...] = rng.standard_normal(pool.shape, dtype=np.float32)
     tok = np.array([[17]], dtype=np.int64)
-    step = {"input_ids": tok, "positions": np.array([[past]]), "past_lens": np.array([past]), "new_lens": np.array([1]),
-                "block_tables": tables}
+    step = {
+        "input_ids": tok,
+        "positions": np.array([[past]]),
+        "past_lens": np.array([past]),
+        "new_lens": np.array([1]),
+        "block_tables": tables,
+    }
     graph_feeds = {k: np.asarray(v, dtype=np.int64) for k, v in step.items()}
     for i, (kn, vn) in enumerate(spec.kv_inputs):
         graph_feeds[kn], graph_feeds[vn] = runner.key_cache[i], runner.value_cache[i]
@@ -129,7 +149,10 @@ def main() -> None:
     so.intra_op_num_threads, so.inter_op_num_threads = args.threads, 1
     plain_sess = ort.InferenceSession(str(plain), so, providers=["CPUExecutionProvider"])
     names = [i.name for i in plain_sess.get_inputs()]
-    kvs = [rng.standard_normal((1, spec.kv_heads, past, spec.head_size), dtype=np.float32) for _ in range(2 * spec.layers)]
+    kvs = [
+        rng.standard_normal((1, spec.kv_heads, past, spec.head_size), dtype=np.float32)
+        for _ in range(2 * spec.layers)
+    ]
     plain_feeds = dict(zip(names, [tok, np.ones((1, past + 1), dtype=np.int64), *kvs]))
 
     _, hf = _plain_module(folder)
@@ -140,8 +163,12 @@ def main() -> None:
         for i in range(spec.layers):
             cache.update(tkv[i], tkv[spec.layers + i], i)
         with torch.no_grad():
-            hf(input_ids=torch.from_numpy(tok), attention_mask=torch.ones(1, past + 1, dtype=torch.long),
-               past_key_values=cache, use_cache=True)
+            hf(
+                input_ids=torch.from_numpy(tok),
+                attention_mask=torch.ones(1, past + 1, dtype=torch.long),
+                past_key_values=cache,
+                use_cache=True,
+            )
 
     variants = {
         "precast-runner": lambda: runner.step(**step),
@@ -151,7 +178,7 @@ def main() -> None:
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(args.warmup + args.runs):
-        order = list(variants)[r % len(variants):] + list(variants)[: r % len(variants)]
+        order = list(variants)[r % len(variants) :] + list(variants)[: r % len(variants)]
         for name in order:
             t0 = time.perf_counter()
             variants[name]()
@@ -159,8 +186,10 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
     base = statistics.median(times["ort-plain"])
     weights = sum(p.numel() for p in hf.parameters()) * 4
-    print(f"\ndecode step, batch 1, past {past}, {args.threads} threads, {args.runs} runs "
-          f"(weights {weights / 1e6:.0f} MB fp32; KV pool {runner.kv_bytes / 1e6:.1f} MB)")
+    print(
+        f"\ndecode step, batch 1, past {past}, {args.threads} threads, {args.runs} runs "
+        f"(weights {weights / 1e6:.0f} MB fp32; KV pool {runner.kv_bytes / 1e6:.1f} MB)"
+    )
     print(f"{'variant':<16} {'median ms':>10} {'p90 ms':>8} {'vs ort-plain':>13}")
     for name, ts in times.items():
         med, p90 = statistics.median(ts), float(np.percentile(ts, 90))

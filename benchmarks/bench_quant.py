@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "int8 dynamic": CompileOptions(passes="default,quantize-int8", accuracy_budget="cosine>=0.98"),
         "int8 static qdq": CompileOptions(
-            passes="default,quantize-int8{mode=static,ops=[MatMul,Gemm]}", calibration_feeds=calib_batches, accuracy_budget="cosine>=0.8"
+            passes="default,quantize-int8{mode=static,ops=[MatMul,Gemm]}",
+            calibration_feeds=calib_batches,
+            accuracy_budget="cosine>=0.8",
         ),
     }
     artifacts: dict[str, Path] = {}
@@ -111,7 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         artifacts[name] = work / name.replace(" ", "_")
         res = compile_model(source, artifacts[name], opts)
         cos = min(r.get("cosine", 1.0) for r in res.manifest["parity"]["outputs"].values())
-        print(f"compiled {name} in {time.perf_counter() - t0:.0f}s (parity cosine {cos:.5f})", file=sys.stderr)
+        print(
+            f"compiled {name} in {time.perf_counter() - t0:.0f}s (parity cosine {cos:.5f})", file=sys.stderr
+        )
 
     eval_feeds = encode(folder / "tokenizer.json", EVAL)
     for threads in args.threads:

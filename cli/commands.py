@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-
 from pathlib import Path
 
 import click
@@ -46,7 +45,9 @@ def _config_defaults(path: str | None) -> dict:
     allowed = {"passes", "targets", "atol", "rtol", "min_cosine"}
     unknown = set(section) - allowed
     if unknown:
-        raise UsageError(f"{cfg}: unknown key '{sorted(unknown)[0]}' in [compile] (allowed: {', '.join(sorted(allowed))})")
+        raise UsageError(
+            f"{cfg}: unknown key '{sorted(unknown)[0]}' in [compile] (allowed: {', '.join(sorted(allowed))})"
+        )
     return section
 
 
@@ -54,30 +55,75 @@ def _config_defaults(path: str | None) -> dict:
 @click.argument("model")
 @click.option("-o", "--output", required=True, type=click.Path(), help="Artifact directory to write.")
 @click.option("-t", "--target", "targets", multiple=True, help="Target (repeatable; default ort-cpu).")
-@click.option("-p", "--passes", default=None, help="Pipeline, e.g. 'default,fold-constants'. Default: the target's.")
-@click.option("-i", "--input", "inputs", multiple=True, help="Input spec for PyTorch callables: name:dtype[dims].")
-@click.option("--dim", "dims", multiple=True, help="Sample size of a symbolic dim for export/verification, NAME=INT.")
+@click.option(
+    "-p", "--passes", default=None, help="Pipeline, e.g. 'default,fold-constants'. Default: the target's."
+)
+@click.option(
+    "-i", "--input", "inputs", multiple=True, help="Input spec for PyTorch callables: name:dtype[dims]."
+)
+@click.option(
+    "--dim", "dims", multiple=True, help="Sample size of a symbolic dim for export/verification, NAME=INT."
+)
 @click.option("--task", default=None, help="Task for Hugging Face folders (default feature-extraction).")
 @click.option("--sample-inputs", type=click.Path(), default=None, help=".npz/.json of feeds to verify with.")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance for parity.")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance for parity.")
 @click.option("--min-cosine", type=float, default=None, help="Minimum cosine similarity per output.")
-@click.option("--target-option", "target_options", multiple=True, help="Target option KEY=VALUE (repeatable).")
-@click.option("--print-ir-after", "print_ir_after", multiple=True, help="Print the IR after this pass ('all').")
+@click.option(
+    "--target-option", "target_options", multiple=True, help="Target option KEY=VALUE (repeatable)."
+)
+@click.option(
+    "--print-ir-after", "print_ir_after", multiple=True, help="Print the IR after this pass ('all')."
+)
 @click.option("--config", "config", default=None, help="precast.toml with a [compile] table.")
 @click.option("--report", type=click.Path(), default=None, help="Write a JSON report here (also on failure).")
-@click.option("--junit", type=click.Path(), default=None, help="Write a JUnit XML report (one testcase per output).")
-@click.option("--cache-dir", envvar="PRECAST_CACHE_DIR", type=click.Path(), default=None,
-              help="Compile cache directory (env PRECAST_CACHE_DIR); a hit copies the cached artifact.")
-@click.option("--calibration", type=click.Path(), default=None,
-              help="Calibration data for quantize passes: .npz of feeds ('N/name' keys for several batches) or .txt.")
-@click.option("--accuracy-budget", "accuracy_budget", default=None,
-              help="e.g. 'cosine>=0.99,top1>=0.95,max_abs<=0.1'; quantized pipelines default to cosine>=0.99.")
+@click.option(
+    "--junit", type=click.Path(), default=None, help="Write a JUnit XML report (one testcase per output)."
+)
+@click.option(
+    "--cache-dir",
+    envvar="PRECAST_CACHE_DIR",
+    type=click.Path(),
+    default=None,
+    help="Compile cache directory (env PRECAST_CACHE_DIR); a hit copies the cached artifact.",
+)
+@click.option(
+    "--calibration",
+    type=click.Path(),
+    default=None,
+    help="Calibration data for quantize passes: .npz of feeds ('N/name' keys for several batches) or .txt.",
+)
+@click.option(
+    "--accuracy-budget",
+    "accuracy_budget",
+    default=None,
+    help="e.g. 'cosine>=0.99,top1>=0.95,max_abs<=0.1'; quantized pipelines default to cosine>=0.99.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def compile_cmd(model, output, targets, passes, inputs, dims, task, sample_inputs, atol, rtol, min_cosine,
-                target_options, print_ir_after, config, report, junit, cache_dir, calibration, accuracy_budget,
-                as_json, quiet):
+def compile_cmd(
+    model,
+    output,
+    targets,
+    passes,
+    inputs,
+    dims,
+    task,
+    sample_inputs,
+    atol,
+    rtol,
+    min_cosine,
+    target_options,
+    print_ir_after,
+    config,
+    report,
+    junit,
+    cache_dir,
+    calibration,
+    accuracy_budget,
+    as_json,
+    quiet,
+):
     """Compile MODEL (.onnx file, Hugging Face folder, or module:callable) into a verified artifact."""
     from precast.compiler.driver import CompileOptions, compile_model
     from precast.compiler.source import parse_input_spec
@@ -130,9 +176,16 @@ def compile_cmd(model, output, targets, passes, inputs, dims, task, sample_input
 
         compile_junit(junit, manifest=result.manifest, output=result.output, seconds=result.seconds["total"])
     if report:
-        payload = {"ok": True, "output": str(result.output), "manifest": result.manifest, "cache": result.cache,
-                   "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
-                   "pass_seconds": {t: {r.spec: round(r.seconds, 4) for r in rs} for t, rs in result.records.items()}}
+        payload = {
+            "ok": True,
+            "output": str(result.output),
+            "manifest": result.manifest,
+            "cache": result.cache,
+            "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
+            "pass_seconds": {
+                t: {r.spec: round(r.seconds, 4) for r in rs} for t, rs in result.records.items()
+            },
+        }
         Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     if as_json:
         emit_json(result.manifest)
@@ -156,9 +209,13 @@ def _print_parity(manifest: dict, title: str = "parity", console=err_console) ->
     for col in ("output", "max abs", "max rel", "cosine", "ok"):
         table.add_column(col)
     for name, r in rows:
-        table.add_row(name, f"{r.get('max_abs', '-'):.3g}" if "max_abs" in r else "-",
-                      f"{r['max_rel']:.3g}" if "max_rel" in r else "-",
-                      f"{r['cosine']:.6f}" if "cosine" in r else "-", "yes" if r["ok"] else "[red]NO[/red]")
+        table.add_row(
+            name,
+            f"{r.get('max_abs', '-'):.3g}" if "max_abs" in r else "-",
+            f"{r['max_rel']:.3g}" if "max_rel" in r else "-",
+            f"{r['cosine']:.6f}" if "cosine" in r else "-",
+            "yes" if r["ok"] else "[red]NO[/red]",
+        )
     console.print(table)
     budget = manifest["parity"].get("budget")
     if budget:
@@ -166,8 +223,10 @@ def _print_parity(manifest: dict, title: str = "parity", console=err_console) ->
         console.print(f"accuracy budget {escape(budget['budget'])}: {state}")
         text = budget.get("metrics", {}).get("logits@text")  # causal LMs: measured on the calibration text
         if text:
-            console.print(f"on {text['tokens']} tokens of text vs fp32: top-1 agreement {text['top1']:.4f}, perplexity "
-                          f"{text['ppl_reference']:.3f} -> {text['ppl']:.3f} ({text['ppl_delta']:+.3f})")
+            console.print(
+                f"on {text['tokens']} tokens of text vs fp32: top-1 agreement {text['top1']:.4f}, perplexity "
+                f"{text['ppl_reference']:.3f} -> {text['ppl']:.3f} ({text['ppl_delta']:+.3f})"
+            )
 
 
 @cli.command()
@@ -182,7 +241,9 @@ def inspect(artifact, as_json):
         emit_json(manifest)
         return
     if manifest.get("kind") == "multi-target":
-        out_console.print(f"[bold]{artifact}[/bold]: multi-target artifact, fallback order {manifest['fallback_order']}")
+        out_console.print(
+            f"[bold]{artifact}[/bold]: multi-target artifact, fallback order {manifest['fallback_order']}"
+        )
         for name, entry in manifest["targets"].items():
             out_console.print(f"\n[bold]== {name} ==[/bold]")
             _inspect_one(Path(artifact) / entry["dir"], read_manifest(Path(artifact) / entry["dir"]))
@@ -193,24 +254,38 @@ def inspect(artifact, as_json):
 def _inspect_one(path: Path, m: dict) -> None:
     t = m["target"]
     src = m.get("source", {})
-    out_console.print(f"[bold]{path}[/bold]  schema {m['schema_version']}, precast {m.get('precast_version')}")
-    out_console.print(f"source: {src.get('kind')} '{src.get('name')}' sha256 {str(src.get('sha256'))[:16]}...")
-    out_console.print(f"target: {t.get('name')} ({t.get('backend')}, {', '.join(t.get('providers', []))}, "
-                      f"{t.get('precision')}), session {t.get('session')}")
+    out_console.print(
+        f"[bold]{path}[/bold]  schema {m['schema_version']}, precast {m.get('precast_version')}"
+    )
+    out_console.print(
+        f"source: {src.get('kind')} '{src.get('name')}' sha256 {str(src.get('sha256'))[:16]}..."
+    )
+    out_console.print(
+        f"target: {t.get('name')} ({t.get('backend')}, {', '.join(t.get('providers', []))}, "
+        f"{t.get('precision')}), session {t.get('session')}"
+    )
     out_console.print(escape(f"pipeline: {m.get('pipeline') or '(none)'}"))
     io = Table(title="IO signature", title_justify="left")
     for col in ("", "name", "dtype", "shape"):
         io.add_column(col)
     for kind in ("inputs", "outputs"):
         for s in m["io"][kind]:
-            shape = "?" if s["shape"] is None else "[" + ", ".join("?" if d is None else str(d) for d in s["shape"]) + "]"
+            shape = (
+                "?"
+                if s["shape"] is None
+                else "[" + ", ".join("?" if d is None else str(d) for d in s["shape"]) + "]"
+            )
             io.add_row(kind[:-1], escape(s["name"]), s["dtype"], escape(shape))
     out_console.print(io)
     passes = Table(title="passes", title_justify="left")
     for col in ("pass", "stats", "nodes"):
         passes.add_column(col)
     for p in m.get("passes", []):
-        passes.add_row(escape(p["pass"]), ", ".join(f"{k}={v}" for k, v in p["stats"].items()), f"{p['nodes_before']} -> {p['nodes_after']}")
+        passes.add_row(
+            escape(p["pass"]),
+            ", ".join(f"{k}={v}" for k, v in p["stats"].items()),
+            f"{p['nodes_before']} -> {p['nodes_after']}",
+        )
     out_console.print(passes)
     _print_parity(m, console=out_console)
     files = Table(title="files", title_justify="left")
@@ -226,8 +301,12 @@ def _inspect_one(path: Path, m: dict) -> None:
 @cli.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("--pubkey", type=click.Path(), default=None, help="Packed artifacts: check the Ed25519 signature.")
-@click.option("--junit", type=click.Path(), default=None, help="Write a JUnit XML report (one testcase per output).")
+@click.option(
+    "--pubkey", type=click.Path(), default=None, help="Packed artifacts: check the Ed25519 signature."
+)
+@click.option(
+    "--junit", type=click.Path(), default=None, help="Write a JUnit XML report (one testcase per output)."
+)
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on success (the exit code says it).")
 def verify(artifact, as_json, pubkey, junit, quiet):
     """Check integrity (sha256 of every file) and re-run the stored parity feeds.
@@ -263,10 +342,14 @@ def verify(artifact, as_json, pubkey, junit, quiet):
         for target, r in reports.items():
             for name, o in r["outputs"].items():
                 status = "ok" if o["ok"] else "FAIL"
-                out_console.print(f"{target} {name}: max abs {o.get('max_abs', 0):.3g}, cosine {o.get('cosine', 1):.6f} {status}")
+                out_console.print(
+                    f"{target} {name}: max abs {o.get('max_abs', 0):.3g}, cosine {o.get('cosine', 1):.6f} {status}"
+                )
     bad = [(t, n) for t, r in reports.items() for n, o in r["outputs"].items() if not o["ok"]]
     if bad:
-        raise ParityError(f"artifact {artifact}: target '{bad[0][0]}' output '{bad[0][1]}' no longer matches its stored reference")
+        raise ParityError(
+            f"artifact {artifact}: target '{bad[0][0]}' output '{bad[0][1]}' no longer matches its stored reference"
+        )
     if not as_json and not quiet:
         out_console.print(f"[green]verified[/green] {artifact}: all files intact, parity holds")
 
@@ -297,7 +380,9 @@ def run(artifact, input_file, output_file, prefer, threads, as_json):
     for name, arr in outputs.items():
         flat = arr.ravel()
         head = np.array2string(flat[:6], precision=5, separator=", ")
-        out_console.print(escape(f"{name}: {arr.dtype}{list(arr.shape)} {head}{' ...' if flat.size > 6 else ''}"))
+        out_console.print(
+            escape(f"{name}: {arr.dtype}{list(arr.shape)} {head}{' ...' if flat.size > 6 else ''}")
+        )
     if output_file:
         err_console.print(f"saved outputs to {output_file}")
 
@@ -310,7 +395,9 @@ def passes(as_json):
 
     items = all_passes()
     if as_json:
-        emit_json({n: {"summary": c.summary(), "options": describe_options(c.Options)} for n, c in items.items()})
+        emit_json(
+            {n: {"summary": c.summary(), "options": describe_options(c.Options)} for n, c in items.items()}
+        )
         return
     table = Table(title="passes", title_justify="left")
     for col in ("pass", "what it does", "options"):
@@ -329,8 +416,15 @@ def targets(as_json):
     rows = {}
     for name, cls in all_targets().items():
         b, r = cls.can_build(), cls.can_run()
-        rows[name] = {"summary": cls.summary, "build": b.ok, "build_reason": b.reason, "run": r.ok, "run_reason": r.reason,
-                      "default_pipeline": cls.default_pipeline, "options": cls.option_defaults}
+        rows[name] = {
+            "summary": cls.summary,
+            "build": b.ok,
+            "build_reason": b.reason,
+            "run": r.ok,
+            "run_reason": r.reason,
+            "default_pipeline": cls.default_pipeline,
+            "options": cls.option_defaults,
+        }
     if as_json:
         emit_json(rows)
         return
@@ -338,9 +432,11 @@ def targets(as_json):
     for col in ("target", "what", "build here", "run here", "default pipeline"):
         table.add_column(col)
     for name, r in rows.items():
-        b = ("yes" + (f" ({r['build_reason']})" if r["build_reason"] else "")) if r["build"] else f"unavailable: {r['build_reason']}"
+        b = (
+            ("yes" + (f" ({r['build_reason']})" if r["build_reason"] else ""))
+            if r["build"]
+            else f"unavailable: {r['build_reason']}"
+        )
         x = "yes" if r["run"] else f"unavailable: {r['run_reason']}"
         table.add_row(name, r["summary"], escape(b), escape(x), escape(r["default_pipeline"]))
     out_console.print(table)
-
-

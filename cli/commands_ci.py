@@ -6,19 +6,30 @@ import json
 from pathlib import Path
 
 import click
+from rich.markup import escape
+from rich.table import Table
+
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
 from precast.cli.output import Progress, emit_json, err_console, out_console
 from precast.runtime.errors import ParityError, UsageError
-from rich.markup import escape
-from rich.table import Table
 
 
 @cli.command()
 @click.argument("model")
-@click.option("-p", "--passes", default=None, help="Pipeline to bisect. Default: the target's default pipeline.")
-@click.option("-t", "--target", default="ort-cpu", show_default=True, help="Target whose default pipeline/tolerance to use.")
-@click.option("-i", "--input", "inputs", multiple=True, help="Input spec for PyTorch callables: name:dtype[dims].")
+@click.option(
+    "-p", "--passes", default=None, help="Pipeline to bisect. Default: the target's default pipeline."
+)
+@click.option(
+    "-t",
+    "--target",
+    default="ort-cpu",
+    show_default=True,
+    help="Target whose default pipeline/tolerance to use.",
+)
+@click.option(
+    "-i", "--input", "inputs", multiple=True, help="Input spec for PyTorch callables: name:dtype[dims]."
+)
 @click.option("--task", default=None, help="Task for Hugging Face folders.")
 @click.option("--sample-inputs", type=click.Path(), default=None, help=".npz/.json of feeds to compare on.")
 @click.option("--atol", type=float, default=None)
@@ -27,7 +38,9 @@ from rich.table import Table
 @click.option("--report", type=click.Path(), default=None, help="Write the result as JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
-def bisect(model, passes, target, inputs, task, sample_inputs, atol, rtol, min_cosine, report, as_json, quiet):
+def bisect(
+    model, passes, target, inputs, task, sample_inputs, atol, rtol, min_cosine, report, as_json, quiet
+):
     """Run the pipeline prefix by prefix against the reference; name the first pass that breaks tolerance.
 
     Exit 0 when every pass keeps parity, 2 when one breaks it.
@@ -37,8 +50,14 @@ def bisect(model, passes, target, inputs, task, sample_inputs, atol, rtol, min_c
     from precast.compiler.source import parse_input_spec
 
     opts = CompileOptions(
-        targets=(target,), passes=passes, inputs=[parse_input_spec(s) for s in inputs], task=task,
-        sample_inputs=read_feeds(sample_inputs) if sample_inputs else None, atol=atol, rtol=rtol, min_cosine=min_cosine,
+        targets=(target,),
+        passes=passes,
+        inputs=[parse_input_spec(s) for s in inputs],
+        task=task,
+        sample_inputs=read_feeds(sample_inputs) if sample_inputs else None,
+        atol=atol,
+        rtol=rtol,
+        min_cosine=min_cosine,
     )
     result = bisect_model(model, opts, target=target, progress=Progress(quiet or as_json))
     payload = result.to_json()
@@ -48,16 +67,26 @@ def bisect(model, passes, target, inputs, task, sample_inputs, atol, rtol, min_c
         emit_json(payload)
     if result.index is not None:
         after = ", ".join(result.after)
-        raise ParityError(f"first broken by pass '{result.culprit}' (#{result.index + 1}, after [{after}]): {result.error}")
+        raise ParityError(
+            f"first broken by pass '{result.culprit}' (#{result.index + 1}, after [{after}]): {result.error}"
+        )
     if not as_json and not quiet:
-        out_console.print(f"[green]ok[/green]: all {len(result.passes)} passes keep parity ({','.join(result.passes) or 'empty pipeline'})")
+        out_console.print(
+            f"[green]ok[/green]: all {len(result.passes)} passes keep parity ({','.join(result.passes) or 'empty pipeline'})"
+        )
 
 
 @cli.command()
 @click.argument("artifact", type=click.Path())
-@click.option("-o", "--output", required=True, type=click.Path(), help="Packed file to write, e.g. model.precast.")
-@click.option("--sign-key", type=click.Path(), default=None, help="Ed25519 private key (PEM) to sign manifest.json.")
-@click.option("--with-build-info", is_flag=True, help="Also ship build-info.json (wall times; breaks byte-identity).")
+@click.option(
+    "-o", "--output", required=True, type=click.Path(), help="Packed file to write, e.g. model.precast."
+)
+@click.option(
+    "--sign-key", type=click.Path(), default=None, help="Ed25519 private key (PEM) to sign manifest.json."
+)
+@click.option(
+    "--with-build-info", is_flag=True, help="Also ship build-info.json (wall times; breaks byte-identity)."
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-q", "--quiet", is_flag=True)
 def pack(artifact, output, sign_key, with_build_info, as_json, quiet):
@@ -69,14 +98,20 @@ def pack(artifact, output, sign_key, with_build_info, as_json, quiet):
         emit_json(info)
     elif not quiet:
         signed = ", signed" if info["signed"] else ""
-        err_console.print(f"[green]packed[/green] {escape(str(output))}: {info['files']} files, {info['bytes']} bytes{signed}, "
-                          f"sha256 {info['sha256']}")
+        err_console.print(
+            f"[green]packed[/green] {escape(str(output))}: {info['files']} files, {info['bytes']} bytes{signed}, "
+            f"sha256 {info['sha256']}"
+        )
 
 
 @cli.command()
 @click.argument("packed", type=click.Path())
-@click.option("-o", "--output", required=True, type=click.Path(), help="Directory to unpack into (new or empty).")
-@click.option("--pubkey", type=click.Path(), default=None, help="Ed25519 public key (PEM): require a valid signature.")
+@click.option(
+    "-o", "--output", required=True, type=click.Path(), help="Directory to unpack into (new or empty)."
+)
+@click.option(
+    "--pubkey", type=click.Path(), default=None, help="Ed25519 public key (PEM): require a valid signature."
+)
 @click.option("-q", "--quiet", is_flag=True)
 def unpack(packed, output, pubkey, quiet):
     """Unpack a packed artifact safely: no links/devices/unlisted files/size bombs; every sha256 checked."""
@@ -85,13 +120,17 @@ def unpack(packed, output, pubkey, quiet):
     manifest = unpack_artifact(packed, output, pubkey=pubkey)
     if not quiet:
         sig = ", signature ok" if pubkey else ""
-        err_console.print(f"[green]unpacked[/green] {escape(str(packed))} -> {escape(str(output))}: "
-                          f"{len(manifest['files'])} files verified{sig}")
+        err_console.print(
+            f"[green]unpacked[/green] {escape(str(packed))} -> {escape(str(output))}: "
+            f"{len(manifest['files'])} files verified{sig}"
+        )
 
 
 @cli.command()
 @click.option("-o", "--output", "private", required=True, type=click.Path(), help="Private key PEM to write.")
-@click.option("--pub", "public", default=None, type=click.Path(), help="Public key PEM (default: <output>.pub).")
+@click.option(
+    "--pub", "public", default=None, type=click.Path(), help="Public key PEM (default: <output>.pub)."
+)
 def keygen(private, public):
     """Generate an Ed25519 key pair for `pack --sign-key` / `verify --pubkey`."""
     from precast.runtime.signing import generate_keypair
@@ -103,10 +142,22 @@ def keygen(private, public):
 
 @cli.command()
 @click.argument("artifact", type=click.Path())
-@click.option("-i", "--input", "input_file", type=click.Path(), default=None, help="Feeds .npz/.json (default: stored parity inputs).")
+@click.option(
+    "-i",
+    "--input",
+    "input_file",
+    type=click.Path(),
+    default=None,
+    help="Feeds .npz/.json (default: stored parity inputs).",
+)
 @click.option("--runs", type=int, default=10, show_default=True, help="Profiled runs.")
 @click.option("--top", type=int, default=15, show_default=True, help="How many operator types to show.")
-@click.option("--trace", type=click.Path(), default=None, help="Save the Chrome trace (chrome://tracing, Perfetto) here.")
+@click.option(
+    "--trace",
+    type=click.Path(),
+    default=None,
+    help="Save the Chrome trace (chrome://tracing, Perfetto) here.",
+)
 @click.option("--threads", type=int, default=None, help="Intra-op threads (default: the artifact's setting).")
 @click.option("--json", "as_json", is_flag=True)
 def profile(artifact, input_file, runs, top, trace, threads, as_json):
@@ -120,12 +171,26 @@ def profile(artifact, input_file, runs, top, trace, threads, as_json):
     if as_json:
         emit_json(result)
         return
-    table = Table(title=f"top operators ({result['target']}, {result['runs']} runs + {result['warmup']} warmup)",
-                  title_justify="left")
-    for col, justify in (("op", "left"), ("nodes", "right"), ("us/run", "right"), ("share", "right"), ("provider", "left")):
+    table = Table(
+        title=f"top operators ({result['target']}, {result['runs']} runs + {result['warmup']} warmup)",
+        title_justify="left",
+    )
+    for col, justify in (
+        ("op", "left"),
+        ("nodes", "right"),
+        ("us/run", "right"),
+        ("share", "right"),
+        ("provider", "left"),
+    ):
         table.add_column(col, justify=justify)
     for r in result["ops"][:top]:
-        table.add_row(escape(r["op"]), str(r["nodes"]), f"{r['us_per_run']:.1f}", f"{r['share'] * 100:.1f}%", r["provider"])
+        table.add_row(
+            escape(r["op"]),
+            str(r["nodes"]),
+            f"{r['us_per_run']:.1f}",
+            f"{r['share'] * 100:.1f}%",
+            r["provider"],
+        )
     out_console.print(table)
     if trace:
         err_console.print(f"saved the Chrome trace to {escape(str(trace))}")

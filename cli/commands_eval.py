@@ -6,15 +6,23 @@ import json
 from pathlib import Path
 
 import click
+
 from precast.cli.main import cli
 from precast.cli.output import emit_json, err_console
 
 
 @cli.command("eval")
 @click.argument("artifact", type=click.Path())
-@click.option("--perplexity", "text_file", type=click.Path(), required=True,
-              help="Raw text file (WikiText style) to measure perplexity on.")
-@click.option("--window", type=int, default=None, help="Tokens per window (default: max context, at most 1024).")
+@click.option(
+    "--perplexity",
+    "text_file",
+    type=click.Path(),
+    required=True,
+    help="Raw text file (WikiText style) to measure perplexity on.",
+)
+@click.option(
+    "--window", type=int, default=None, help="Tokens per window (default: max context, at most 1024)."
+)
 @click.option("--stride", type=int, default=None, help="Tokens between window starts (default: the window).")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of the text.")
 @click.option("--batch", default=16, show_default=True, type=int, help="Windows scored together per step.")

@@ -6,6 +6,7 @@ import sys
 import time
 
 import click
+
 from precast.cli.main import cli
 from precast.cli.output import emit_json, err_console
 
@@ -15,7 +16,9 @@ from precast.cli.output import emit_json, err_console
 @click.argument("prompt")
 @click.option("--max-tokens", default=64, show_default=True, type=int, help="New tokens at most.")
 @click.option("--temperature", default=0.0, show_default=True, type=float, help="0 = greedy.")
-@click.option("--top-k", default=0, show_default=True, type=int, help="Keep the k most likely tokens (0 = off).")
+@click.option(
+    "--top-k", default=0, show_default=True, type=int, help="Keep the k most likely tokens (0 = off)."
+)
 @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass.")
 @click.option("--repetition-penalty", default=1.0, show_default=True, type=float)
 @click.option("--seed", default=None, type=int, help="Seed of this request's sampler.")
@@ -24,13 +27,33 @@ from precast.cli.output import emit_json, err_console
 @click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: runner's).")
 @click.option("--threads", default=None, type=int, help="Intra-op threads of the session.")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and metrics as JSON.")
-def generate_cmd(artifact, prompt, max_tokens, temperature, top_k, top_p, repetition_penalty, seed, stop,
-                 stream, num_blocks, threads, as_json):
+def generate_cmd(
+    artifact,
+    prompt,
+    max_tokens,
+    temperature,
+    top_k,
+    top_p,
+    repetition_penalty,
+    seed,
+    stop,
+    stream,
+    num_blocks,
+    threads,
+    as_json,
+):
     """Generate a continuation of PROMPT with the compiled model in ARTIFACT."""
     from precast.runtime.llm import Engine, SamplingParams
 
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop))
+    params = SamplingParams(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        seed=seed,
+        stop=tuple(stop),
+    )
     params.validate()  # bad options fail before the model loads
     runner_kwargs = {"threads": threads} if threads is not None else {}
     engine = Engine.load(artifact, num_blocks=num_blocks, **runner_kwargs)
@@ -46,10 +69,21 @@ def generate_cmd(artifact, prompt, max_tokens, temperature, top_k, top_p, repeti
         if not as_json:
             click.echo(out.text)
     if as_json:
-        emit_json({"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
-                   "ttft_s": out.ttft_s, "metrics": engine.metrics().as_dict()})
+        emit_json(
+            {
+                "text": out.text,
+                "token_ids": out.token_ids,
+                "finish_reason": out.finish_reason,
+                "ttft_s": out.ttft_s,
+                "metrics": engine.metrics().as_dict(),
+            }
+        )
     else:
         total = time.perf_counter() - handle.t_submit
-        decode = (len(out.token_ids) - 1) / (total - out.ttft_s) if len(out.token_ids) > 1 and out.ttft_s else 0.0
-        err_console.print(f"[dim]{len(out.token_ids)} tokens, finish: {out.finish_reason}, time to first token "
-                          f"{1000 * (out.ttft_s or 0):.1f} ms, decode {decode:.1f} tokens/s[/dim]")
+        decode = (
+            (len(out.token_ids) - 1) / (total - out.ttft_s) if len(out.token_ids) > 1 and out.ttft_s else 0.0
+        )
+        err_console.print(
+            f"[dim]{len(out.token_ids)} tokens, finish: {out.finish_reason}, time to first token "
+            f"{1000 * (out.ttft_s or 0):.1f} ms, decode {decode:.1f} tokens/s[/dim]"
+        )

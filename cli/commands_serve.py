@@ -12,36 +12,103 @@ from precast.cli.main import cli
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")
 @click.option("--model-name", default=None, help="Name in the API (default: the artifact folder's name).")
-@click.option("--max-batch-size", default=8, show_default=True, type=click.IntRange(1),
-              help="Dynamic batching: most rows per model call (1 turns batching off).")
-@click.option("--max-queue-delay-ms", default=2.0, show_default=True, type=click.FloatRange(0),
-              help="Dynamic batching: how long the oldest request waits for others.")
-@click.option("--max-queue", default=256, show_default=True, type=click.IntRange(1),
-              help="Queued requests before answering 429.")
-@click.option("--timeout", "request_timeout", default=60.0, show_default=True, type=click.FloatRange(0.001),
-              help="Per-request timeout in seconds (504 after it).")
-@click.option("--admin-token", default=None, envvar="PRECAST_ADMIN_TOKEN",
-              help="Token for /admin/* (required to use them when bound beyond loopback).")
+@click.option(
+    "--max-batch-size",
+    default=8,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Dynamic batching: most rows per model call (1 turns batching off).",
+)
+@click.option(
+    "--max-queue-delay-ms",
+    default=2.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="Dynamic batching: how long the oldest request waits for others.",
+)
+@click.option(
+    "--max-queue",
+    default=256,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Queued requests before answering 429.",
+)
+@click.option(
+    "--timeout",
+    "request_timeout",
+    default=60.0,
+    show_default=True,
+    type=click.FloatRange(0.001),
+    help="Per-request timeout in seconds (504 after it).",
+)
+@click.option(
+    "--admin-token",
+    default=None,
+    envvar="PRECAST_ADMIN_TOKEN",
+    help="Token for /admin/* (required to use them when bound beyond loopback).",
+)
 @click.option("--threads", default=None, type=click.IntRange(1), help="ONNX Runtime intra-op threads.")
-@click.option("--instances", default=1, show_default=True, type=click.IntRange(1),
-              help="Model calls that may run at once.")
-@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(0),
-              help="On SIGTERM/SIGINT: seconds to finish in-flight requests.")
+@click.option(
+    "--instances",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Model calls that may run at once.",
+)
+@click.option(
+    "--drain-timeout",
+    default=30.0,
+    show_default=True,
+    type=click.FloatRange(0),
+    help="On SIGTERM/SIGINT: seconds to finish in-flight requests.",
+)
 @click.option("--no-verify", is_flag=True, help="Skip re-running the stored parity feeds on load/reload.")
 @click.option("--num-blocks", default=None, type=click.IntRange(1), help="LLM: KV cache blocks in the pool.")
-@click.option("--log-level", default="info", show_default=True,
-              type=click.Choice(["critical", "error", "warning", "info", "debug"]))
-def serve_cmd(artifact, host, port, model_name, max_batch_size, max_queue_delay_ms, max_queue, request_timeout,
-              admin_token, threads, instances, drain_timeout, no_verify, num_blocks, log_level):
+@click.option(
+    "--log-level",
+    default="info",
+    show_default=True,
+    type=click.Choice(["critical", "error", "warning", "info", "debug"]),
+)
+def serve_cmd(
+    artifact,
+    host,
+    port,
+    model_name,
+    max_batch_size,
+    max_queue_delay_ms,
+    max_queue,
+    request_timeout,
+    admin_token,
+    threads,
+    instances,
+    drain_timeout,
+    no_verify,
+    num_blocks,
+    log_level,
+):
     """Serve ARTIFACT over HTTP until SIGINT/SIGTERM; SIGHUP or POST /admin/reload hot-reloads it."""
     from precast.runtime.server import ServerConfig, serve
     from precast.runtime.server.host import check_path
 
     check_path(artifact)
     llm = {"num_blocks": num_blocks} if num_blocks else {}
-    serve(ServerConfig(
-        artifact, host=host, port=port, model_name=model_name, max_batch_size=max_batch_size,
-        max_queue_delay_ms=max_queue_delay_ms, max_queue=max_queue, request_timeout=request_timeout,
-        admin_token=admin_token, threads=threads, instances=instances, drain_timeout=drain_timeout,
-        verify=not no_verify, log_level=log_level, llm=llm,
-    ))
+    serve(
+        ServerConfig(
+            artifact,
+            host=host,
+            port=port,
+            model_name=model_name,
+            max_batch_size=max_batch_size,
+            max_queue_delay_ms=max_queue_delay_ms,
+            max_queue=max_queue,
+            request_timeout=request_timeout,
+            admin_token=admin_token,
+            threads=threads,
+            instances=instances,
+            drain_timeout=drain_timeout,
+            verify=not no_verify,
+            log_level=log_level,
+            llm=llm,
+        )
+    )

@@ -33,8 +33,14 @@ def read_feeds(path: str | Path, specs: Sequence[TensorSpec] | None = None) -> d
             try:
                 arr = np.asarray(value)
                 if dtype is not None:
-                    if np.dtype(dtype).kind in "iu" and arr.dtype.kind == "f" and not np.all(arr == np.round(arr)):
-                        raise InputError(f"input '{name}': expected integers ({dtype}), got fractional numbers")
+                    if (
+                        np.dtype(dtype).kind in "iu"
+                        and arr.dtype.kind == "f"
+                        and not np.all(arr == np.round(arr))
+                    ):
+                        raise InputError(
+                            f"input '{name}': expected integers ({dtype}), got fractional numbers"
+                        )
                     arr = arr.astype(dtype)
             except (ValueError, TypeError) as e:
                 raise InputError(f"input '{name}' in {path}: not a rectangular numeric array ({e})") from e

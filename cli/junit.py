@@ -20,26 +20,54 @@ def parity_cases(target: str, outputs: dict, tolerance: dict | None = None) -> l
     cases = []
     for name, r in outputs.items():
         msg = f"output '{name}' out of tolerance ({tol}): {_details(r)}" if not r.get("ok") else ""
-        cases.append({"classname": f"precast.{target}", "name": f"parity:{name}", "ok": bool(r.get("ok")),
-                      "message": msg, "details": _details(r)})
+        cases.append(
+            {
+                "classname": f"precast.{target}",
+                "name": f"parity:{name}",
+                "ok": bool(r.get("ok")),
+                "message": msg,
+                "details": _details(r),
+            }
+        )
     return cases
 
 
 def error_case(classname: str, name: str, error: BaseException) -> Case:
-    return {"classname": classname, "name": name, "ok": False, "message": str(error), "details": type(error).__name__,
-            "error": True}
+    return {
+        "classname": classname,
+        "name": name,
+        "ok": False,
+        "message": str(error),
+        "details": type(error).__name__,
+        "error": True,
+    }
 
 
 def write_junit(path: str | os.PathLike, suite: str, cases: list[Case], seconds: float = 0.0) -> None:
     """Write one <testsuite> (atomically: temp file + rename)."""
     failures = sum(1 for c in cases if not c["ok"] and not c.get("error"))
     errors = sum(1 for c in cases if c.get("error"))
-    root = ET.Element("testsuites", name="precast", tests=str(len(cases)), failures=str(failures), errors=str(errors),
-                      time=f"{seconds:.3f}")
-    ts = ET.SubElement(root, "testsuite", name=suite, tests=str(len(cases)), failures=str(failures), errors=str(errors),
-                       time=f"{seconds:.3f}")
+    root = ET.Element(
+        "testsuites",
+        name="precast",
+        tests=str(len(cases)),
+        failures=str(failures),
+        errors=str(errors),
+        time=f"{seconds:.3f}",
+    )
+    ts = ET.SubElement(
+        root,
+        "testsuite",
+        name=suite,
+        tests=str(len(cases)),
+        failures=str(failures),
+        errors=str(errors),
+        time=f"{seconds:.3f}",
+    )
     for c in cases:
-        tc = ET.SubElement(ts, "testcase", classname=c["classname"], name=c["name"], time=f"{c.get('seconds', 0.0):.3f}")
+        tc = ET.SubElement(
+            ts, "testcase", classname=c["classname"], name=c["name"], time=f"{c.get('seconds', 0.0):.3f}"
+        )
         if c.get("error"):
             ET.SubElement(tc, "error", message=c["message"], type=c["details"]).text = c["message"]
         elif not c["ok"]:
@@ -53,8 +81,14 @@ def write_junit(path: str | os.PathLike, suite: str, cases: list[Case], seconds:
     os.replace(tmp, path)
 
 
-def compile_junit(path: str | os.PathLike, *, manifest: dict | None = None, output: str | os.PathLike | None = None,
-                  error: BaseException | None = None, seconds: float = 0.0) -> None:
+def compile_junit(
+    path: str | os.PathLike,
+    *,
+    manifest: dict | None = None,
+    output: str | os.PathLike | None = None,
+    error: BaseException | None = None,
+    seconds: float = 0.0,
+) -> None:
     """Compile report: parity cases per target (from the manifest, or from a ParityError's report)."""
     import json
 
@@ -76,11 +110,15 @@ def compile_junit(path: str | os.PathLike, *, manifest: dict | None = None, outp
                 cases += parity_cases(name, p.get("outputs", {}), p.get("tolerance"))
         else:
             p = manifest.get("parity") or {}
-            cases = parity_cases(manifest["target"].get("name", "?"), p.get("outputs", {}), p.get("tolerance"))
+            cases = parity_cases(
+                manifest["target"].get("name", "?"), p.get("outputs", {}), p.get("tolerance")
+            )
     write_junit(path, "precast compile", cases, seconds)
 
 
-def verify_junit(path: str | os.PathLike, reports: dict | None = None, error: BaseException | None = None) -> None:
+def verify_junit(
+    path: str | os.PathLike, reports: dict | None = None, error: BaseException | None = None
+) -> None:
     """Verify report: {target: {"outputs": ..., "tolerance": ...}} -> parity cases, or one error case."""
     cases: list[Case] = []
     if error is not None and not reports:

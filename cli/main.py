@@ -38,11 +38,13 @@ def cli(debug: bool) -> None:
 
 
 def _register() -> None:
-    from precast.cli import commands  # noqa: F401  (defines the subcommands on `cli`)
-    from precast.cli import commands_ci  # noqa: F401  (bisect, pack, unpack, keygen, profile)
-    from precast.cli import commands_serve  # noqa: F401  (serve)
-    from precast.cli import commands_llm  # noqa: F401  (generate)
-    from precast.cli import commands_eval  # noqa: F401  (eval --perplexity)
+    from precast.cli import (
+        commands,  # noqa: F401  (defines the subcommands on `cli`)
+        commands_ci,  # noqa: F401  (bisect, pack, unpack, keygen, profile)
+        commands_eval,  # noqa: F401  (eval --perplexity)
+        commands_llm,  # noqa: F401  (generate)
+        commands_serve,  # noqa: F401  (serve)
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -71,6 +73,8 @@ def main(argv: list[str] | None = None) -> None:
         if debug:
             traceback.print_exc()
         first = str(e).splitlines()[0] if str(e) else ""
-        click.echo(f"internal error: {type(e).__name__}: {first} (re-run with --debug for the traceback)", err=True)
+        click.echo(
+            f"internal error: {type(e).__name__}: {first} (re-run with --debug for the traceback)", err=True
+        )
         sys.exit(EXIT_INTERNAL)
     sys.exit(rv if isinstance(rv, int) else 0)

@@ -89,7 +89,10 @@ def finalize_manifest(root: Path, manifest: dict, build_info: dict | None = None
 
 def write_index(root: Path, index: dict) -> dict:
     """A multi-target index hashes only the sub-manifests; each sub-artifact hashes its own files."""
-    files = {f"{d}/{MANIFEST_NAME}": sha256_file(root / d / MANIFEST_NAME) for d in sorted(e["dir"] for e in index["targets"].values())}
+    files = {
+        f"{d}/{MANIFEST_NAME}": sha256_file(root / d / MANIFEST_NAME)
+        for d in sorted(e["dir"] for e in index["targets"].values())
+    }
     manifest = dict(index, files=files)
     dump_json(manifest, root / MANIFEST_NAME)
     return manifest

@@ -31,17 +31,30 @@ class BisectResult:
         return None if self.index is None else self.passes[self.index]
 
     def to_json(self) -> dict:
-        return {"ok": self.index is None, "passes": self.passes, "first_bad_index": self.index,
-                "first_bad_pass": self.culprit, "after": self.after, "error": self.error, "tolerance": self.tolerance}
+        return {
+            "ok": self.index is None,
+            "passes": self.passes,
+            "first_bad_index": self.index,
+            "first_bad_pass": self.culprit,
+            "after": self.after,
+            "error": self.error,
+            "tolerance": self.tolerance,
+        }
 
 
-def bisect_model(model: str | Source, opts: CompileOptions, target: str = "ort-cpu", progress=None) -> BisectResult:
+def bisect_model(
+    model: str | Source, opts: CompileOptions, target: str = "ort-cpu", progress=None
+) -> BisectResult:
     """Bisect ``opts.passes`` (default: the target's pipeline) with ``opts``'s feeds and tolerances."""
     say = progress or (lambda _m: None)
     target_cls = get_target(target)
     specs = parse_pipeline(opts.passes or "default", default=target_cls.default_pipeline)
     say(f"loading {model if isinstance(model, str) else model.name}")
-    source = model if isinstance(model, Source) else load_source(model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims)
+    source = (
+        model
+        if isinstance(model, Source)
+        else load_source(model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims)
+    )
     inputs, _ = io_signature(source.model)
     if opts.sample_inputs is not None:
         feeds = check_feeds(opts.sample_inputs, inputs)

@@ -12,7 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from precast.runtime.accuracy import DEFAULT_QUANT_BUDGET, Bound, check_budget, format_budget, measure, parse_budget
+from precast.runtime.accuracy import (
+    DEFAULT_QUANT_BUDGET,
+    Bound,
+    check_budget,
+    format_budget,
+    measure,
+    parse_budget,
+)
 from precast.runtime.verify import Tolerance
 
 __all__ = ["QUANTIZE_PASSES", "is_quantized", "budget_bounds", "budget_tolerance", "apply_budget"]
@@ -25,7 +32,9 @@ def is_quantized(specs: Sequence[Any], precision: str = "fp32") -> bool:
     return precision in _LOW_PRECISION_TARGETS or any(getattr(s, "name", s) in QUANTIZE_PASSES for s in specs)
 
 
-def budget_bounds(specs: Sequence[Any], budget: str | None, precision: str = "fp32") -> tuple[Bound, ...] | None:
+def budget_bounds(
+    specs: Sequence[Any], budget: str | None, precision: str = "fp32"
+) -> tuple[Bound, ...] | None:
     """The bounds to enforce: the user's, the default for quantized compiles, or None (fp32 tolerances only)."""
     if budget:
         return parse_budget(budget)
@@ -34,7 +43,9 @@ def budget_bounds(specs: Sequence[Any], budget: str | None, precision: str = "fp
     return None
 
 
-def budget_tolerance(tol: Tolerance, bounds: tuple[Bound, ...] | None, quantized: bool, atol_given: bool) -> Tolerance:
+def budget_tolerance(
+    tol: Tolerance, bounds: tuple[Bound, ...] | None, quantized: bool, atol_given: bool
+) -> Tolerance:
     """What `precast verify` re-checks later: for quantized compiles, the budget's cosine and no elementwise bound."""
     if not quantized or bounds is None:
         return tol
@@ -70,7 +81,12 @@ def apply_budget(
             r["ok"] = False
         if name in metrics and "top1" in metrics[name]:
             r["top1"] = metrics[name]["top1"]
-    block = {"budget": format_budget(bounds), "metrics": metrics, "violations": violations, "ok": not violations}
+    block = {
+        "budget": format_budget(bounds),
+        "metrics": metrics,
+        "violations": violations,
+        "ok": not violations,
+    }
     unmeasured = sorted({b.metric for b in bounds} - {k for m in metrics.values() for k in m})
     if unmeasured:  # e.g. ppl_delta: `precast eval --perplexity`, not the compile's parity feeds
         block["not_measured"] = unmeasured

@@ -22,10 +22,20 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
 from precast.runtime.errors import ArtifactError
 from precast.runtime.manifest import check_integrity, read_manifest
 
-__all__ = ["CACHE_ENV", "cache_key", "check_artifact_tree", "compile_key_parts", "hash_feeds", "lookup", "restore", "store"]
+__all__ = [
+    "CACHE_ENV",
+    "cache_key",
+    "check_artifact_tree",
+    "compile_key_parts",
+    "hash_feeds",
+    "lookup",
+    "restore",
+    "store",
+]
 
 CACHE_ENV = "PRECAST_CACHE_DIR"
 KEY_VERSION = 1  # bump when what goes into the key changes meaning
@@ -45,7 +55,9 @@ def hash_feeds(feeds: Mapping[str, np.ndarray] | None) -> str | None:
 
 def cache_key(parts: Mapping[str, Any]) -> str:
     """sha256 of the canonical JSON of ``parts`` (what decides the artifact's bytes)."""
-    blob = json.dumps({"key_version": KEY_VERSION, **parts}, sort_keys=True, separators=(",", ":"), default=str)
+    blob = json.dumps(
+        {"key_version": KEY_VERSION, **parts}, sort_keys=True, separators=(",", ":"), default=str
+    )
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
@@ -69,13 +81,28 @@ def compile_key_parts(source, targets, pipelines, tolerances, feeds, opts) -> di
                 versions[pkg] = "missing"
     calib = opts.calibration_feeds
     return {
-        "source": {"kind": source.kind, "name": source.name, "sha256": source.sha256, "info": source.info,
-                   "reference": source.reference_name, "ship_files": sorted(source.ship_files)},
-        "targets": [{"name": t.name, "options": t.options, "pipeline": format_pipeline(pipelines[t.name]),
-                     "tolerance": vars(tolerances[t.name])} for t in targets],
+        "source": {
+            "kind": source.kind,
+            "name": source.name,
+            "sha256": source.sha256,
+            "info": source.info,
+            "reference": source.reference_name,
+            "ship_files": sorted(source.ship_files),
+        },
+        "targets": [
+            {
+                "name": t.name,
+                "options": t.options,
+                "pipeline": format_pipeline(pipelines[t.name]),
+                "tolerance": vars(tolerances[t.name]),
+            }
+            for t in targets
+        ],
         "feeds": hash_feeds(feeds),
         "calibration": None if calib is None else [hash_feeds(f) for f in calib],
-        "calibration_text": None if opts.calibration_text is None else hashlib.sha256(opts.calibration_text.encode()).hexdigest(),
+        "calibration_text": None
+        if opts.calibration_text is None
+        else hashlib.sha256(opts.calibration_text.encode()).hexdigest(),
         "accuracy_budget": getattr(opts, "accuracy_budget", None),
         "task": opts.task,
         "inputs": [s.to_json() for s in opts.inputs],
@@ -84,7 +111,9 @@ def compile_key_parts(source, targets, pipelines, tolerances, feeds, opts) -> di
     }
 
 
-def restore(cache_dir: str | os.PathLike, key: str, output: Path, say=lambda _m: None) -> tuple[dict | None, str]:
+def restore(
+    cache_dir: str | os.PathLike, key: str, output: Path, say=lambda _m: None
+) -> tuple[dict | None, str]:
     """On a hit, publish a copy of the entry at ``output`` (atomically): (manifest, "hit").
 
     Otherwise (None, "miss") or (None, "corrupt: ...") - the caller builds and stores.
@@ -137,7 +166,9 @@ def copy_entry(entry: Path, dest: Path) -> None:
     shutil.copytree(entry, dest, dirs_exist_ok=True, symlinks=True)
 
 
-def store(cache_dir: str | os.PathLike, key: str, artifact: Path, note: Mapping[str, Any] | None = None) -> Path:
+def store(
+    cache_dir: str | os.PathLike, key: str, artifact: Path, note: Mapping[str, Any] | None = None
+) -> Path:
     """Copy a published artifact into the cache atomically; returns the entry's path."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)

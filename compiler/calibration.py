@@ -58,7 +58,9 @@ def load_calibration(path: str | Path) -> tuple[list[dict[str, np.ndarray]] | No
     return [batches[i] for i in order], None
 
 
-def calibration_batches(context: Any, inputs: Sequence[TensorSpec]) -> tuple[list[dict[str, np.ndarray]], str]:
+def calibration_batches(
+    context: Any, inputs: Sequence[TensorSpec]
+) -> tuple[list[dict[str, np.ndarray]], str]:
     """The feeds a quantizer calibrates on and where they came from ('calibration' or 'sample-feeds')."""
     feeds = getattr(context, "calibration_feeds", None)
     source = "calibration"
@@ -67,7 +69,10 @@ def calibration_batches(context: Any, inputs: Sequence[TensorSpec]) -> tuple[lis
         from precast.compiler.llm_text import is_step_graph, step_calibration_feeds
 
         if is_step_graph(inputs):  # a causal-lm step graph: the text, tokenized, as prefill steps
-            feeds, source = step_calibration_feeds(text, getattr(context, "source_dir", None), inputs), "calibration-text"
+            feeds, source = (
+                step_calibration_feeds(text, getattr(context, "source_dir", None), inputs),
+                "calibration-text",
+            )
     if not feeds:
         sample = getattr(context, "sample_feeds", None)
         if not sample:

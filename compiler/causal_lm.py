@@ -17,15 +17,30 @@ import warnings
 from pathlib import Path
 
 import numpy as np
+
 from precast.compiler.source import Source, hash_files
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
 
-__all__ = ["BLOCK_SIZE", "SUPPORTED", "build_paged_decoder", "decode_step", "export_step", "llm_block", "load_causal_lm", "sample_step"]
+__all__ = [
+    "BLOCK_SIZE",
+    "SUPPORTED",
+    "build_paged_decoder",
+    "decode_step",
+    "export_step",
+    "llm_block",
+    "load_causal_lm",
+    "sample_step",
+]
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
 SUPPORTED = (*LLAMA_FAMILY, "gpt2")
 BLOCK_SIZE = 16
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def _check_architecture(folder: Path, config: dict) -> str:
@@ -36,13 +51,17 @@ def _check_architecture(folder: Path, config: dict) -> str:
             f"(supported: {', '.join(SUPPORTED)})"
         )
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+    kind = (
+        scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
+    )
     if kind not in ("default", "linear", "llama3"):
         # The graph computes rotary with the model's own rotary module at fixed frequencies; types that
         # rescale by sequence length at run time (dynamic, longrope, yarn's attention factor) are refused.
         raise ModelLoadError(f"{folder}: rope_scaling type '{kind}' is not supported for task causal-lm")
     if model_type == "qwen2" and config.get("use_sliding_window"):
-        raise ModelLoadError(f"{folder}: qwen2 with use_sliding_window=true is not supported for task causal-lm")
+        raise ModelLoadError(
+            f"{folder}: qwen2 with use_sliding_window=true is not supported for task causal-lm"
+        )
     return model_type
 
 
@@ -102,16 +121,23 @@ def build_paged_decoder(folder: Path, model_type: str):
         import torch  # noqa: F401
         import transformers
     except ImportError:
-        raise UsageError("causal-lm export needs torch and transformers: pip install 'precast[export]'") from None
+        raise UsageError(
+            "causal-lm export needs torch and transformers: pip install 'precast[export]'"
+        ) from None
     from precast.compiler.paged_decoder import PagedGPT2, PagedLlama
 
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager",
+            str(folder),
+            local_files_only=True,
+            use_safetensors=True,
+            attn_implementation="eager",
             dtype="float32",
         ).eval()
     except Exception as e:
-        raise ModelLoadError(f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})") from e
+        raise ModelLoadError(
+            f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})"
+        ) from e
     if model_type == "gpt2":
         return hf, PagedGPT2(hf).eval()
     return hf, PagedLlama(hf, max_context=_context(json.loads((folder / "config.json").read_text()))).eval()
@@ -126,7 +152,9 @@ def _output_names(layers: int) -> list[str]:
     return ["logits"] + [n for i in range(layers) for n in (f"new_key.{i}", f"new_value.{i}")]
 
 
-def sample_step(spec: dict, seed: int = 0, batch: int = 2, new: int = 5, past: int = 20) -> dict[str, np.ndarray]:
+def sample_step(
+    spec: dict, seed: int = 0, batch: int = 2, new: int = 5, past: int = 20
+) -> dict[str, np.ndarray]:
     """One mixed step: request 0 decodes 1 token after ``past`` cached ones, request 1 prefills ``new`` tokens.
 
     The pool holds random K/V (as if earlier steps wrote it); block tables point at shuffled blocks.
@@ -142,7 +170,13 @@ def sample_step(spec: dict, seed: int = 0, batch: int = 2, new: int = 5, past: i
     pos = past_lens[:, None] + np.arange(new, dtype=np.int64)[None, :]
     pad = np.arange(new)[None, :] >= new_lens[:, None]
     ids[pad], pos[pad] = spec["pad_id"], 0
-    feeds = {"input_ids": ids, "positions": pos, "past_lens": past_lens, "new_lens": new_lens, "block_tables": tables}
+    feeds = {
+        "input_ids": ids,
+        "positions": pos,
+        "past_lens": past_lens,
+        "new_lens": new_lens,
+        "block_tables": tables,
+    }
     for kind in ("key_cache", "value_cache"):
         for i in range(spec["layers"]):
             feeds[f"{kind}.{i}"] = rng.standard_normal((nb, kv, bs, d)).astype(np.float32)
@@ -165,7 +199,9 @@ def _call(module, feeds: dict, layers: int):
     keys = [t[f"key_cache.{i}"] for i in range(layers)]
     values = [t[f"value_cache.{i}"] for i in range(layers)]
     with torch.no_grad():
-        return module(t["input_ids"], t["positions"], t["past_lens"], t["new_lens"], t["block_tables"], keys, values)
+        return module(
+            t["input_ids"], t["positions"], t["past_lens"], t["new_lens"], t["block_tables"], keys, values
+        )
 
 
 def step_reference(module, layers: int):
@@ -194,15 +230,30 @@ def export_step(module, spec: dict):
     values = [t[f"value_cache.{i}"] for i in range(layers)]
     args = (t["input_ids"], t["positions"], t["past_lens"], t["new_lens"], t["block_tables"], keys, values)
     b, s, nb, maxb = Dim("batch"), Dim("sequence"), Dim("num_blocks"), Dim("max_blocks")
-    dynamic = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b}, {0: b, 1: maxb}, [{0: nb}] * layers, [{0: nb}] * layers)
+    dynamic = (
+        {0: b, 1: s},
+        {0: b, 1: s},
+        {0: b},
+        {0: b},
+        {0: b, 1: maxb},
+        [{0: nb}] * layers,
+        [{0: nb}] * layers,
+    )
     for name in ("torch.onnx", "torch._export", "torch.export", "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                module, args, dynamo=True, input_names=_input_names(layers), output_names=_output_names(layers),
-                dynamic_shapes=dynamic, optimize=True, verbose=False, custom_translation_table=translations,
+                module,
+                args,
+                dynamo=True,
+                input_names=_input_names(layers),
+                output_names=_output_names(layers),
+                dynamic_shapes=dynamic,
+                optimize=True,
+                verbose=False,
+                custom_translation_table=translations,
             )
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
@@ -219,14 +270,18 @@ def load_causal_lm(folder: Path, config: dict, dims: dict[str, int] | None = Non
     if not sorted(folder.glob("*.safetensors")):
         raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")
     if not (folder / "tokenizer.json").is_file():
-        raise ModelLoadError(f"{folder}: no tokenizer.json (the artifact ships the tokenizer; save one with `tokenizers`)")
+        raise ModelLoadError(
+            f"{folder}: no tokenizer.json (the artifact ships the tokenizer; save one with `tokenizers`)"
+        )
     _hf, module = build_paged_decoder(folder, model_type)
     spec = llm_block(folder, config, module)
     model = export_step(module, spec)
     got = [v.name for v in model.graph.outputs]
     if got != _output_names(spec["layers"]):
         raise ExportError(f"{folder}: exported outputs {got[:3]}... do not match the step contract")
-    hashed = [p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".safetensors", ".txt")]
+    hashed = [
+        p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".safetensors", ".txt")
+    ]
     ship = {f"tokenizer/{n}": folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()}
     return Source(
         "hf",

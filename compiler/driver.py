@@ -14,18 +14,32 @@ import numpy as np
 import onnx_ir as ir
 
 import precast
-from precast.compiler.budget import apply_budget, budget_bounds, budget_tolerance, is_quantized
 from precast.compiler.artifact import finalize_manifest, publish, save_tensors, staging_dir, write_index
-from precast.compiler.parity import DEFAULT_TOL, Tolerance, compare_outputs, io_signature, make_sample_feeds, ort_run_model
+from precast.compiler.budget import apply_budget, budget_bounds, budget_tolerance, is_quantized
+from precast.compiler.parity import (
+    DEFAULT_TOL,
+    Tolerance,
+    compare_outputs,
+    io_signature,
+    make_sample_feeds,
+    ort_run_model,
+)
+from precast.compiler.pipeline import (
+    PassManager,
+    PassRecord,
+    PassSpec,
+    clone_model,
+    format_pipeline,
+    parse_pipeline,
+)
 from precast.compiler.registry import PassContext
-from precast.compiler.pipeline import PassManager, PassRecord, PassSpec, clone_model, format_pipeline, parse_pipeline
 from precast.compiler.source import Source, load_source
 from precast.runtime.backends import explain_ort_error
 from precast.runtime.errors import InputError, ParityError, PrecastError, UnsupportedOpError, UsageError
 from precast.runtime.feeds import check_feeds
-from precast.runtime.verify import mask_padding
 from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
 from precast.runtime.model import preference_order
+from precast.runtime.verify import mask_padding
 from precast.targets.base import Target, get_target
 
 __all__ = ["CompileOptions", "CompileResult", "compile_model", "toolchain_versions", "bisect_parity"]
@@ -48,7 +62,9 @@ class CompileOptions:
     bisect: bool = True
     calibration_feeds: list[dict[str, np.ndarray]] | None = None
     calibration_text: str | None = None
-    accuracy_budget: str | None = None  # 'cosine>=0.99,top1>=0.95'; quantized pipelines default to cosine>=0.99
+    accuracy_budget: str | None = (
+        None  # 'cosine>=0.99,top1>=0.95'; quantized pipelines default to cosine>=0.99
+    )
     cache_dir: str | None = None  # compile cache (compiler/cache.py); the CLI also reads PRECAST_CACHE_DIR
 
 
@@ -141,7 +157,9 @@ def bisect_parity(
     return None
 
 
-def compile_model(model: str | Source, output: str | Path, opts: CompileOptions, progress: Progress | None = None) -> CompileResult:
+def compile_model(
+    model: str | Source, output: str | Path, opts: CompileOptions, progress: Progress | None = None
+) -> CompileResult:
     say = progress or (lambda _msg: None)
     output = Path(output)
     timings: dict[str, float] = {}
@@ -154,23 +172,34 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
         names = ", ".join(c.name for c in target_classes)
         raise UsageError(f"--target-option '{unknown[0]}' is not an option of target(s) {names}")
     # A key=value option goes to every selected target that declares it.
-    targets = [cls({k: v for k, v in opts.target_options.items() if k in cls.option_defaults}) for cls in target_classes]
+    targets = [
+        cls({k: v for k, v in opts.target_options.items() if k in cls.option_defaults})
+        for cls in target_classes
+    ]
     for t in targets:
         avail = t.can_build()
         if not avail.ok:
             from precast.runtime.errors import TargetUnavailableError
 
             raise TargetUnavailableError(f"target '{t.name}' cannot be built on this host: {avail.reason}")
-    pipelines = {t.name: parse_pipeline(opts.passes or "default", default=t.default_pipeline) for t in targets}
+    pipelines = {
+        t.name: parse_pipeline(opts.passes or "default", default=t.default_pipeline) for t in targets
+    }
 
     say(f"loading {model if isinstance(model, str) else model.name}")
-    source = model if isinstance(model, Source) else load_source(model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims)
+    source = (
+        model
+        if isinstance(model, Source)
+        else load_source(model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims)
+    )
     timings["load"] = time.perf_counter() - t0
     if "llm" in source.info:  # a causal LM's top1/ppl_delta budget needs text: say so before any work
         from precast.compiler.llm_text import check_text_budget
 
         for t in targets:
-            check_text_budget(budget_bounds(pipelines[t.name], opts.accuracy_budget, t.precision), opts.calibration_text)
+            check_text_budget(
+                budget_bounds(pipelines[t.name], opts.accuracy_budget, t.precision), opts.calibration_text
+            )
     inputs, outputs = io_signature(source.model)
     if opts.sample_inputs is not None:
         feeds = check_feeds(opts.sample_inputs, inputs)
@@ -202,7 +231,17 @@ def compile_model(model: str | Source, output: str | Path, opts: CompileOptions,
             sub.mkdir(exist_ok=True)
             all_records[target.name] = []
             manifests[target.name] = _build_one(
-                source, target, pipelines[target.name], sub, inputs, outputs, feeds, expected, opts, say, timings,
+                source,
+                target,
+                pipelines[target.name],
+                sub,
+                inputs,
+                outputs,
+                feeds,
+                expected,
+                opts,
+                say,
+                timings,
                 all_records[target.name],
             )
             entries[target.name] = {"dir": target.name, "target": target.name, "precision": target.precision}
@@ -234,7 +273,9 @@ def _tokenizer_dir(source: Source) -> Path | None:
     return Path(tok).parent if tok else None
 
 
-def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected, opts, say, timings, records) -> dict:
+def _build_one(
+    source, target, specs, out_dir, inputs, outputs, feeds, expected, opts, say, timings, records
+) -> dict:
     from precast.runtime import load as runtime_load
 
     def on_pass(rec: PassRecord) -> None:
@@ -274,7 +315,9 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
         "precast_version": precast.__version__,
         "toolchain": toolchain_versions(),
         "source": {
-            "kind": source.kind, "name": source.name, "sha256": source.sha256,
+            "kind": source.kind,
+            "name": source.name,
+            "sha256": source.sha256,
             **{k: v for k, v in source.info.items() if k != "llm"},
         },
         **({"llm": source.info["llm"]} if "llm" in source.info else {}),
@@ -317,7 +360,9 @@ def _build_one(source, target, specs, out_dir, inputs, outputs, feeds, expected,
     }
     if budget and budget["violations"]:
         more = f" (and {len(budget['violations']) - 1} more)" if len(budget["violations"]) > 1 else ""
-        raise ParityError(f"target '{target.name}': accuracy budget exceeded: {budget['violations'][0]}{more}", parity)
+        raise ParityError(
+            f"target '{target.name}': accuracy budget exceeded: {budget['violations'][0]}{more}", parity
+        )
     bad = _first_failure(report)
     if bad:
         msg = f"target '{target.name}': parity failed: {_describe(bad[0], bad[1], tol)}"

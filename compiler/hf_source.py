@@ -97,18 +97,26 @@ def load_hf_folder(folder: Path, task: str | None = None, dims: dict[str, int] |
             str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager"
         ).eval()
     except Exception as e:
-        raise ModelLoadError(f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})") from e
+        raise ModelLoadError(
+            f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})"
+        ) from e
     names = ["input_ids", "attention_mask"]
-    if model_type not in ("distilbert", "roberta", "xlm-roberta", "camembert", "mpnet") and config.get("type_vocab_size", 0):
+    if model_type not in ("distilbert", "roberta", "xlm-roberta", "camembert", "mpnet") and config.get(
+        "type_vocab_size", 0
+    ):
         names.append("token_type_ids")
     inputs = [TensorSpec(n, "int64", ("batch", "sequence")) for n in names]
-    outputs = ["last_hidden_state"] + (["pooler_output"] if getattr(module, "pooler", None) is not None else [])
+    outputs = ["last_hidden_state"] + (
+        ["pooler_output"] if getattr(module, "pooler", None) is not None else []
+    )
     dims_given = bool(dims)  # --dim asks for generated feeds of those sizes
     dims = sample_dims(inputs, dims)
     model = export_module(module, inputs, outputs, dims)
     if [v.name for v in model.graph.outputs] != outputs:
         raise ExportError(f"{folder}: exported outputs {[v.name for v in model.graph.outputs]} != {outputs}")
-    hashed = [p for p in sorted(folder.iterdir()) if p.is_file() and (p.suffix in (".json", ".safetensors", ".txt"))]
+    hashed = [
+        p for p in sorted(folder.iterdir()) if p.is_file() and (p.suffix in (".json", ".safetensors", ".txt"))
+    ]
     ship = {f"tokenizer/{n}": folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()}
     return Source(
         "hf",
@@ -119,7 +127,9 @@ def load_hf_folder(folder: Path, task: str | None = None, dims: dict[str, int] |
         reference_name="torch (transformers eager)",
         ship_files=ship,
         info={
-            "model_type": model_type, "task": task, "vocab_size": config.get("vocab_size"),
+            "model_type": model_type,
+            "task": task,
+            "vocab_size": config.get("vocab_size"),
             "padding_mask": "attention_mask",
         },
         sample_feeds=None if dims_given else _text_sample_feeds(folder, names),

@@ -16,10 +16,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+
 from precast.runtime.errors import InputError, UsageError
 from precast.runtime.manifest import TensorSpec
 
-__all__ = ["STEP_INPUTS", "TEXT_METRICS_KEY", "check_text_budget", "is_step_graph", "llm_text_metrics", "step_calibration_feeds", "text_accuracy"]
+__all__ = [
+    "STEP_INPUTS",
+    "TEXT_METRICS_KEY",
+    "check_text_budget",
+    "is_step_graph",
+    "llm_text_metrics",
+    "step_calibration_feeds",
+    "text_accuracy",
+]
 
 STEP_INPUTS = ("input_ids", "positions", "past_lens", "new_lens", "block_tables")
 TEXT_METRICS_KEY = "logits@text"  # the budget's name for metrics measured on text (not on the sample step)
@@ -40,7 +49,12 @@ def _tokenizer(folder) -> object:
 
 
 def step_calibration_feeds(
-    text: str, tokenizer_dir, inputs: Sequence[TensorSpec], seq: int = 128, batch: int = 1, max_batches: int = 16
+    text: str,
+    tokenizer_dir,
+    inputs: Sequence[TensorSpec],
+    seq: int = 128,
+    batch: int = 1,
+    max_batches: int = 16,
 ) -> list[dict[str, np.ndarray]]:
     """Prefill feeds of ``batch`` x ``seq`` tokens from ``text`` (up to ``max_batches`` of them).
 
@@ -58,7 +72,9 @@ def step_calibration_feeds(
     for name in kv_names:
         shape = by_name[name].shape or ()
         if len(shape) != 4 or not all(isinstance(d, int) for d in shape[1:]):
-            raise InputError(f"step graph input '{name}' has shape {shape}; expected [num_blocks, KV, block, D]")
+            raise InputError(
+                f"step graph input '{name}' has shape {shape}; expected [num_blocks, KV, block, D]"
+            )
     # Each request's table covers its tokens, as the engine's would (fused attention checks it).
     maxb = -(-seq // int(by_name[kv_names[0]].shape[2]))
     feeds = []
@@ -84,6 +100,7 @@ def text_accuracy(
     """top1 agreement and perplexity delta of the artifact vs the fp32 source graph on the end of ``text``."""
     import onnx_ir as ir
     import onnxruntime as ort
+
     from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
     from precast.runtime.llm.perplexity import make_windows, score_windows
     from precast.runtime.model import load
@@ -121,7 +138,9 @@ def check_text_budget(bounds, text: str | None) -> None:
         )
 
 
-def llm_text_metrics(source, artifact_dir: Path, bounds, text: str | None, say=lambda _m: None) -> dict | None:
+def llm_text_metrics(
+    source, artifact_dir: Path, bounds, text: str | None, say=lambda _m: None
+) -> dict | None:
     """The compile driver's hook: {TEXT_METRICS_KEY: metrics} when there is text, else None.
 
     A budget that names top1 or ppl_delta on a causal-lm compile without text is a usage error: the

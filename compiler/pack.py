@@ -36,7 +36,10 @@ def _info(name: str, size: int) -> tarfile.TarInfo:
 
 
 def pack_artifact(
-    artifact_dir: str | os.PathLike, out_file: str | os.PathLike, *, sign_key: str | os.PathLike | None = None,
+    artifact_dir: str | os.PathLike,
+    out_file: str | os.PathLike,
+    *,
+    sign_key: str | os.PathLike | None = None,
     build_info: bool = False,
 ) -> dict:
     """Check the artifact's integrity, then write it as one tar (atomically). Returns a summary."""
@@ -47,7 +50,9 @@ def pack_artifact(
     files = []
     for path in sorted(root.rglob("*")):
         if path.is_symlink():
-            raise UsageError(f"artifact {root}: '{path.relative_to(root)}' is a symlink; packs hold regular files only")
+            raise UsageError(
+                f"artifact {root}: '{path.relative_to(root)}' is a symlink; packs hold regular files only"
+            )
         if path.is_file() and (build_info or path.name != BUILD_INFO_NAME):
             files.append(path.relative_to(root).as_posix())
     manifest_bytes = (root / MANIFEST_NAME).read_bytes()
@@ -69,5 +74,10 @@ def pack_artifact(
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    return {"output": str(out), "files": len(files), "bytes": out.stat().st_size, "sha256": sha256_file(out),
-            "signed": signature is not None}
+    return {
+        "output": str(out),
+        "files": len(files),
+        "bytes": out.stat().st_size,
+        "sha256": sha256_file(out),
+        "signed": signature is not None,
+    }

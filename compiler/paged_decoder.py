@@ -80,8 +80,11 @@ def _packed(linears: list[nn.Linear]) -> nn.Linear:
     with torch.no_grad():
         packed.weight.copy_(torch.cat([lin.weight for lin in linears], 0))
         if bias:
-            packed.bias.copy_(torch.cat([lin.bias if lin.bias is not None else torch.zeros(lin.out_features)
-                                         for lin in linears]))
+            packed.bias.copy_(
+                torch.cat(
+                    [lin.bias if lin.bias is not None else torch.zeros(lin.out_features) for lin in linears]
+                )
+            )
     return packed
 
 
@@ -112,8 +115,9 @@ class PagedLlama(nn.Module):
             half = self.head_dim // 2
             self.register_buffer("cos_cache", cos[0, :, :half].float().contiguous(), persistent=False)
             self.register_buffer("sin_cache", sin[0, :, :half].float().contiguous(), persistent=False)
-            self.qkv = nn.ModuleList(_packed([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj])
-                                     for la in self.layers)
+            self.qkv = nn.ModuleList(
+                _packed([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]) for la in self.layers
+            )
             self.gate_up = nn.ModuleList(_packed([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers)
             # The head as MatMul on its own [E, V] copy (not Gemm on the embedding table it may be tied to),
             # so weight-only quantization can take it: at batch 1 it is the largest weight read per token.
@@ -123,9 +127,13 @@ class PagedLlama(nn.Module):
             # the pair into MatMulNBits + GatherBlockQuantized over the same 4-bit bytes).
             self.tied = self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr()
 
-    def forward(self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list):
+    def forward(
+        self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list
+    ):
         if self.fused:
-            return self._forward_fused(input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches)
+            return self._forward_fused(
+                input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches
+            )
         x = self.embed(input_ids)
         b, s, _ = x.shape
         p = block_tables.shape[1] * key_caches[0].shape[2]
@@ -149,8 +157,9 @@ class PagedLlama(nn.Module):
         logits = self.lm_head(last_token(self.norm(x), new_lens))
         return (logits, *[t for kv in zip(new_keys, new_values) for t in kv])
 
-
-    def _forward_fused(self, input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches):
+    def _forward_fused(
+        self, input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches
+    ):
         from precast.compiler.paged_ops import paged_gqa
 
         x = nn.functional.embedding(input_ids, self.lm_head_t.t()) if self.tied else self.embed(input_ids)
@@ -159,9 +168,20 @@ class PagedLlama(nn.Module):
         total = (past_lens.max() + s).to(torch.int32)
         new_keys, new_values = [], []
         for i, layer in enumerate(self.layers):
-            a, k, v = paged_gqa(self.qkv[i](layer.input_layernorm(x)), positions, self.cos_cache, self.sin_cache,
-                                key_caches[i], value_caches[i], block_tables, seqlens_k, total, self.heads,
-                                self.kv_heads, self.scaling)
+            a, k, v = paged_gqa(
+                self.qkv[i](layer.input_layernorm(x)),
+                positions,
+                self.cos_cache,
+                self.sin_cache,
+                key_caches[i],
+                value_caches[i],
+                block_tables,
+                seqlens_k,
+                total,
+                self.heads,
+                self.kv_heads,
+                self.scaling,
+            )
             x = x + layer.self_attn.o_proj(a)
             gate, up = self.gate_up[i](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
             x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
@@ -185,7 +205,9 @@ class PagedGPT2(nn.Module):
         self.heads = self.kv_heads = cfg.n_head
         self.head_dim = cfg.n_embd // cfg.n_head
 
-    def forward(self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list):
+    def forward(
+        self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list
+    ):
         x = self.wte(input_ids) + self.wpe(positions)
         b, s, e = x.shape
         p = block_tables.shape[1] * key_caches[0].shape[2]
@@ -195,7 +217,9 @@ class PagedGPT2(nn.Module):
             attn = block.attn
             q, k, v = attn.c_attn(block.ln_1(x)).split(e, dim=2)
             q, k, v = (t.view(b, s, self.heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
-            a = paged_attention(q, k, v, key_caches[i], value_caches[i], block_tables, mask, float(attn.scaling))
+            a = paged_attention(
+                q, k, v, key_caches[i], value_caches[i], block_tables, mask, float(attn.scaling)
+            )
             x = x + attn.c_proj(a)
             x = x + block.mlp(block.ln_2(x))
             new_keys.append(k)

@@ -43,24 +43,53 @@ def supports_gqa(head_size: int) -> bool:
 def _msft_op(name: str, inputs: list[str], outputs: list[str], attrs: dict[str, OpSchema.AttrType]):
     """An onnxscript Op of domain com.microsoft with a minimal schema (onnx ships no contrib schemas)."""
     opt = OpSchema.FormalParameterOption.Optional
-    params = [OpSchema.FormalParameter(n.rstrip("?"), f"T{i}", param_option=opt if n.endswith("?") else
-                                       OpSchema.FormalParameterOption.Single) for i, n in enumerate(inputs)]
+    params = [
+        OpSchema.FormalParameter(
+            n.rstrip("?"),
+            f"T{i}",
+            param_option=opt if n.endswith("?") else OpSchema.FormalParameterOption.Single,
+        )
+        for i, n in enumerate(inputs)
+    ]
     outs = [OpSchema.FormalParameter(n, f"O{i}") for i, n in enumerate(outputs)]
     types = ["tensor(float)", "tensor(float16)", "tensor(int32)", "tensor(int64)"]
-    constraints = [(f"T{i}", types, "") for i in range(len(inputs))] + [(f"O{i}", types, "") for i in range(len(outputs))]
+    constraints = [(f"T{i}", types, "") for i in range(len(inputs))] + [
+        (f"O{i}", types, "") for i in range(len(outputs))
+    ]
     attributes = [OpSchema.Attribute(k, t, "", required=False) for k, t in attrs.items()]
-    schema = OpSchema(name, "com.microsoft", 1, inputs=params, outputs=outs, type_constraints=constraints,
-                      attributes=attributes)
+    schema = OpSchema(
+        name,
+        "com.microsoft",
+        1,
+        inputs=params,
+        outputs=outs,
+        type_constraints=constraints,
+        attributes=attributes,
+    )
     return onnxscript.values.Op(_MSFT, name, schema)
 
 
 _INT, _FLOAT = OpSchema.AttrType.INT, OpSchema.AttrType.FLOAT
-_ROTARY = _msft_op("RotaryEmbedding", ["input", "position_ids", "cos_cache", "sin_cache"], ["output"],
-                   {"interleaved": _INT, "num_heads": _INT, "rotary_embedding_dim": _INT, "scale": _FLOAT})
+_ROTARY = _msft_op(
+    "RotaryEmbedding",
+    ["input", "position_ids", "cos_cache", "sin_cache"],
+    ["output"],
+    {"interleaved": _INT, "num_heads": _INT, "rotary_embedding_dim": _INT, "scale": _FLOAT},
+)
 _GQA = _msft_op(
     "GroupQueryAttention",
-    ["query", "key?", "value?", "past_key?", "past_value?", "seqlens_k", "total_sequence_length", "cos_cache?",
-     "sin_cache?", "position_ids?"],
+    [
+        "query",
+        "key?",
+        "value?",
+        "past_key?",
+        "past_value?",
+        "seqlens_k",
+        "total_sequence_length",
+        "cos_cache?",
+        "sin_cache?",
+        "position_ids?",
+    ],
     ["output", "present_key", "present_value"],
     {"num_heads": _INT, "kv_num_heads": _INT, "scale": _FLOAT, "do_rotary": _INT, "rotary_interleaved": _INT},
 )
@@ -104,9 +133,18 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torc
 
 @torch.library.custom_op("precast::paged_gqa", mutates_args=())
 def paged_gqa(
-    qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, key_cache: torch.Tensor,
-    value_cache: torch.Tensor, block_tables: torch.Tensor, seqlens_k: torch.Tensor, total: torch.Tensor, heads: int,
-    kv_heads: int, scale: float,
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seqlens_k: torch.Tensor,
+    total: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotary + attention of packed qkv [B,S,(H+2KV)*D] over the pool's past (through block_tables) and the new
     tokens; returns (out [B,S,H*D], new_k [B,KV,S,D] after rotary, new_v [B,KV,S,D]). The reference (any B, S)."""
@@ -133,34 +171,69 @@ def paged_gqa(
     mask = torch.cat([past_ok, causal], dim=-1)
     probs = torch.softmax(torch.where(mask, scores, torch.full_like(scores, _NEG)), dim=-1)
     out = torch.matmul(probs, values[:, :, None])  # [B,KV,G,S,D]
-    return (out.permute(0, 3, 1, 2, 4).reshape(b, s, heads * d), new_k.clone(memory_format=torch.contiguous_format),
-            new_v.clone(memory_format=torch.contiguous_format))  # clones: outputs may not alias qkv
+    return (
+        out.permute(0, 3, 1, 2, 4).reshape(b, s, heads * d),
+        new_k.clone(memory_format=torch.contiguous_format),
+        new_v.clone(memory_format=torch.contiguous_format),
+    )  # clones: outputs may not alias qkv
 
 
 @paged_gqa.register_fake
-def _(qkv, positions, cos, sin, key_cache, value_cache, block_tables, seqlens_k, total, heads, kv_heads, scale):
+def _(
+    qkv, positions, cos, sin, key_cache, value_cache, block_tables, seqlens_k, total, heads, kv_heads, scale
+):
     b, s, _ = qkv.shape
     d = key_cache.shape[-1]
     new = qkv.new_empty((b, kv_heads, s, d))
     return qkv.new_empty((b, s, heads * d)), new, torch.empty_like(new)
 
 
-def _paged_gqa_onnx(qkv, positions, cos, sin, key_cache, value_cache, block_tables, seqlens_k, total, heads: int,
-                    kv_heads: int, scale: float):
+def _paged_gqa_onnx(
+    qkv,
+    positions,
+    cos,
+    sin,
+    key_cache,
+    value_cache,
+    block_tables,
+    seqlens_k,
+    total,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+):
     # Past K/V without a Transpose: the pool [NB,KV,bs,D] viewed as [NB*KV,bs,D] and gathered at
     # block*KV + kv_head ([B,KV,MAXB] rows) comes out [B,KV,MAXB,bs,D] = BNSH after a free Reshape.
     bs, d = key_cache.shape[2], key_cache.shape[3]
-    rows = op.Add(op.Mul(op.Unsqueeze(block_tables, op.Constant(value_ints=[1])), op.Constant(value_int=kv_heads)),
-                  op.Constant(value=_int64_tensor(list(range(kv_heads)), [1, kv_heads, 1])))
+    rows = op.Add(
+        op.Mul(op.Unsqueeze(block_tables, op.Constant(value_ints=[1])), op.Constant(value_int=kv_heads)),
+        op.Constant(value=_int64_tensor(list(range(kv_heads)), [1, kv_heads, 1])),
+    )
     pool = op.Constant(value_ints=[-1, bs, d])
     bnsh = op.Constant(value_ints=[0, 0, -1, d])
     past_k = op.Reshape(op.Gather(op.Reshape(key_cache, pool), rows, axis=0), bnsh)
     past_v = op.Reshape(op.Gather(op.Reshape(value_cache, pool), rows, axis=0), bnsh)
     # Packed QKV straight from the projection, rotary inside (as onnxruntime-genai's graphs).
-    out, present_k, present_v = _GQA(qkv, None, None, past_k, past_v, seqlens_k, total, cos, sin, positions,
-                                     num_heads=heads, kv_num_heads=kv_heads, scale=scale, do_rotary=1)
+    out, present_k, present_v = _GQA(
+        qkv,
+        None,
+        None,
+        past_k,
+        past_v,
+        seqlens_k,
+        total,
+        cos,
+        sin,
+        positions,
+        num_heads=heads,
+        kv_num_heads=kv_heads,
+        scale=scale,
+        do_rotary=1,
+    )
     # New token s of row b sits at present[b, :, positions[b, s]] (its absolute position = past_lens + s).
-    at = op.Expand(op.Unsqueeze(positions, op.Constant(value_ints=[1, 3])), op.Constant(value_ints=[1, kv_heads, 1, d]))
+    at = op.Expand(
+        op.Unsqueeze(positions, op.Constant(value_ints=[1, 3])), op.Constant(value_ints=[1, kv_heads, 1, d])
+    )
     return out, op.GatherElements(present_k, at, axis=2), op.GatherElements(present_v, at, axis=2)
 
 
@@ -174,4 +247,7 @@ def default_scale(head_size: int) -> float:
     return 1.0 / math.sqrt(head_size)
 
 
-TRANSLATIONS = {torch.ops.precast.rotary.default: _rotary_onnx, torch.ops.precast.paged_gqa.default: _paged_gqa_onnx}
+TRANSLATIONS = {
+    torch.ops.precast.rotary.default: _rotary_onnx,
+    torch.ops.precast.paged_gqa.default: _paged_gqa_onnx,
+}

@@ -11,7 +11,14 @@ from precast.runtime.errors import UsageError
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.verify import Tolerance, compare_outputs
 
-__all__ = ["Tolerance", "io_signature", "make_sample_feeds", "compare_outputs", "ort_run_model", "DEFAULT_TOL"]
+__all__ = [
+    "Tolerance",
+    "io_signature",
+    "make_sample_feeds",
+    "compare_outputs",
+    "ort_run_model",
+    "DEFAULT_TOL",
+]
 
 
 DEFAULT_TOL = {
@@ -35,12 +42,16 @@ def _dtype_name(t: ir.TypeProtocol | None) -> str:
 def _shape(v: ir.Value) -> tuple | None:
     if v.shape is None:
         return None
-    return tuple(d if isinstance(d, int) else (d.value if getattr(d, "value", None) else None) for d in v.shape)
+    return tuple(
+        d if isinstance(d, int) else (d.value if getattr(d, "value", None) else None) for d in v.shape
+    )
 
 
 def io_signature(model: ir.Model) -> tuple[list[TensorSpec], list[TensorSpec]]:
     init = set(model.graph.initializers)
-    ins = [TensorSpec(v.name, _dtype_name(v.type), _shape(v)) for v in model.graph.inputs if v.name not in init]
+    ins = [
+        TensorSpec(v.name, _dtype_name(v.type), _shape(v)) for v in model.graph.inputs if v.name not in init
+    ]
     outs = [TensorSpec(v.name, _dtype_name(v.type), _shape(v)) for v in model.graph.outputs]
     return ins, outs
 
@@ -49,7 +60,12 @@ def _index_bound(model: ir.Model, name: str) -> int | None:
     """If ``name`` feeds the indices of a Gather over a constant table, the table's size along the axis."""
     bound = None
     for node in model.graph.all_nodes():
-        if node.op_type == "Gather" and len(node.inputs) > 1 and node.inputs[1] is not None and node.inputs[1].name == name:
+        if (
+            node.op_type == "Gather"
+            and len(node.inputs) > 1
+            and node.inputs[1] is not None
+            and node.inputs[1].name == name
+        ):
             data = node.inputs[0]
             axis = node.attributes.get_int("axis", 0)
             if data is not None and data.shape is not None and isinstance(data.shape[axis], int):
@@ -96,7 +112,9 @@ def make_sample_feeds(
     return feeds
 
 
-def ort_run_model(model: ir.Model, feeds: Mapping[str, np.ndarray], level: str = "disable") -> dict[str, np.ndarray]:
+def ort_run_model(
+    model: ir.Model, feeds: Mapping[str, np.ndarray], level: str = "disable"
+) -> dict[str, np.ndarray]:
     """Run an in-memory IR model with ONNX Runtime (the reference for ONNX sources)."""
     import onnxruntime as ort
 

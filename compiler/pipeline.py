@@ -19,7 +19,14 @@ from typing import Any
 
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassContext, build_options, format_option_value, get_pass, option_fields
+from precast.compiler.registry import (
+    Pass,
+    PassContext,
+    build_options,
+    format_option_value,
+    get_pass,
+    option_fields,
+)
 from precast.runtime.errors import PassFailedError, PipelineError
 
 __all__ = ["PassSpec", "PassRecord", "parse_pipeline", "format_pipeline", "PassManager", "expand_default"]
@@ -56,7 +63,9 @@ class _Parser:
     def error(self, what: str) -> PipelineError:
         col = self.pos + 1
         near = self.text[self.pos : self.pos + 12] or "end of string"
-        return PipelineError(f"pipeline syntax error at column {col}: {what} (near '{near}') in '{self.text}'")
+        return PipelineError(
+            f"pipeline syntax error at column {col}: {what} (near '{near}') in '{self.text}'"
+        )
 
     def skip_ws(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos].isspace():
@@ -157,7 +166,12 @@ class PassRecord:
     nodes_after: int
 
     def to_json(self, with_time: bool = True) -> dict:
-        d = {"pass": self.spec, "stats": self.stats, "nodes_before": self.nodes_before, "nodes_after": self.nodes_after}
+        d = {
+            "pass": self.spec,
+            "stats": self.stats,
+            "nodes_before": self.nodes_before,
+            "nodes_after": self.nodes_after,
+        }
         if with_time:
             d["seconds"] = round(self.seconds, 4)
         return d

@@ -19,7 +19,17 @@ import onnx_ir as ir
 
 from precast.runtime.errors import PassOptionError, UnknownPassError
 
-__all__ = ["Pass", "PassResult", "PassContext", "NoOptions", "register", "get_pass", "all_passes", "load_all", "parse_option_value"]
+__all__ = [
+    "Pass",
+    "PassResult",
+    "PassContext",
+    "NoOptions",
+    "register",
+    "get_pass",
+    "all_passes",
+    "load_all",
+    "parse_option_value",
+]
 
 
 @dataclass(frozen=True)
@@ -81,7 +91,9 @@ _LOADED = False
 def register(name: str):
     def deco(cls: type[Pass]) -> type[Pass]:
         if name in _REGISTRY and _REGISTRY[name] is not cls:
-            raise ValueError(f"pass '{name}' registered twice ({_REGISTRY[name].__module__}, {cls.__module__})")
+            raise ValueError(
+                f"pass '{name}' registered twice ({_REGISTRY[name].__module__}, {cls.__module__})"
+            )
         cls.name = name
         _REGISTRY[name] = cls
         return cls

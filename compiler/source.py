@@ -41,10 +41,14 @@ def parse_input_spec(text: str) -> TensorSpec:
     """``input_ids:int64[batch,seq]`` -> TensorSpec (ints are static dims, names are symbolic)."""
     m = _SPEC.match(text)
     if not m:
-        raise UsageError(f"bad --input '{text}': expected NAME:DTYPE[dim,dim,...], e.g. 'input_ids:int64[batch,seq]'")
+        raise UsageError(
+            f"bad --input '{text}': expected NAME:DTYPE[dim,dim,...], e.g. 'input_ids:int64[batch,seq]'"
+        )
     name, dtype, dims = m.groups()
     if dtype not in _DTYPES:
-        raise UsageError(f"bad --input '{text}': unknown dtype '{dtype}' (one of {', '.join(sorted(_DTYPES))})")
+        raise UsageError(
+            f"bad --input '{text}': unknown dtype '{dtype}' (one of {', '.join(sorted(_DTYPES))})"
+        )
     shape: list[int | str] = []
     for d in (x.strip() for x in dims.split(",") if x.strip()):
         if d.isdigit():
@@ -84,14 +88,18 @@ def load_source(
         onnx_files = sorted(path.glob("*.onnx"))
         if len(onnx_files) == 1:
             return load_onnx(onnx_files[0])
-        raise ModelLoadError(f"{path}: a folder must hold a Hugging Face model (config.json) or exactly one .onnx file")
+        raise ModelLoadError(
+            f"{path}: a folder must hold a Hugging Face model (config.json) or exactly one .onnx file"
+        )
     if path.suffix == ".onnx" or path.exists():
         return load_onnx(path)
     if ":" in spec and os.path.sep not in spec.split(":", 1)[0]:
         from precast.compiler.torch_source import load_torch_callable
 
         return load_torch_callable(spec, inputs or [], dims=dims)
-    raise ModelLoadError(f"model not found: '{spec}' (expected an .onnx file, a Hugging Face folder, or module:callable)")
+    raise ModelLoadError(
+        f"model not found: '{spec}' (expected an .onnx file, a Hugging Face folder, or module:callable)"
+    )
 
 
 def load_onnx(path: Path) -> Source:
@@ -115,7 +123,9 @@ def load_onnx(path: Path) -> Source:
             if kv.key == "location":
                 ext = (base / kv.value).resolve()
                 if base not in ext.parents:
-                    raise ModelLoadError(f"{path}: external data '{kv.value}' points outside the model folder")
+                    raise ModelLoadError(
+                        f"{path}: external data '{kv.value}' points outside the model folder"
+                    )
                 if not ext.is_file():
                     raise ModelLoadError(f"{path}: external data file '{kv.value}' is missing")
                 if ext not in files:

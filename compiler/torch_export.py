@@ -49,12 +49,12 @@ def example_array(spec: TensorSpec, dims: dict[str, int]) -> np.ndarray:
     return np.random.default_rng(0).standard_normal(shape).astype(spec.dtype)
 
 
-def export_module(module, inputs: Sequence[TensorSpec], output_names: Sequence[str] | None, dims: dict[str, int]) -> ir.Model:
+def export_module(
+    module, inputs: Sequence[TensorSpec], output_names: Sequence[str] | None, dims: dict[str, int]
+) -> ir.Model:
     torch = import_torch()
     examples = tuple(torch.from_numpy(example_array(s, dims)) for s in inputs)
-    dynamic = {
-        s.name: {i: d for i, d in enumerate(s.shape or ()) if isinstance(d, str)} for s in inputs
-    }
+    dynamic = {s.name: {i: d for i, d in enumerate(s.shape or ()) if isinstance(d, str)} for s in inputs}
     # dynamic_shapes is keyed by forward()'s parameter names; fall back to positional order.
     if _by_keyword(module, [s.name for s in inputs]):
         kwargs = {s.name: t for s, t in zip(inputs, examples)}

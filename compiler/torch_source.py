@@ -44,4 +44,6 @@ def load_torch_callable(spec: str, inputs: list[TensorSpec], dims: dict[str, int
     output_names = [v.name for v in model.graph.outputs]
     digest = hashlib.sha256(ir.serde.serialize_model(model).SerializeToString(deterministic=True)).hexdigest()
     ref = torch_reference(module, [s.name for s in inputs], output_names)
-    return Source("torch", attr, model, digest, reference=ref, reference_name="torch (eager)", info={"callable": spec})
+    return Source(
+        "torch", attr, model, digest, reference=ref, reference_name="torch (eager)", info={"callable": spec}
+    )

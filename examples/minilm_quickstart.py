@@ -40,11 +40,10 @@ def minilm_folder() -> Path:
 
 def artifact_is_usable(path: Path) -> tuple[bool, str]:
     """(ok, why): an existing MiniLM artifact is reused only if its files are intact and parity re-runs."""
+    import precast
     from precast.runtime.errors import PrecastError
     from precast.runtime.manifest import read_manifest
     from precast.runtime.verify import verify_artifact
-
-    import precast
 
     if not (path / "manifest.json").is_file():
         return False, "no artifact yet"

@@ -45,11 +45,15 @@ class CosSinCacheMul(CosSinCacheFusion):
         emb = op.Concat(freqs, freqs, axis=-1)
         cos_4d = op.Unsqueeze(op.Cos(emb), [1])
         sin_4d = op.Unsqueeze(op.Sin(emb), [1])
-        return op.RotaryEmbedding(x, cos_4d, sin_4d, interleaved=interleaved, num_heads=num_heads, _domain=_PRIVATE)
+        return op.RotaryEmbedding(
+            x, cos_4d, sin_4d, interleaved=interleaved, num_heads=num_heads, _domain=_PRIVATE
+        )
 
     def check(self, context, x, inv_freq, position_ids, axes, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
-        if not _ir_utils.has_rank(position_ids, 2) or not _ir_utils.is_singleton_value(axes, lambda a: a in (2, -1)):
+        if not _ir_utils.has_rank(position_ids, 2) or not _ir_utils.is_singleton_value(
+            axes, lambda a: a in (2, -1)
+        ):
             return result.fail("position_ids is not [B,S] unsqueezed on the last axis", position_ids)
         if inv_freq.const_value is None or inv_freq.const_value.size != (inv_freq.shape or [0])[-1]:
             return result.fail("inv_freq is not a constant vector", inv_freq)
@@ -59,11 +63,18 @@ class CosSinCacheMul(CosSinCacheFusion):
 
     def rewrite(self, op, x, inv_freq, position_ids, interleaved, num_heads, **_):
         if inv_freq not in self._inv_freq_cos_sin_cache:
-            self._inv_freq_cos_sin_cache[inv_freq] = self._compute_dynamic_freqs(op, inv_freq, position_ids, None)
+            self._inv_freq_cos_sin_cache[inv_freq] = self._compute_dynamic_freqs(
+                op, inv_freq, position_ids, None
+            )
         cos_2d, sin_2d = self._inv_freq_cos_sin_cache[inv_freq]
         return op.RotaryEmbedding(
-            x, self._batch_positions(op, x, position_ids), cos_2d, sin_2d,
-            interleaved=interleaved, num_heads=num_heads, _domain="com.microsoft",
+            x,
+            self._batch_positions(op, x, position_ids),
+            cos_2d,
+            sin_2d,
+            interleaved=interleaved,
+            num_heads=num_heads,
+            _domain="com.microsoft",
         )
 
     def _batch_positions(self, op, x: ir.Value, position_ids: ir.Value) -> ir.Value:
@@ -74,7 +85,9 @@ class CosSinCacheMul(CosSinCacheFusion):
         key = (position_ids, str(_ir_utils.get_dim(x, 0)), str(_ir_utils.get_dim(x, 2)))
         if key not in self._positions:
             batch = op.Shape(x, start=0, end=1)
-            self._positions[key] = op.Expand(position_ids, op.Concat(batch, op.Constant(value_ints=[1]), axis=0))
+            self._positions[key] = op.Expand(
+                position_ids, op.Concat(batch, op.Constant(value_ints=[1]), axis=0)
+            )
         return self._positions[key]
 
 
@@ -86,8 +99,12 @@ class GqaNoPast(GroupQueryAttention):
         self.name = "GQANoPast"
 
     def pattern(self, op, query_BSD, key_BSDkv, value_BSDkv, position_ids, cos, sin, mask):
-        q = op.Transpose(op.Reshape(query_BSD, pattern.ANY_VALUE, _outputs=["query_BSHDh"]), perm=[0, 2, 1, 3])
-        k = op.Transpose(op.Reshape(key_BSDkv, pattern.ANY_VALUE, _outputs=["key_BSHkvDh"]), perm=[0, 2, 1, 3])
+        q = op.Transpose(
+            op.Reshape(query_BSD, pattern.ANY_VALUE, _outputs=["query_BSHDh"]), perm=[0, 2, 1, 3]
+        )
+        k = op.Transpose(
+            op.Reshape(key_BSDkv, pattern.ANY_VALUE, _outputs=["key_BSHkvDh"]), perm=[0, 2, 1, 3]
+        )
         v = op.Transpose(op.Reshape(value_BSDkv, pattern.ANY_VALUE), perm=[0, 2, 1, 3])
         q = op.RotaryEmbedding(q, position_ids, cos, sin, _domain="com.microsoft", _outputs=["query_rope"])
         k = op.RotaryEmbedding(k, position_ids, cos, sin, _domain="com.microsoft", _outputs=["key_rope"])
@@ -97,13 +114,28 @@ class GqaNoPast(GroupQueryAttention):
         out = op.Reshape(op.Transpose(attn, perm=[0, 2, 1, 3]), pattern.ANY_VALUE)
         return out, k, v
 
-    def check(self, context, query_BSD, key_BSDkv, value_BSDkv, query_BSHDh, key_BSHkvDh,
-              query_rope, key_rope, mask, **_):
+    def check(
+        self,
+        context,
+        query_BSD,
+        key_BSDkv,
+        value_BSDkv,
+        query_BSHDh,
+        key_BSHkvDh,
+        query_rope,
+        key_rope,
+        mask,
+        **_,
+    ):
         result = pattern.MatchResult()
         dims: dict = {}
-        for val, names in ((query_BSD, ["B", "S", "D"]), (key_BSDkv, ["B", "S", "Dkv"]),
-                           (value_BSDkv, ["B", "S", "Dkv"]), (query_BSHDh, ["B", "S", "H", "Dh"]),
-                           (key_BSHkvDh, ["B", "S", "Hkv", "Dh"])):
+        for val, names in (
+            (query_BSD, ["B", "S", "D"]),
+            (key_BSDkv, ["B", "S", "Dkv"]),
+            (value_BSDkv, ["B", "S", "Dkv"]),
+            (query_BSHDh, ["B", "S", "H", "Dh"]),
+            (key_BSHkvDh, ["B", "S", "Hkv", "Dh"]),
+        ):
             if not _fusion_utils.check_shape_bool(dims, val, names):
                 return result.fail("query/key/value shapes do not line up", val)
         if not all(isinstance(dims[d], int) for d in ("H", "Hkv", "Dh")) or dims["H"] % dims["Hkv"]:
@@ -126,9 +158,22 @@ class GqaNoPast(GroupQueryAttention):
         scale = sdpa.producer().attributes.get_float("scale", None)
         extra = {} if scale is None else {"scale": scale}
         return op.GroupQueryAttention(
-            query_BSD, key_BSDkv, value_BSDkv, None, None, seqlens_k, total, cos, sin,
-            num_heads=self.num_heads, kv_num_heads=self.kv_num_heads, do_rotary=1,
-            rotary_interleaved=self._interleaved, _domain="com.microsoft", _outputs=3, **extra,
+            query_BSD,
+            key_BSDkv,
+            value_BSDkv,
+            None,
+            None,
+            seqlens_k,
+            total,
+            cos,
+            sin,
+            num_heads=self.num_heads,
+            kv_num_heads=self.kv_num_heads,
+            do_rotary=1,
+            rotary_interleaved=self._interleaved,
+            _domain="com.microsoft",
+            _outputs=3,
+            **extra,
         )
 
 
@@ -171,7 +216,11 @@ def _slice(mask: ir.Value) -> tuple[list[ir.Node], list[ir.Value]] | None:
         if any(a.type in (ir.AttributeType.GRAPH, ir.AttributeType.GRAPHS) for a in node.attributes.values()):
             return None
         nodes[node] = None
-        if node.op_type == "Shape" and node.inputs[0].producer() is None and node.inputs[0].const_value is None:
+        if (
+            node.op_type == "Shape"
+            and node.inputs[0].producer() is None
+            and node.inputs[0].const_value is None
+        ):
             inputs[node.inputs[0]] = None
             continue
         stack.extend(i for i in node.inputs if i is not None)
@@ -191,14 +240,22 @@ def _evaluates_causal(model: ir.Model, mask: ir.Value) -> bool:
     if any(n not in order for n in nodes):
         return False
     nodes.sort(key=order.__getitem__)
-    consts = {i for n in nodes for i in n.inputs if i is not None and i.const_value is not None and i.producer() is None}
+    consts = {
+        i
+        for n in nodes
+        for i in n.inputs
+        if i is not None and i.const_value is not None and i.producer() is None
+    }
     graph = helper.make_graph(
-        [ir.serde.serialize_node(n) for n in nodes], "mask",
+        [ir.serde.serialize_node(n) for n in nodes],
+        "mask",
         [helper.make_tensor_value_info(v.name, v.dtype.value, None) for v in inputs],
         [helper.make_tensor_value_info(mask.name, mask.dtype.value, None)],
         [_renamed(v) for v in consts],
     )
-    proto = helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()])
+    proto = helper.make_model(
+        graph, opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in model.opset_imports.items()]
+    )
     proto.ir_version = 10
     try:
         sess = ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])

@@ -36,7 +36,12 @@ class TiedTable:
 
 
 def _float_2d(t: onnx.TensorProto | None, min_elements: int) -> bool:
-    return t is not None and t.data_type == onnx.TensorProto.FLOAT and len(t.dims) == 2 and t.dims[0] * t.dims[1] >= min_elements
+    return (
+        t is not None
+        and t.data_type == onnx.TensorProto.FLOAT
+        and len(t.dims) == 2
+        and t.dims[0] * t.dims[1] >= min_elements
+    )
 
 
 def _gather_axis(node: onnx.NodeProto) -> int:
@@ -50,8 +55,11 @@ def find_tables(
     g = proto.graph
     inits = {t.name: t for t in g.initializer}
     producers = {o: n for n in g.node for o in n.output}
-    head_of = {n.input[1]: n.output[0] for n in g.node if n.op_type == "MatMul" and n.domain in ("", "ai.onnx")
-               and len(n.input) == 2 and n.input[1] in inits}
+    head_of = {
+        n.input[1]: n.output[0]
+        for n in g.node
+        if n.op_type == "MatMul" and n.domain in ("", "ai.onnx") and len(n.input) == 2 and n.input[1] in inits
+    }
     untied, tied = [], []
     for node in g.node:
         if node.op_type != "Gather" or node.domain not in ("", "ai.onnx") or _gather_axis(node) != 0:
@@ -78,7 +86,7 @@ def _used(graph: onnx.GraphProto) -> set[str]:
     for n in graph.node:
         names.update(n.input)
         for a in n.attribute:
-            for sub in ([a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs)):
+            for sub in [a.g] if a.type == onnx.AttributeProto.GRAPH else list(a.graphs):
                 names |= _used(sub)
     return names
 
@@ -110,19 +118,47 @@ def _share_head(proto: onnx.ModelProto, t: TiedTable, block: int) -> bool:
     nb = -(-e // block)
     gather = next(n for n in g.node if n.name == t.gather)
     p = t.gather
-    g.initializer.extend([numpy_helper.from_array(np.array([v, nb * block // 2], np.int64), p + "_data_shape"),
-                          numpy_helper.from_array(np.array([v, nb], np.int64), p + "_scales_shape")])
-    nodes = [helper.make_node("Reshape", [head.input[1], p + "_data_shape"], [p + "_data"], name=p + "_ReshapeData"),
-             helper.make_node("Reshape", [head.input[2], p + "_scales_shape"], [p + "_scales"], name=p + "_ReshapeScales")]
+    g.initializer.extend(
+        [
+            numpy_helper.from_array(np.array([v, nb * block // 2], np.int64), p + "_data_shape"),
+            numpy_helper.from_array(np.array([v, nb], np.int64), p + "_scales_shape"),
+        ]
+    )
+    nodes = [
+        helper.make_node(
+            "Reshape", [head.input[1], p + "_data_shape"], [p + "_data"], name=p + "_ReshapeData"
+        ),
+        helper.make_node(
+            "Reshape", [head.input[2], p + "_scales_shape"], [p + "_scales"], name=p + "_ReshapeScales"
+        ),
+    ]
     out = gather.output[0]
     padded = nb * block != e
-    nodes.append(helper.make_node("GatherBlockQuantized", [p + "_data", gather.input[1], p + "_scales"],
-                                  [p + "_padded" if padded else out], name=p + "_Q4", domain="com.microsoft",
-                                  bits=4, block_size=block, gather_axis=0, quantize_axis=1))
+    nodes.append(
+        helper.make_node(
+            "GatherBlockQuantized",
+            [p + "_data", gather.input[1], p + "_scales"],
+            [p + "_padded" if padded else out],
+            name=p + "_Q4",
+            domain="com.microsoft",
+            bits=4,
+            block_size=block,
+            gather_axis=0,
+            quantize_axis=1,
+        )
+    )
     if padded:  # MatMulNBits pads each row to whole blocks: gather the padded rows, cut the padding off
-        g.initializer.extend([numpy_helper.from_array(np.array([v], np.int64), f"{p}_{k}")
-                              for k, v in (("start", 0), ("end", e), ("axis", -1))])
-        nodes.append(helper.make_node("Slice", [p + "_padded", p + "_start", p + "_end", p + "_axis"], [out], name=p + "_Slice"))
+        g.initializer.extend(
+            [
+                numpy_helper.from_array(np.array([v], np.int64), f"{p}_{k}")
+                for k, v in (("start", 0), ("end", e), ("axis", -1))
+            ]
+        )
+        nodes.append(
+            helper.make_node(
+                "Slice", [p + "_padded", p + "_start", p + "_end", p + "_axis"], [out], name=p + "_Slice"
+            )
+        )
     at = list(g.node).index(gather)
     g.node.remove(gather)
     for k, n in enumerate(nodes):
@@ -140,8 +176,12 @@ def quantize_tables(
     )
 
     quantizer = DefaultWeightOnlyQuantizer(
-        DefaultWeightOnlyQuantConfig(block_size=block, is_symmetric=symmetric, op_types_to_quantize=("Gather",),
-                                     quant_axes=(("Gather", 1),))
+        DefaultWeightOnlyQuantConfig(
+            block_size=block,
+            is_symmetric=symmetric,
+            op_types_to_quantize=("Gather",),
+            quant_axes=(("Gather", 1),),
+        )
     )
     g = proto.graph
     tables = {t.weight for t in tied} | {n.input[0] for n in g.node if n.name in set(untied)}
@@ -152,7 +192,9 @@ def quantize_tables(
             continue
         # No quantized head to share: materialize this Gather's own [V, E] table; ONNX Runtime quantizes it below.
         wt = next(x for x in g.initializer if x.name == t.weight)
-        table = numpy_helper.from_array(np.ascontiguousarray(numpy_helper.to_array(wt).T), t.weight + "_table")
+        table = numpy_helper.from_array(
+            np.ascontiguousarray(numpy_helper.to_array(wt).T), t.weight + "_table"
+        )
         g.initializer.append(table)
         tables.add(table.name)
         gather = next(n for n in g.node if n.name == t.gather)

@@ -25,7 +25,9 @@ __all__ = ["collect_hessians", "gptq_weight", "gptq_model"]
 _MAXQ = 15  # 4-bit levels 0..15
 
 
-def collect_hessians(proto: onnx.ModelProto, names: Sequence[str], batches: Sequence[dict]) -> dict[str, np.ndarray]:
+def collect_hessians(
+    proto: onnx.ModelProto, names: Sequence[str], batches: Sequence[dict]
+) -> dict[str, np.ndarray]:
     """H = 2/n sum x^T x for each activation ``name`` (the MatMul's first input), over all calibration rows."""
     import onnxruntime as ort
 

@@ -64,7 +64,9 @@ def resolve_exclude(model: ir.Model, exclude: Sequence[str], pass_name: str) -> 
 
             close = difflib.get_close_matches(item, sorted(by_name | {n.op_type for n in nodes}), n=1)
             hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise PassOptionError(f"pass '{pass_name}' option exclude: no node or op type named '{item}'{hint}")
+            raise PassOptionError(
+                f"pass '{pass_name}' option exclude: no node or op type named '{item}'{hint}"
+            )
         out.extend(of_type)
     return sorted(set(out))
 

@@ -53,4 +53,6 @@ class ConvertFp16(Pass):
             if v.const_value is not None and v.const_value.dtype == ir.DataType.FLOAT16
         )
         kept = sum(1 for n in result.graph.all_nodes() if n.op_type in op_block or n.name in excluded)
-        return PassResult(result, {"fp16_initializers": fp16, "casts": count_ops(result).get("Cast", 0), "kept_fp32": kept})
+        return PassResult(
+            result, {"fp16_initializers": fp16, "casts": count_ops(result).get("Cast", 0), "kept_fp32": kept}
+        )

@@ -21,9 +21,9 @@ from precast.compiler.registry import Pass, PassResult, register
 class EliminateDeadCode(Pass):
     """Remove identities, unused nodes/initializers, duplicate initializers and common subexpressions.
 
-        Identity(x) -> y        ==>   x
-        f(a) ; f(a)             ==>   f(a)   (CSE)
-        W1 == W2 (bytes)        ==>   W1     (dedup)
+    Identity(x) -> y        ==>   x
+    f(a) ; f(a)             ==>   f(a)   (CSE)
+    W1 == W2 (bytes)        ==>   W1     (dedup)
     """
 
     @dataclass(frozen=True)

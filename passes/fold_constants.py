@@ -16,7 +16,7 @@ from precast.compiler.registry import Pass, PassResult, register
 class FoldConstants(Pass):
     """Fold constant subgraphs (Shape/Reshape arithmetic, Constant nodes) into initializers.
 
-        Constant -> Add(Constant) -> X   ==>   initializer X
+    Constant -> Add(Constant) -> X   ==>   initializer X
     """
 
     @dataclass(frozen=True)

@@ -18,6 +18,7 @@ from onnxscript.rewriter.ort_fusions.mha_scale import _mha_scale_rules
 from onnxscript.rewriter.ort_fusions.rotary_embedding import partial_embedding_rules, rotary_embedding_rules
 from onnxscript.rewriter.ort_fusions.sdpa import sdpa_rules
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import _rules as sdpa_to_mha_rules
+
 from precast.compiler.registry import Pass, PassResult, register
 from precast.passes._decoder_rules import cos_sin_cache_mul_rules, gqa_no_past_rules
 from precast.passes._rewrite import apply_rules
@@ -38,7 +39,9 @@ def _fold_constant_concats(model: ir.Model) -> int:
         axis = node.attributes.get_int("axis", 0)
         out = node.outputs[0]
         tensor = ir.tensor(np.concatenate([c.numpy() for c in values], axis=axis), name=out.name)
-        const = ir.Value(name=out.name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor)
+        const = ir.Value(
+            name=out.name, shape=ir.Shape(tensor.shape), type=ir.TensorType(tensor.dtype), const_value=tensor
+        )
         out.replace_all_uses_with(const)
         model.graph.remove(node, safe=True)
         model.graph.register_initializer(const)
@@ -50,11 +53,11 @@ def _fold_constant_concats(model: ir.Model) -> int:
 class FuseAttention(Pass):
     """Attention subgraphs -> ONNX Runtime's fused attention ops.
 
-        MatMul(Q,K^T) -> Mul(scale) -> Add(mask) -> Softmax -> MatMul(V)       ==>  SDPA (intermediate)
-        Q/K/V projections + Reshape/Transpose + SDPA                           ==>  MultiHeadAttention
-        MultiHeadAttention with three biased projections of one input          ==>  Attention (packed QKV)
-        decoder: rotate-half(x)*sin + x*cos                                    ==>  RotaryEmbedding
-                 repeat-kv + causal mask + SDPA with past/present              ==>  GroupQueryAttention
+    MatMul(Q,K^T) -> Mul(scale) -> Add(mask) -> Softmax -> MatMul(V)       ==>  SDPA (intermediate)
+    Q/K/V projections + Reshape/Transpose + SDPA                           ==>  MultiHeadAttention
+    MultiHeadAttention with three biased projections of one input          ==>  Attention (packed QKV)
+    decoder: rotate-half(x)*sin + x*cos                                    ==>  RotaryEmbedding
+             repeat-kv + causal mask + SDPA with past/present              ==>  GroupQueryAttention
     """
 
     @dataclass(frozen=True)

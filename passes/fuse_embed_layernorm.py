@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
+
 from precast.compiler.registry import register
 from precast.passes._rewrite import RewritePass
 

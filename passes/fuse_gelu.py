@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions.bias_gelu import bias_gelu_rules
 from onnxscript.rewriter.ort_fusions.erfgelu import rules as erf_gelu_rules
 from onnxscript.rewriter.ort_fusions.gelu import gelu_rules
-
-import onnx_ir as ir
 
 from precast.compiler.registry import PassResult, register
 from precast.passes._rewrite import RewritePass, apply_rules
@@ -47,16 +46,18 @@ class _BiasFastGelu(pattern.RewriteRuleClassBase):
 class FuseGelu(RewritePass):
     """Erf/tanh GELU -> Gelu/FastGelu (com.microsoft), with bias -> BiasGelu.
 
-        x -> Div(1.4142) -> Erf -> Add(1) -> Mul(x) -> Mul(0.5)                   ==>  Gelu(x)
-        x -> Pow(3) -> Mul(0.0447) -> Add(x) -> Mul(0.7979) -> Tanh -> Add(1) ... ==>  FastGelu(x)
-        Add(x, b) -> Gelu                                                          ==>  BiasGelu(x, b)
+    x -> Div(1.4142) -> Erf -> Add(1) -> Mul(x) -> Mul(0.5)                   ==>  Gelu(x)
+    x -> Pow(3) -> Mul(0.0447) -> Add(x) -> Mul(0.7979) -> Tanh -> Add(1) ... ==>  FastGelu(x)
+    Add(x, b) -> Gelu                                                          ==>  BiasGelu(x, b)
     """
 
     @dataclass(frozen=True)
     class Options:
         bias: bool = True  # also absorb a preceding bias Add
 
-    rules = pattern.RewriteRuleSet([*erf_gelu_rules.rules, *gelu_rules.rules, _OnnxTanhGelu.rule()], commute=True)
+    rules = pattern.RewriteRuleSet(
+        [*erf_gelu_rules.rules, *gelu_rules.rules, _OnnxTanhGelu.rule()], commute=True
+    )
     bias_rules = pattern.RewriteRuleSet([*bias_gelu_rules.rules, *_BiasFastGelu.rule().commute()])
 
     def call(self, model: ir.Model) -> PassResult:

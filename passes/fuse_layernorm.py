@@ -33,9 +33,9 @@ class _CheckedLayerNormBias(LayerNormBiasFusion):
 class FuseLayerNorm(RewritePass):
     """Decomposed layer norm chains -> LayerNormalization.
 
-        m = ReduceMean(x,-1); d = x - m; v = ReduceMean(d*d | d^2, -1)
-        d / Sqrt(v + eps) | d * Reciprocal(Sqrt(v + eps))  -> Mul(scale) -> Add(bias)
-            ==>   LayerNormalization(x, scale, bias, axis=-1, epsilon=eps)
+    m = ReduceMean(x,-1); d = x - m; v = ReduceMean(d*d | d^2, -1)
+    d / Sqrt(v + eps) | d * Reciprocal(Sqrt(v + eps))  -> Mul(scale) -> Add(bias)
+        ==>   LayerNormalization(x, scale, bias, axis=-1, epsilon=eps)
     """
 
     @dataclass(frozen=True)

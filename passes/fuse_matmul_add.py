@@ -22,7 +22,13 @@ _GEMM_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16}
 
 def _bias_fits(c: ir.Value, a: ir.Value, b: ir.Value) -> bool:
     """Gemm's C must broadcast to (M, N) without growing the result (Add would broadcast further)."""
-    if c.shape is None or a.shape is None or b.shape is None or len(c.shape) > 2 or c.dtype not in _GEMM_TYPES:
+    if (
+        c.shape is None
+        or a.shape is None
+        or b.shape is None
+        or len(c.shape) > 2
+        or c.dtype not in _GEMM_TYPES
+    ):
         return False
     m, n = a.shape[0], b.shape[1]
     want = (m, n)[2 - len(c.shape) :]

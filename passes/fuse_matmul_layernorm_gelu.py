@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
+
 from precast.compiler.registry import PassResult, register
 from precast.passes._rewrite import RewritePass, apply_rules
 
@@ -40,7 +41,9 @@ class _ChainRule(pattern.RewriteRuleClassBase):
     """One variant of the chain: ``gelu`` in {"ms", "onnx", "fast"}, with/without the MatMul bias and LN beta."""
 
     def __init__(self, gelu: str, mm_bias: bool, beta: bool):
-        super().__init__(f"MatMulLayerNorm{gelu.capitalize()}Gelu{'_bias' if mm_bias else ''}{'_beta' if beta else ''}")
+        super().__init__(
+            f"MatMulLayerNorm{gelu.capitalize()}Gelu{'_bias' if mm_bias else ''}{'_beta' if beta else ''}"
+        )
         self._gelu, self._mm_bias, self._beta = gelu, mm_bias, beta
 
     def pattern(self, op, x, w, b, scale, beta):
@@ -72,8 +75,13 @@ class _ChainRule(pattern.RewriteRuleClassBase):
             return result.fail("LayerNormalization does not normalize the last axis alone", ln)
         if not _is_vector(scale, n) or (self._beta and not _is_vector(beta, n)):
             return result.fail("LayerNormalization scale/bias are not per-feature vectors", ln)
-        if gelu_out is not None and gelu_out.producer().attributes.get_string("approximate", "none") != "none":
-            return result.fail("ONNX Gelu with approximate='tanh' (fuse-gelu turns it into FastGelu first)", gelu_out)
+        if (
+            gelu_out is not None
+            and gelu_out.producer().attributes.get_string("approximate", "none") != "none"
+        ):
+            return result.fail(
+                "ONNX Gelu with approximate='tanh' (fuse-gelu turns it into FastGelu first)", gelu_out
+            )
         return result
 
     def rewrite(self, op, x, w, b, scale, beta, ln_out, **_):
@@ -87,7 +95,10 @@ class _ChainRule(pattern.RewriteRuleClassBase):
             h = op.Add(h, op.initializer(ir.tensor(centred_b), name=f"{tag}/centred_bias"))
         ln = ln_out.producer()
         n = op.SimplifiedLayerNormalization(
-            h, scale, axis=-1, epsilon=ln.attributes.get_float("epsilon", 1e-5),
+            h,
+            scale,
+            axis=-1,
+            epsilon=ln.attributes.get_float("epsilon", 1e-5),
             stash_type=ln.attributes.get_int("stash_type", 1),
         )
         if self._gelu == "fast":
@@ -96,7 +107,12 @@ class _ChainRule(pattern.RewriteRuleClassBase):
 
 
 _RULES = pattern.RewriteRuleSet(
-    [_ChainRule.rule(g, mm_bias, beta) for g in ("ms", "onnx", "fast") for mm_bias in (True, False) for beta in (True, False)],
+    [
+        _ChainRule.rule(g, mm_bias, beta)
+        for g in ("ms", "onnx", "fast")
+        for mm_bias in (True, False)
+        for beta in (True, False)
+    ],
     commute=True,
 )
 

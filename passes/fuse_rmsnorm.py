@@ -35,8 +35,8 @@ class _CheckedRmsNorm(RmsNormFusion):
 class FuseRmsNorm(RewritePass):
     """RMS norm chains -> SimplifiedLayerNormalization.
 
-        [Cast] -> Pow(2) -> ReduceMean(-1) -> Add(eps) -> Sqrt -> Reciprocal -> Mul(x) -> [Cast] -> Mul(w)
-            ==>   SimplifiedLayerNormalization(x, w, axis=-1, epsilon=eps)
+    [Cast] -> Pow(2) -> ReduceMean(-1) -> Add(eps) -> Sqrt -> Reciprocal -> Mul(x) -> [Cast] -> Mul(w)
+        ==>   SimplifiedLayerNormalization(x, w, axis=-1, epsilon=eps)
     """
 
     @dataclass(frozen=True)
@@ -45,7 +45,10 @@ class FuseRmsNorm(RewritePass):
 
     # x / sqrt(mean(x^2) + eps) * w, with w on either side of the Mul.
     rules = pattern.RewriteRuleSet(
-        [_CheckedRmsNorm.rule("RmsNorm1", _mul_order=False), _CheckedRmsNorm.rule("RmsNorm2", _mul_order=True)]
+        [
+            _CheckedRmsNorm.rule("RmsNorm1", _mul_order=False),
+            _CheckedRmsNorm.rule("RmsNorm2", _mul_order=True),
+        ]
     )
 
     def call(self, model: ir.Model) -> PassResult:

@@ -24,5 +24,10 @@ class InferShapes(Pass):
 
     def call(self, model: ir.Model) -> PassResult:
         before = _known_shapes(model)
-        result = ShapeInferencePass(check_type=False, strict_mode=False, data_prop=self.options.data_prop)(model)
-        return PassResult(result.model, {"shapes_known": _known_shapes(result.model), "new": _known_shapes(result.model) - before})
+        result = ShapeInferencePass(check_type=False, strict_mode=False, data_prop=self.options.data_prop)(
+            model
+        )
+        return PassResult(
+            result.model,
+            {"shapes_known": _known_shapes(result.model), "new": _known_shapes(result.model) - before},
+        )

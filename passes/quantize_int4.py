@@ -55,11 +55,17 @@ class QuantizeInt4(Pass):
 
         def __post_init__(self) -> None:
             if self.block not in _BLOCKS:
-                raise PassOptionError(f"pass 'quantize-int4' option 'block' must be one of {_BLOCKS}, got {self.block}")
+                raise PassOptionError(
+                    f"pass 'quantize-int4' option 'block' must be one of {_BLOCKS}, got {self.block}"
+                )
             if self.accuracy_level is not None and not 0 <= self.accuracy_level <= 4:
-                raise PassOptionError(f"pass 'quantize-int4' option 'accuracy_level' must be 0..4, got {self.accuracy_level}")
+                raise PassOptionError(
+                    f"pass 'quantize-int4' option 'accuracy_level' must be 0..4, got {self.accuracy_level}"
+                )
             if not 0 < self.percdamp < 1:
-                raise PassOptionError(f"pass 'quantize-int4' option 'percdamp' must be in (0, 1), got {self.percdamp}")
+                raise PassOptionError(
+                    f"pass 'quantize-int4' option 'percdamp' must be in (0, 1), got {self.percdamp}"
+                )
 
     def call(self, model: ir.Model) -> PassResult:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -103,7 +109,13 @@ class QuantizeInt4(Pass):
             stats.update(embed_stats)
         result = from_proto(qproto)
         ops = count_ops(result)
-        stats.update({"quantized": ops.get("MatMulNBits", 0), "kept_fp32": ops.get("MatMul", 0), "excluded": len(excluded)})
+        stats.update(
+            {
+                "quantized": ops.get("MatMulNBits", 0),
+                "kept_fp32": ops.get("MatMul", 0),
+                "excluded": len(excluded),
+            }
+        )
         if before and not stats["quantized"]:
             stats["note"] = "no MatMul had a constant 2-D weight to quantize"
         return PassResult(result, stats)

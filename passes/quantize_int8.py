@@ -69,7 +69,9 @@ class QuantizeInt8(Pass):
             # An excluded Attention (by name or op type) stays packed and fp32.
             skip = {n.name for n in model.graph if n.name in o.exclude or n.op_type in o.exclude}
             unpacked = unpack_attention(model, skip=skip)
-        excluded = resolve_exclude(model, o.exclude, self.name)  # after unpacking: exclude=[MatMul] covers Q/K/V
+        excluded = resolve_exclude(
+            model, o.exclude, self.name
+        )  # after unpacking: exclude=[MatMul] covers Q/K/V
         proto = to_proto(model)
         qtype = {"int8": QuantType.QInt8, "uint8": QuantType.QUInt8}
         # Fused contrib ops (SkipLayerNormalization, ...) defeat the quantizer's type inference; their
@@ -107,7 +109,9 @@ class QuantizeInt8(Pass):
             stats["note"] = "nothing was quantized (no supported op with constant weights)"
         return PassResult(result, stats)
 
-    def _static(self, model: ir.Model, proto: onnx.ModelProto, out: Path, extra: dict, common: dict, qtype: dict) -> dict:
+    def _static(
+        self, model: ir.Model, proto: onnx.ModelProto, out: Path, extra: dict, common: dict, qtype: dict
+    ) -> dict:
         from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
 
         from precast.compiler.calibration import FeedsReader, calibration_batches
@@ -131,9 +135,14 @@ class QuantizeInt8(Pass):
             extra_options=extra,
             **common,
         )
-        stats = {"method": o.method, "format": o.format, "calibration": source, "calibration_batches": len(batches)}
+        stats = {
+            "method": o.method,
+            "format": o.format,
+            "calibration": source,
+            "calibration_batches": len(batches),
+        }
         if source == "sample-feeds":
-            stats["note"] = "no --calibration data: calibrated on the random sample feeds; ranges may not match real data"
+            stats["note"] = (
+                "no --calibration data: calibrated on the random sample feeds; ranges may not match real data"
+            )
         return stats
-
-

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import onnx_ir as ir
+
 from precast.compiler.registry import Pass, PassResult, register
 
 
@@ -30,7 +31,11 @@ def _static_dim(value: ir.Value | None):
     dims = dims[shape_node.attributes.get_int("start", 0) : shape_node.attributes.get_int("end", len(dims))]
     if node.op_type == "Gather":
         k = _const_scalar(node.inputs[1])
-        if node.attributes.get_int("axis", 0) != 0 or not isinstance(k, int) or not -len(dims) <= k < len(dims):
+        if (
+            node.attributes.get_int("axis", 0) != 0
+            or not isinstance(k, int)
+            or not -len(dims) <= k < len(dims)
+        ):
             return None
         dim = dims[k]
     else:

@@ -38,12 +38,16 @@ def parse_budget(text: str) -> tuple[Bound, ...]:
     for item in filter(str.strip, text.split(",")):
         m = _ITEM.match(item)
         if not m:
-            raise UsageError(f"bad accuracy budget item '{item.strip()}': expected METRIC>=VALUE or METRIC<=VALUE")
+            raise UsageError(
+                f"bad accuracy budget item '{item.strip()}': expected METRIC>=VALUE or METRIC<=VALUE"
+            )
         metric, op, raw = m.groups()
         if metric not in _METRICS:
             raise UsageError(f"unknown accuracy metric '{metric}' in budget (metrics: {', '.join(_METRICS)})")
         if op != _METRICS[metric]:
-            raise UsageError(f"accuracy budget '{item.strip()}': {metric} is bounded with '{_METRICS[metric]}'")
+            raise UsageError(
+                f"accuracy budget '{item.strip()}': {metric} is bounded with '{_METRICS[metric]}'"
+            )
         try:
             value = float(raw)
         except ValueError:
@@ -58,7 +62,9 @@ def format_budget(bounds: tuple[Bound, ...]) -> str:
     return ",".join(str(b) for b in bounds)
 
 
-def measure(expected: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray]) -> dict[str, dict[str, float]]:
+def measure(
+    expected: Mapping[str, np.ndarray], actual: Mapping[str, np.ndarray]
+) -> dict[str, dict[str, float]]:
     """Per float output: cosine, max_abs, and top1 (argmax agreement over the last axis, when it has > 1 entry)."""
     out: dict[str, dict[str, float]] = {}
     for name, ref in expected.items():

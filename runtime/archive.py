@@ -98,7 +98,9 @@ def _scan(tf: tarfile.TarFile, where: str, archive_size: int, limits: Limits) ->
         _check_name(where, m.name)
         if m.type not in _OK_TYPES:
             kind = _KIND.get(m.type, f"member type {m.type!r}")
-            raise ArchiveError(f"{where}: member {m.name!r} rejected: {kind} (only regular files are allowed)")
+            raise ArchiveError(
+                f"{where}: member {m.name!r} rejected: {kind} (only regular files are allowed)"
+            )
         if m.name in members or m.name.casefold() in folded:
             raise ArchiveError(f"{where}: member {m.name!r} appears twice")
         members[m.name] = m
@@ -128,7 +130,9 @@ def _read_member(tf: tarfile.TarFile, m: tarfile.TarInfo, where: str, cap: int) 
     return data
 
 
-def _write_member(tf: tarfile.TarFile, m: tarfile.TarInfo, stage: Path, where: str, digest: str | None) -> None:
+def _write_member(
+    tf: tarfile.TarFile, m: tarfile.TarInfo, stage: Path, where: str, digest: str | None
+) -> None:
     dest = stage / m.name
     if stage.resolve() not in dest.resolve().parents:  # defence in depth; names were checked already
         raise ArchiveError(f"{where}: member {m.name!r} would land outside the target dir")
@@ -188,13 +192,18 @@ def _plan(tf, members, stage: Path, where: str, written: set[str]) -> tuple[dict
                     raise ArchiveError(f"{where}: malformed target entry '{tname}'")
                 _check_name(where, prefix + sub)
                 if prefix + sub + "/" + MANIFEST_NAME not in expected:
-                    raise ArchiveError(f"{where}: target '{tname}' manifest is not hashed by its parent manifest")
+                    raise ArchiveError(
+                        f"{where}: target '{tname}' manifest is not hashed by its parent manifest"
+                    )
                 queue.append(prefix + sub + "/")
     return expected, optional
 
 
 def unpack_artifact(
-    archive: str | os.PathLike, dest: str | os.PathLike, *, pubkey: str | os.PathLike | None = None,
+    archive: str | os.PathLike,
+    dest: str | os.PathLike,
+    *,
+    pubkey: str | os.PathLike | None = None,
     limits: Limits = Limits(),
 ) -> dict:
     """Unpack a packed artifact into ``dest`` (which must not exist, or be empty); return its manifest."""
@@ -226,7 +235,11 @@ def unpack_artifact(
             written = {MANIFEST_NAME, SIGNATURE_NAME}
             expected, optional = _plan(tf, members, stage, where, written)
             for name in members:
-                if name not in expected and name not in optional and name not in (MANIFEST_NAME, SIGNATURE_NAME):
+                if (
+                    name not in expected
+                    and name not in optional
+                    and name not in (MANIFEST_NAME, SIGNATURE_NAME)
+                ):
                     raise ArchiveError(f"{where}: member {name!r} is not listed in the manifest")
             missing = sorted(set(expected) - set(members))
             if missing:
@@ -235,7 +248,9 @@ def unpack_artifact(
                 if name in written:
                     continue  # the manifest(s) are already written and checked; the signature is not kept
                 if name in optional and m.size > limits.max_build_info_bytes:
-                    raise ArchiveError(f"{where}: member {name!r} is {m.size} bytes (limit {limits.max_build_info_bytes})")
+                    raise ArchiveError(
+                        f"{where}: member {name!r} is {m.size} bytes (limit {limits.max_build_info_bytes})"
+                    )
                 _write_member(tf, m, stage, where, expected.get(name))
         for name in optional:
             if (stage / name).is_file():

@@ -66,7 +66,9 @@ def create_session(root: Path, manifest: dict, threads: int | None = None):
     except Exception as e:  # ORT raises its own exception types; keep the first line
         node, op, first = explain_ort_error(e)
         culprit = f" (node '{node}', op {op})" if node else (f" (op {op})" if op else "")
-        raise ArtifactError(f"artifact {root}: onnxruntime cannot load {model_file.name}{culprit}: {first}") from e
+        raise ArtifactError(
+            f"artifact {root}: onnxruntime cannot load {model_file.name}{culprit}: {first}"
+        ) from e
 
 
 _NODE_RE = re.compile(r'In Node, \("([^"]*)", ([\w.]+), "([^"]*)"')

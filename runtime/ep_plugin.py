@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+
 from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError
 
 __all__ = ["PluginSession", "create_plugin_session", "node_assignment", "plugin_available", "register_plugin"]
@@ -77,7 +78,9 @@ def register_plugin(ep: str, package: str) -> str:
     return lib
 
 
-def plugin_session_options(ep: str, package: str, provider_options: Mapping[str, str], backend_lib: str | None):
+def plugin_session_options(
+    ep: str, package: str, provider_options: Mapping[str, str], backend_lib: str | None
+):
     """SessionOptions with the plugin EP's devices added (and the backend library resolved to a path)."""
     import onnxruntime as ort
 

@@ -40,7 +40,11 @@ class TensorSpec:
     shape: tuple[int | str | None, ...] | None
 
     def to_json(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": None if self.shape is None else list(self.shape)}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": None if self.shape is None else list(self.shape),
+        }
 
     @classmethod
     def from_json(cls, d: dict) -> TensorSpec:
@@ -101,7 +105,9 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
         if key not in manifest:
             raise ArtifactError(f"{mpath}: manifest lacks '{key}'")
     files = manifest["files"]
-    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()):
+    if not isinstance(files, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
+    ):
         raise ArtifactError(f"{mpath}: 'files' must map relative paths to sha256 strings")
     for rel in files:
         p = Path(rel)
@@ -136,4 +142,6 @@ def check_integrity(artifact_dir: str | os.PathLike, manifest: dict) -> None:
 def _is_subartifact(rel: str, manifest: dict) -> bool:
     # Multi-target artifacts hold whole sub-artifacts, each checked by its own manifest.
     subs = manifest.get("targets") or {}
-    return any(rel.startswith(f"{d}/") for d in (v.get("dir", k) for k, v in subs.items() if isinstance(v, dict)))
+    return any(
+        rel.startswith(f"{d}/") for d in (v.get("dir", k) for k, v in subs.items() if isinstance(v, dict))
+    )

@@ -19,7 +19,9 @@ __all__ = ["Model", "load"]
 class Model:
     """A loaded, integrity-checked artifact. ``run(feeds) -> {output name: array}``."""
 
-    def __init__(self, path: Path, manifest: dict, session, inputs: list[TensorSpec], outputs: list[TensorSpec]):
+    def __init__(
+        self, path: Path, manifest: dict, session, inputs: list[TensorSpec], outputs: list[TensorSpec]
+    ):
         self.path = path
         self.manifest = manifest
         self._session = session
@@ -41,7 +43,9 @@ class Model:
         known = {o.name for o in self.outputs}
         for n in names:
             if n not in known:
-                raise ArtifactError(f"unknown output '{n}'; the model's outputs are: {', '.join(sorted(known))}")
+                raise ArtifactError(
+                    f"unknown output '{n}'; the model's outputs are: {', '.join(sorted(known))}"
+                )
         results = self._session.run(names, arrays)
         return dict(zip(names, results))
 
@@ -63,7 +67,11 @@ def preference_order(names, prefer: str | None = None) -> list[str]:
 
 
 def load(
-    path: str | os.PathLike, *, threads: int | None = None, verify: bool = True, prefer: str | None = None,
+    path: str | os.PathLike,
+    *,
+    threads: int | None = None,
+    verify: bool = True,
+    prefer: str | None = None,
     pubkey: str | os.PathLike | None = None,
 ) -> Model:
     """Load an artifact directory: schema check, sha256 of every file, then a backend session.
@@ -98,7 +106,9 @@ def load(
 def _load_best(root: Path, manifest: dict, *, threads, verify, prefer) -> Model:
     entries = manifest.get("targets") or {}
     if prefer is not None and prefer not in entries:
-        raise ArtifactError(f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})")
+        raise ArtifactError(
+            f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})"
+        )
     order = preference_order(entries, prefer)
     skipped: dict[str, str] = {}
     for name in order:
@@ -111,4 +121,3 @@ def _load_best(root: Path, manifest: dict, *, threads, verify, prefer) -> Model:
         return model
     reasons = "; ".join(f"{k}: {v}" for k, v in skipped.items())
     raise TargetUnavailableError(f"{root}: no target of this artifact can run on this host ({reasons})")
-

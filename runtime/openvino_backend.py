@@ -11,6 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
+
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
 
 __all__ = ["OpenVINOSession", "cache_dir", "create_openvino_session", "openvino_available"]
@@ -73,5 +74,7 @@ def create_openvino_session(root: Path, target: dict, threads: int | None = None
         compiled = core.compile_model(core.read_model(str(xml)), device, config)
     except Exception as e:
         first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        raise ArtifactError(f"artifact {root}: OpenVINO cannot compile {xml.name} for {device}: {first}") from e
+        raise ArtifactError(
+            f"artifact {root}: OpenVINO cannot compile {xml.name} for {device}: {first}"
+        ) from e
     return OpenVINOSession(compiled, device)

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
+
 from precast.runtime.errors import ArtifactError, UsageError
 from precast.runtime.feeds import check_feeds
 
@@ -24,34 +25,52 @@ def summarize_trace(events: list, runs: int) -> list[dict]:
     """Per op type: total/mean microseconds per run, node count, share of kernel time; slowest first."""
     per_op: dict[str, dict] = {}
     for ev in events:
-        if not isinstance(ev, dict) or ev.get("cat") != "Node" or not str(ev.get("name", "")).endswith("_kernel_time"):
+        if (
+            not isinstance(ev, dict)
+            or ev.get("cat") != "Node"
+            or not str(ev.get("name", "")).endswith("_kernel_time")
+        ):
             continue
         args = ev.get("args") or {}
         op = str(args.get("op_name", "?"))
-        row = per_op.setdefault(op, {"op": op, "total_us": 0, "calls": 0, "nodes": set(), "provider": args.get("provider", "")})
+        row = per_op.setdefault(
+            op, {"op": op, "total_us": 0, "calls": 0, "nodes": set(), "provider": args.get("provider", "")}
+        )
         row["total_us"] += int(ev.get("dur", 0))
         row["calls"] += 1
         row["nodes"].add(str(ev["name"])[: -len("_kernel_time")])
     grand = sum(r["total_us"] for r in per_op.values()) or 1
     rows = []
     for r in per_op.values():
-        rows.append({
-            "op": r["op"], "provider": r["provider"], "nodes": len(r["nodes"]), "calls": r["calls"],
-            "total_us": r["total_us"], "us_per_run": round(r["total_us"] / max(runs, 1), 1),
-            "share": round(r["total_us"] / grand, 4),
-        })
+        rows.append(
+            {
+                "op": r["op"],
+                "provider": r["provider"],
+                "nodes": len(r["nodes"]),
+                "calls": r["calls"],
+                "total_us": r["total_us"],
+                "us_per_run": round(r["total_us"] / max(runs, 1), 1),
+                "share": round(r["total_us"] / grand, 4),
+            }
+        )
     return sorted(rows, key=lambda r: (-r["total_us"], r["op"]))
 
 
 def profile_artifact(
-    path: str | os.PathLike, feeds: Mapping[str, np.ndarray] | None = None, *, runs: int = 10, warmup: int = 2,
-    trace: str | os.PathLike | None = None, threads: int | None = None,
+    path: str | os.PathLike,
+    feeds: Mapping[str, np.ndarray] | None = None,
+    *,
+    runs: int = 10,
+    warmup: int = 2,
+    trace: str | os.PathLike | None = None,
+    threads: int | None = None,
 ) -> dict:
     """Profile ``warmup`` + ``runs`` runs of the artifact (per-run numbers divide by both).
 
     ``feeds`` default to the artifact's stored parity inputs. Returns {"ops": [...], "runs", "trace"}.
     """
     import onnxruntime as ort
+
     from precast.runtime.backends import ort_session_options
     from precast.runtime.model import load
 
@@ -69,8 +88,11 @@ def profile_artifact(
         so = ort_session_options(target.get("session", {}), threads)
         so.enable_profiling = True
         so.profile_file_prefix = str(Path(tmp) / "profile")
-        sess = ort.InferenceSession(str(root / target.get("model", "model.onnx")), sess_options=so,
-                                    providers=list(target.get("providers", ["CPUExecutionProvider"])))
+        sess = ort.InferenceSession(
+            str(root / target.get("model", "model.onnx")),
+            sess_options=so,
+            providers=list(target.get("providers", ["CPUExecutionProvider"])),
+        )
         names = [o.name for o in model.outputs]
         for _ in range(warmup):
             sess.run(names, arrays)
@@ -82,5 +104,10 @@ def profile_artifact(
         if trace is not None:
             Path(trace).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(produced, trace)
-    return {"ops": summarize_trace(events, runs + warmup), "runs": runs, "warmup": warmup,
-            "trace": None if trace is None else str(trace), "target": model.target}
+    return {
+        "ops": summarize_trace(events, runs + warmup),
+        "runs": runs,
+        "warmup": warmup,
+        "trace": None if trace is None else str(trace),
+        "target": model.target,
+    }

@@ -45,7 +45,9 @@ def _private_key(path: str | os.PathLike):
     try:
         key = serialization.load_pem_private_key(_read_pem(path, "signing key"), password=None)
     except (ValueError, TypeError) as e:
-        raise UsageError(f"signing key {path}: not an unencrypted PEM private key ({str(e).splitlines()[0]})") from e
+        raise UsageError(
+            f"signing key {path}: not an unencrypted PEM private key ({str(e).splitlines()[0]})"
+        ) from e
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise UsageError(f"signing key {path}: expected an Ed25519 key, got {type(key).__name__}")
     return key
@@ -66,7 +68,9 @@ def sign_bytes(data: bytes, private_key_pem: str | os.PathLike) -> bytes:
     return _private_key(private_key_pem).sign(data)
 
 
-def verify_bytes(data: bytes, signature: bytes, public_key_pem: str | os.PathLike, where: str = "artifact") -> None:
+def verify_bytes(
+    data: bytes, signature: bytes, public_key_pem: str | os.PathLike, where: str = "artifact"
+) -> None:
     """Raise SignatureError unless ``signature`` is a valid Ed25519 signature of ``data``."""
     _, _, invalid = _crypto()
     key = _public_key(public_key_pem)
@@ -75,7 +79,9 @@ def verify_bytes(data: bytes, signature: bytes, public_key_pem: str | os.PathLik
     try:
         key.verify(signature, data)
     except invalid:
-        raise SignatureError(f"{where}: signature does not match manifest.json for public key {public_key_pem}") from None
+        raise SignatureError(
+            f"{where}: signature does not match manifest.json for public key {public_key_pem}"
+        ) from None
 
 
 def generate_keypair(private_out: str | os.PathLike, public_out: str | os.PathLike) -> None:
@@ -85,7 +91,9 @@ def generate_keypair(private_out: str | os.PathLike, public_out: str | os.PathLi
     priv = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
-    pub = key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    pub = key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     for path in (private_out, public_out):
         if Path(path).exists():
             raise UsageError(f"{path} exists; refusing to overwrite a key")

@@ -14,6 +14,7 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
 
 __all__ = ["TensorRTSession", "create_tensorrt_session", "gpu_info", "tensorrt_available"]
@@ -95,7 +96,12 @@ class TensorRTSession:
             arr = np.ascontiguousarray(feeds[name], dtype=trt.nptype(self._engine.get_tensor_dtype(name)))
             ctx.set_input_shape(name, arr.shape)
             buf = _DeviceBuffer(arr.nbytes)
-            _check(cuda.cuMemcpyHtoD_v2(buf.ptr, arr.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(arr.nbytes)), "HtoD")
+            _check(
+                cuda.cuMemcpyHtoD_v2(
+                    buf.ptr, arr.ctypes.data_as(ctypes.c_void_p), ctypes.c_size_t(arr.nbytes)
+                ),
+                "HtoD",
+            )
             ctx.set_tensor_address(name, buf.ptr.value)
             keep.append(buf)
         results = {}
@@ -109,7 +115,12 @@ class TensorRTSession:
             raise ArtifactError("TensorRT engine execution failed")
         _check(cuda.cuCtxSynchronize(), "cuCtxSynchronize")
         for out, buf in results.values():
-            _check(cuda.cuMemcpyDtoH_v2(out.ctypes.data_as(ctypes.c_void_p), buf.ptr, ctypes.c_size_t(out.nbytes)), "DtoH")
+            _check(
+                cuda.cuMemcpyDtoH_v2(
+                    out.ctypes.data_as(ctypes.c_void_p), buf.ptr, ctypes.c_size_t(out.nbytes)
+                ),
+                "DtoH",
+            )
         return [results[n][0] for n in names]
 
 

@@ -61,7 +61,11 @@ def compare_outputs(
             continue
         if ref.dtype.kind in "biu":
             mismatch = int(np.count_nonzero(got != ref))
-            report[name] = {"ok": mismatch == 0, "mismatches": mismatch, "max_abs": float(np.max(np.abs(got.astype(np.int64) - ref.astype(np.int64)), initial=0))}
+            report[name] = {
+                "ok": mismatch == 0,
+                "mismatches": mismatch,
+                "max_abs": float(np.max(np.abs(got.astype(np.int64) - ref.astype(np.int64)), initial=0)),
+            }
             continue
         a = ref.astype(np.float64).ravel()
         b = got.astype(np.float64).ravel()
@@ -105,4 +109,9 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     mask_input = parity.get("padding_mask")
     actual = mask_padding(model.run(feeds), feeds, mask_input)
     report = compare_outputs(mask_padding(expected, feeds, mask_input), actual, tol)
-    return {"ok": all(r["ok"] for r in report.values()), "target": model.target, "outputs": report, "tolerance": parity.get("tolerance")}
+    return {
+        "ok": all(r["ok"] for r in report.values()),
+        "target": model.target,
+        "outputs": report,
+        "tolerance": parity.get("tolerance"),
+    }

@@ -36,7 +36,7 @@ def main() -> None:
             chapters.setdefault(key, []).append(text)
     for book in BOOKS:
         first = True
-        for (b, c), verses in chapters.items():
+        for (b, _c), verses in chapters.items():
             if b != book:
                 continue
             if first:

@@ -58,7 +58,9 @@ def train_tokenizer(text: str, vocab: int):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator([p for p in text.split("\n\n") if p.strip()], trainer=trainer)
@@ -79,10 +81,19 @@ def train(text: str, out: Path, cfg: TinyLMConfig = TinyLMConfig(), log=print) -
     held_ids = np.array(tok.encode(held).ids, dtype=np.int64)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     config = transformers.LlamaConfig(
-        vocab_size=tok.get_vocab_size(), hidden_size=cfg.hidden, intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.layers, num_attention_heads=cfg.heads, num_key_value_heads=cfg.kv_heads,
-        max_position_embeddings=cfg.max_positions, rope_theta=10000.0, tie_word_embeddings=False,
-        bos_token_id=bos, eos_token_id=eos, pad_token_id=eos, initializer_range=0.02,
+        vocab_size=tok.get_vocab_size(),
+        hidden_size=cfg.hidden,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.layers,
+        num_attention_heads=cfg.heads,
+        num_key_value_heads=cfg.kv_heads,
+        max_position_embeddings=cfg.max_positions,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=bos,
+        eos_token_id=eos,
+        pad_token_id=eos,
+        initializer_range=0.02,
     )
     model = transformers.LlamaForCausalLM(config)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=0.05)
@@ -116,8 +127,11 @@ def train(text: str, out: Path, cfg: TinyLMConfig = TinyLMConfig(), log=print) -
     model.save_pretrained(str(out), safe_serialization=True)
     tok.save(str(out / "tokenizer.json"))
     summary = {
-        "config": asdict(cfg), "train_loss": round(loss_val, 4), "heldout_ppl": round(held_ppl, 3),
-        "heldout_tokens": len(held_ids), "seconds": round(time.perf_counter() - t0, 1),
+        "config": asdict(cfg),
+        "train_loss": round(loss_val, 4),
+        "heldout_ppl": round(held_ppl, 3),
+        "heldout_tokens": len(held_ids),
+        "seconds": round(time.perf_counter() - t0, 1),
         "torch": torch.__version__,
     }
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -169,8 +169,9 @@ def _infer(client, model: str, feeds: dict, output_names: list[str]) -> dict:
 
 def check_tensor_model(url: str, model: str, artifact: Path, manifest: dict) -> dict:
     import tritonclient.http as httpclient
-    from precast.runtime import load
     from tritonclient.utils import InferenceServerException
+
+    from precast.runtime import load
 
     local = load(artifact)
     out_names = [o.name for o in local.outputs]

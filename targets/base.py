@@ -51,9 +51,15 @@ class Target:
                 )
             default = cls.option_defaults[key]
             try:
-                out[key] = type(default)(value) if not isinstance(default, bool) else value.lower() in ("1", "true", "yes")
+                out[key] = (
+                    type(default)(value)
+                    if not isinstance(default, bool)
+                    else value.lower() in ("1", "true", "yes")
+                )
             except ValueError:
-                raise UsageError(f"target '{cls.name}' option '{key}' expects {type(default).__name__}, got '{value}'") from None
+                raise UsageError(
+                    f"target '{cls.name}' option '{key}' expects {type(default).__name__}, got '{value}'"
+                ) from None
         return out
 
     @classmethod

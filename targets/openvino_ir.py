@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import onnx_ir as ir
+
 from precast.runtime.errors import PassFailedError, UsageError
 from precast.runtime.openvino_backend import openvino_available
 from precast.targets.base import Availability, Target, register_target
@@ -51,7 +52,9 @@ class OpenVINO(Target):
 
         prec, hint = self.options["inference_precision"], self.options["performance_hint"].upper()
         if prec not in _PRECISIONS:
-            raise UsageError(f"target 'openvino' option inference_precision must be one of {', '.join(_PRECISIONS)}")
+            raise UsageError(
+                f"target 'openvino' option inference_precision must be one of {', '.join(_PRECISIONS)}"
+            )
         if hint not in _HINTS:
             raise UsageError(f"target 'openvino' option performance_hint must be one of {', '.join(_HINTS)}")
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
@@ -61,7 +64,9 @@ class OpenVINO(Target):
                 ov_model = ov.Core().read_model(str(src))
             except Exception as e:
                 first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-                raise PassFailedError(f"target 'openvino': OpenVINO cannot read the ONNX graph: {first}") from e
+                raise PassFailedError(
+                    f"target 'openvino': OpenVINO cannot read the ONNX graph: {first}"
+                ) from e
             ov.save_model(ov_model, str(out_dir / "model.xml"), compress_to_fp16=False)
         return {
             "name": self.name,

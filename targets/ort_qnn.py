@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+
 from precast.runtime.ep_plugin import plugin_available, plugin_session_options
 from precast.runtime.errors import PassFailedError, TargetUnavailableError, UsageError
 from precast.targets.base import Availability, Target, register_target
@@ -70,13 +71,17 @@ def parse_shapes(text: str) -> dict[str, list[int]]:
                 raise ValueError
             out[name.strip()] = [int(d) for d in dims.lower().split("x")]
         except ValueError:
-            raise UsageError(f"target 'ort-qnn' option shapes: expected NAME=2x8[;NAME=...], got '{part}'") from None
+            raise UsageError(
+                f"target 'ort-qnn' option shapes: expected NAME=2x8[;NAME=...], got '{part}'"
+            ) from None
     return out
 
 
 @register_target("ort-qnn")
 class OrtQnn(Target):
-    summary = "Qualcomm NPU (HTP) via the onnxruntime-qnn EP plugin: static INT8 QDQ, EP-context compiled offline"
+    summary = (
+        "Qualcomm NPU (HTP) via the onnxruntime-qnn EP plugin: static INT8 QDQ, EP-context compiled offline"
+    )
     default_pipeline = "infer-shapes,fold-constants,eliminate-dead-code,quantize-int8{mode=static,format=qdq}"
     precision = "int8"
     option_defaults = {
@@ -101,8 +106,11 @@ class OrtQnn(Target):
             quantization = {"format": "QDQ", "by": "pipeline (quantize pass; see its stats)"}
             if not _has_qdq(proto):
                 proto, calibration = self._quantize(proto, tmpdir)
-                quantization = {"format": "QDQ", "by": "ort-qnn build (onnxruntime QNN recipe, uint8/uint8)",
-                                "calibration": calibration}
+                quantization = {
+                    "format": "QDQ",
+                    "by": "ort-qnn build (onnxruntime QNN recipe, uint8/uint8)",
+                    "calibration": calibration,
+                }
             shapes = self._static_shapes(proto)
             proto = _fix_shapes(proto, shapes)
             onnx.save(proto, tmpdir / "static_qdq.onnx")
@@ -120,7 +128,10 @@ class OrtQnn(Target):
             "static_shapes": shapes,
             "quantization": quantization,
             "htp": {"arch": self.options["htp_arch"], "soc_model": self.options["soc_model"]},
-            "requires": {"onnxruntime": _version("onnxruntime"), "onnxruntime-qnn": _version("onnxruntime-qnn")},
+            "requires": {
+                "onnxruntime": _version("onnxruntime"),
+                "onnxruntime-qnn": _version("onnxruntime-qnn"),
+            },
             "notes": [f"INT8 QDQ by {quantization['by']}; HTP input shapes pinned to {shapes}"],
         }
 
@@ -165,10 +176,14 @@ class OrtQnn(Target):
             elif name in sample:
                 shapes[name] = [int(d) for d in np.shape(sample[name])]
             else:
-                raise UsageError(f"target 'ort-qnn' needs a static shape for input '{name}': --target-option shapes={name}=...")
+                raise UsageError(
+                    f"target 'ort-qnn' needs a static shape for input '{name}': --target-option shapes={name}=..."
+                )
         unknown = sorted(set(given) - set(names))
         if unknown:
-            raise UsageError(f"target 'ort-qnn' option shapes names '{unknown[0]}', not an input ({', '.join(names)})")
+            raise UsageError(
+                f"target 'ort-qnn' option shapes names '{unknown[0]}', not an input ({', '.join(names)})"
+            )
         return shapes
 
     def _compile(self, src: Path, dst: Path) -> None:
@@ -187,7 +202,9 @@ class OrtQnn(Target):
         except Exception as e:
             first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             raise PassFailedError(f"target 'ort-qnn': QNN EP-context compile failed: {first}") from e
-        leftover = [f"{n.name} ({n.op_type})" for n in onnx.load(str(dst)).graph.node if n.op_type != "EPContext"]
+        leftover = [
+            f"{n.name} ({n.op_type})" for n in onnx.load(str(dst)).graph.node if n.op_type != "EPContext"
+        ]
         if leftover:
             raise PassFailedError(
                 f"target 'ort-qnn': {len(leftover)} node(s) not supported by the QNN HTP: {', '.join(leftover[:5])}"

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_ir as ir
+
 from precast.runtime.errors import UsageError
 from precast.runtime.tensorrt_backend import tensorrt_available
 from precast.targets import trt_engine_builder
@@ -51,7 +52,9 @@ def parse_profile(text: str) -> dict[str, tuple[int, int | None, int]]:
             if lo is None or hi is None:
                 raise ValueError
         except ValueError:
-            raise UsageError(f"target 'tensorrt' option profile: expected DIM=MIN:OPT:MAX[;...], got '{part}'") from None
+            raise UsageError(
+                f"target 'tensorrt' option profile: expected DIM=MIN:OPT:MAX[;...], got '{part}'"
+            ) from None
         out[name.strip()] = (lo, opt, hi)
     return out
 
@@ -110,9 +113,13 @@ class TensorRT(Target):
         ok, why = tensorrt_available()
         if ok:
             cache = Path(self.options["timing_cache"]) if self.options["timing_cache"] else None
-            lock = trt_engine_builder.build_engine(out_dir / "model.onnx", plan, out_dir / "model.engine", cache)
+            lock = trt_engine_builder.build_engine(
+                out_dir / "model.onnx", plan, out_dir / "model.engine", cache
+            )
             return trt_engine_builder.engine_block({**block, "backend": "tensorrt-plan"}, lock)
-        (out_dir / "plan.json").write_text(json.dumps(plan, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (out_dir / "plan.json").write_text(
+            json.dumps(plan, indent=2, sort_keys=True) + "\n", encoding="utf-8"
+        )
         shutil.copyfile(trt_engine_builder.__file__, out_dir / "build_engine.py")
         return {
             **block,
@@ -122,7 +129,9 @@ class TensorRT(Target):
             "engine_built": False,
             "why_plan": f"no engine built on this host: {why}; run build_engine.py on the deployment GPU host",
             "verified_as": "prepared ONNX on onnxruntime CPU (the engine is verified where it is built)",
-            "notes": [f"TensorRT build plan only, no engine: {why}; build it with build_engine.py on the GPU host"],
+            "notes": [
+                f"TensorRT build plan only, no engine: {why}; build it with build_engine.py on the GPU host"
+            ],
         }
 
     def stand_in(self, out_dir: Path, block: dict):
@@ -162,9 +171,13 @@ class TensorRT(Target):
                 elif seen is not None:
                     a, b, c = 1, seen, 4 * seen  # default: 1 .. sample .. 4x sample
                 else:
-                    raise UsageError(f"target 'tensorrt': dim '{key or axis}' of input '{inp.name}' needs --target-option profile={key}=MIN:OPT:MAX")
+                    raise UsageError(
+                        f"target 'tensorrt': dim '{key or axis}' of input '{inp.name}' needs --target-option profile={key}=MIN:OPT:MAX"
+                    )
                 if not a <= b <= c:
-                    raise UsageError(f"target 'tensorrt' profile for '{key}': need MIN <= OPT <= MAX, got {a}:{b}:{c}")
+                    raise UsageError(
+                        f"target 'tensorrt' profile for '{key}': need MIN <= OPT <= MAX, got {a}:{b}:{c}"
+                    )
                 lo.append(a), opt.append(b), hi.append(c)
             profiles[inp.name] = {"min": lo, "opt": opt, "max": hi}
         unknown = sorted(set(given) - used)

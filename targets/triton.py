@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import onnx_ir as ir
+
 from precast.compiler.parity import io_signature
 from precast.runtime.errors import UsageError
 from precast.runtime.manifest import TensorSpec

@@ -44,13 +44,18 @@ def build_engine(onnx_path: Path, plan: dict, engine_path: Path, timing_cache: P
     """Parse the prepared ONNX, apply precision flags and profiles, serialize the engine; return its lock info."""
     cc = gpu_compute_capability()
     if cc is None:
-        raise RuntimeError("no NVIDIA GPU visible (libcuda.so.1 missing or no device): build engines on the GPU host")
+        raise RuntimeError(
+            "no NVIDIA GPU visible (libcuda.so.1 missing or no device): build engines on the GPU host"
+        )
     import tensorrt as trt
 
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     flags = 0
-    if hasattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH") and int(trt.__version__.split(".")[0]) < 10:
+    if (
+        hasattr(trt.NetworkDefinitionCreationFlag, "EXPLICIT_BATCH")
+        and int(trt.__version__.split(".")[0]) < 10
+    ):
         flags = 1 << int(trt.NetworkDefinitionCreationFlag.EXPLICIT_BATCH)
     network = builder.create_network(flags)
     parser = trt.OnnxParser(network, logger)
@@ -92,7 +97,11 @@ def _sha256(path: Path) -> str:
 
 def engine_block(plan_block: dict, lock: dict) -> dict:
     """The manifest target block of a built engine, from the plan's block and the engine's lock info."""
-    block = {k: v for k, v in plan_block.items() if k not in ("plan", "verified_as", "engine_built", "why_plan", "notes")}
+    block = {
+        k: v
+        for k, v in plan_block.items()
+        if k not in ("plan", "verified_as", "engine_built", "why_plan", "notes")
+    }
     block.update(backend="tensorrt", model="model.engine", onnx="model.onnx", **lock)
     return block
 
@@ -114,7 +123,9 @@ def main(argv: list[str] | None = None) -> int:
     plan = json.loads((args.plan_dir / block["plan"]).read_text())
     shutil.copytree(args.plan_dir, args.out_dir, ignore=shutil.ignore_patterns(*_SKIP))
     try:
-        lock = build_engine(args.out_dir / "model.onnx", plan, args.out_dir / "model.engine", args.timing_cache)
+        lock = build_engine(
+            args.out_dir / "model.onnx", plan, args.out_dir / "model.engine", args.timing_cache
+        )
     except Exception as e:
         shutil.rmtree(args.out_dir, ignore_errors=True)
         print(f"error: {e}", file=sys.stderr)
@@ -130,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     with open(args.out_dir / "manifest.json", "w", encoding="utf-8") as f:
         json.dump(manifest, f, indent=2, sort_keys=True)
         f.write("\n")
-    print(f"engine built: TensorRT {lock['tensorrt_version']}, GPU sm {lock['compute_capability']} -> {args.out_dir}")
+    print(
+        f"engine built: TensorRT {lock['tensorrt_version']}, GPU sm {lock['compute_capability']} -> {args.out_dir}"
+    )
     print(f"check it: precast verify {args.out_dir}")
     return 0
 

@@ -61,7 +61,9 @@ def make_model(
         [helper.make_tensor_value_info(n, t, s) for n, t, s in outputs],
         initializer=[numpy_helper.from_array(np.asarray(v), k) for k, v in (initializers or {}).items()],
     )
-    opsets = [helper.make_opsetid("", opset)] + [helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()]
+    opsets = [helper.make_opsetid("", opset)] + [
+        helper.make_opsetid(d, v) for d, v in (extra_opsets or {}).items()
+    ]
     proto = helper.make_model(graph, opset_imports=opsets, producer_name="precast-tests")
     proto.ir_version = 10
     return ir.serde.deserialize_model(proto)
@@ -80,7 +82,9 @@ def tiny_mlp(seed: int = 0, hidden: int = 16) -> ir.Model:
         helper.make_node("Add", ["h0", "b1"], ["h1"], name="add1"),
         helper.make_node("Relu", ["h1"], ["h2"], name="relu"),
         helper.make_node("Identity", ["h2"], ["h3"], name="ident"),
-        helper.make_node("Constant", [], ["two"], name="c2", value=numpy_helper.from_array(np.array(2.0, np.float32))),
+        helper.make_node(
+            "Constant", [], ["two"], name="c2", value=numpy_helper.from_array(np.array(2.0, np.float32))
+        ),
         helper.make_node("Mul", ["w2", "two"], ["w2x2"], name="fold_me"),
         helper.make_node("MatMul", ["h3", "w2x2"], ["y"], name="mm2"),
     ]
@@ -89,4 +93,6 @@ def tiny_mlp(seed: int = 0, hidden: int = 16) -> ir.Model:
         "b1": rng.standard_normal(hidden).astype(np.float32),
         "w2": rng.standard_normal((hidden, 4)).astype(np.float32),
     }
-    return make_model(nodes, [("x", TensorProto.FLOAT, ["batch", 8])], [("y", TensorProto.FLOAT, ["batch", 4])], inits)
+    return make_model(
+        nodes, [("x", TensorProto.FLOAT, ["batch", 8])], [("y", TensorProto.FLOAT, ["batch", 4])], inits
+    )

@@ -66,8 +66,9 @@ def _torch_embeddings(folder: Path, sentences: list[str]) -> tuple[np.ndarray, n
 
 def _runtime_embeddings(artifact: Path, sentences: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Only precast.runtime + tokenizers, reading the tokenizer shipped inside the artifact."""
-    from precast.runtime import load
     from tokenizers import Tokenizer
+
+    from precast.runtime import load
 
     tok = Tokenizer.from_file(str(artifact / "tokenizer" / "tokenizer.json"))
     tok.enable_truncation(256)

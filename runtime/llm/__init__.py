@@ -7,4 +7,14 @@ from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
 from precast.runtime.llm.sampler import SamplingParams
 from precast.runtime.llm.scheduler import SchedulerConfig
 
-__all__ = ["Engine", "SamplingParams", "SchedulerConfig", "RequestHandle", "TokenEvent", "Completion", "EngineMetrics", "ModelRunner", "LLMSpec"]
+__all__ = [
+    "Engine",
+    "SamplingParams",
+    "SchedulerConfig",
+    "RequestHandle",
+    "TokenEvent",
+    "Completion",
+    "EngineMetrics",
+    "ModelRunner",
+    "LLMSpec",
+]

@@ -21,7 +21,9 @@ __all__ = ["BlockPool"]
 class BlockPool:
     def __init__(self, num_blocks: int, block_size: int):
         if num_blocks <= 0 or block_size <= 0:
-            raise ValueError(f"BlockPool needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}")
+            raise ValueError(
+                f"BlockPool needs num_blocks > 0 and block_size > 0, got {num_blocks}, {block_size}"
+            )
         self.num_blocks = num_blocks
         self.block_size = block_size
         self._refs = [0] * num_blocks

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
+
 from precast.runtime.errors import ArtifactError, LLMRequestError
 from precast.runtime.llm.block_pool import BlockPool
 from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
@@ -32,8 +33,14 @@ Prompt = str | Sequence[int]
 
 
 class Engine:
-    def __init__(self, runner, tokenizer=None, *, config: SchedulerConfig | None = None,
-                 enable_prefix_caching: bool = True):
+    def __init__(
+        self,
+        runner,
+        tokenizer=None,
+        *,
+        config: SchedulerConfig | None = None,
+        enable_prefix_caching: bool = True,
+    ):
         spec = runner.spec
         self.runner = runner
         self.tokenizer = tokenizer
@@ -54,8 +61,15 @@ class Engine:
         self._stop = False
 
     @classmethod
-    def load(cls, path: str | os.PathLike, num_blocks: int | None = None, *,
-             config: SchedulerConfig | None = None, enable_prefix_caching: bool = True, **runner_kwargs) -> Engine:
+    def load(
+        cls,
+        path: str | os.PathLike,
+        num_blocks: int | None = None,
+        *,
+        config: SchedulerConfig | None = None,
+        enable_prefix_caching: bool = True,
+        **runner_kwargs,
+    ) -> Engine:
         """Open a causal-lm artifact: its model runner (K/V pools of num_blocks blocks) and tokenizer."""
         from precast.runtime.llm.model_runner import ModelRunner
         from precast.runtime.llm.tokenizer import TextTokenizer
@@ -67,12 +81,21 @@ class Engine:
             raise ArtifactError(f"{root}: not a causal-lm artifact (manifest has no 'llm' block)")
         runner = ModelRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
         tok_file = llm.get("tokenizer")
-        tokenizer = TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
+        tokenizer = (
+            TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
+        )
         return cls(runner, tokenizer, config=config, enable_prefix_caching=enable_prefix_caching)
 
     # -- requests ------------------------------------------------------------------------------
-    def submit(self, prompt: Prompt, params: SamplingParams | None = None, priority: int = 0, *,
-               request_id: str | None = None, on_token: Callable[[TokenEvent], None] | None = None) -> RequestHandle:
+    def submit(
+        self,
+        prompt: Prompt,
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        *,
+        request_id: str | None = None,
+        on_token: Callable[[TokenEvent], None] | None = None,
+    ) -> RequestHandle:
         """Queue one request. Bad input raises LLMRequestError naming it; other requests are unaffected."""
         params = params or SamplingParams()
         with self._cond:
@@ -115,7 +138,8 @@ class Engine:
         need = -(-(len(ids) + 1) // self.block_size)
         if need > self.pool.num_blocks:
             raise LLMRequestError(
-                f"prompt needs {need} KV blocks but the pool has {self.pool.num_blocks}; load with more num_blocks")
+                f"prompt needs {need} KV blocks but the pool has {self.pool.num_blocks}; load with more num_blocks"
+            )
         if params.stop and self.tokenizer is None:
             raise LLMRequestError("stop strings need a tokenizer")
         return ids
@@ -136,8 +160,9 @@ class Engine:
             self._cond.notify_all()
             return True
 
-    def generate(self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None,
-                 priority: int = 0) -> list[Completion]:
+    def generate(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, priority: int = 0
+    ) -> list[Completion]:
         """Submit all prompts, run until they finish, return their completions in order."""
         if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
@@ -264,9 +289,13 @@ class Engine:
     def metrics(self) -> EngineMetrics:
         with self._cond:
             return self.counters.snapshot(
-                running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
-                kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
-                kv_blocks_free=self.pool.num_free, block_size=self.block_size)
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting),
+                kv_blocks_total=self.pool.num_blocks,
+                kv_blocks_used=self.pool.num_used,
+                kv_blocks_free=self.pool.num_free,
+                block_size=self.block_size,
+            )
 
 
 def _group_by_length(chunks: list[ScheduledChunk], max_waste: float = 0.25) -> list[list[ScheduledChunk]]:

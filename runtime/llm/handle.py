@@ -112,6 +112,12 @@ class RequestHandle:
             raise RequestCancelledError(f"request '{self.request_id}' was cancelled")
         r = self.request
         return Completion(
-            r.request_id, list(r.prompt_ids), list(r.output_ids), self.text, r.finish_reason or "",
-            self.ttft_s, r.num_cached_prompt_tokens, r.num_preemptions,
+            r.request_id,
+            list(r.prompt_ids),
+            list(r.output_ids),
+            self.text,
+            r.finish_reason or "",
+            self.ttft_s,
+            r.num_cached_prompt_tokens,
+            r.num_preemptions,
         )

@@ -18,6 +18,7 @@ import hashlib
 from collections.abc import Sequence
 
 import numpy as np
+
 from precast.runtime.llm.block_pool import BlockPool
 
 __all__ = ["KVCacheManager", "block_hashes"]

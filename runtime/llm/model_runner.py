@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
+
 from precast.runtime.errors import ArtifactError, InputError
 
 __all__ = ["LLMSpec", "ModelRunner"]
@@ -54,8 +55,14 @@ class LLMSpec:
             spec = cls(**values)
         except (KeyError, TypeError, ValueError) as e:
             raise ArtifactError(f"{where}: manifest 'llm' block is malformed ({e})") from e
-        if spec.kv_layout != "paged" or len(spec.kv_inputs) != spec.layers or len(spec.kv_outputs) != spec.layers:
-            raise ArtifactError(f"{where}: manifest 'llm' block: expected a paged KV layout with {spec.layers} layers")
+        if (
+            spec.kv_layout != "paged"
+            or len(spec.kv_inputs) != spec.layers
+            or len(spec.kv_outputs) != spec.layers
+        ):
+            raise ArtifactError(
+                f"{where}: manifest 'llm' block: expected a paged KV layout with {spec.layers} layers"
+            )
         return spec
 
     def blocks_for(self, tokens: int) -> int:
@@ -83,7 +90,11 @@ class ModelRunner:
 
     @classmethod
     def from_artifact(
-        cls, path: str | os.PathLike, num_blocks: int | None = None, threads: int | None = None, verify: bool = True
+        cls,
+        path: str | os.PathLike,
+        num_blocks: int | None = None,
+        threads: int | None = None,
+        verify: bool = True,
     ) -> ModelRunner:
         """Load (integrity-checked) an artifact compiled with ``--task causal-lm``.
 
@@ -107,7 +118,10 @@ class ModelRunner:
         return sum(a.nbytes for a in self.key_cache) + sum(a.nbytes for a in self.value_cache)
 
     def _check(self, input_ids, positions, past_lens, new_lens, block_tables):
-        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (input_ids, positions, past_lens, new_lens, block_tables)]
+        arrays = [
+            np.ascontiguousarray(a, dtype=np.int64)
+            for a in (input_ids, positions, past_lens, new_lens, block_tables)
+        ]
         ids, pos, past, new, tables = arrays
         if ids.ndim != 2 or pos.shape != ids.shape:
             raise InputError(f"input_ids and positions must both be [B, S]; got {ids.shape} and {pos.shape}")
@@ -125,10 +139,14 @@ class ModelRunner:
         end = past + new
         if (end > self.spec.max_context).any():
             i = int(np.argmax(end > self.spec.max_context))
-            raise InputError(f"request {i}: {int(end[i])} tokens exceed the model's max context {self.spec.max_context}")
+            raise InputError(
+                f"request {i}: {int(end[i])} tokens exceed the model's max context {self.spec.max_context}"
+            )
         if (end > tables.shape[1] * self.spec.block_size).any():
             i = int(np.argmax(end > tables.shape[1] * self.spec.block_size))
-            raise InputError(f"request {i}: {int(end[i])} tokens need more than the {tables.shape[1]} blocks in its table")
+            raise InputError(
+                f"request {i}: {int(end[i])} tokens need more than the {tables.shape[1]} blocks in its table"
+            )
         if tables.size and ((tables < 0).any() or (tables >= self.num_blocks).any()):
             raise InputError(f"block_tables hold ids outside [0, {self.num_blocks})")
         if (ids < 0).any() or (ids >= self.spec.vocab).any():
@@ -140,8 +158,16 @@ class ModelRunner:
         ids, pos, past, new, tables = self._check(input_ids, positions, past_lens, new_lens, block_tables)
         if ids.shape[1] > 1 and (ids.shape[0] == 1 or not self.spec.batched_prefill):
             # One request at a time (what a fused-attention graph needs for S > 1), without padding.
-            rows = [self._run(ids[r : r + 1, : new[r]], pos[r : r + 1, : new[r]], past[r : r + 1], new[r : r + 1],
-                              tables[r : r + 1]) for r in range(ids.shape[0])]
+            rows = [
+                self._run(
+                    ids[r : r + 1, : new[r]],
+                    pos[r : r + 1, : new[r]],
+                    past[r : r + 1],
+                    new[r : r + 1],
+                    tables[r : r + 1],
+                )
+                for r in range(ids.shape[0])
+            ]
             return np.concatenate(rows, axis=0)
         return self._run(ids, pos, past, new, tables)
 
@@ -150,7 +176,13 @@ class ModelRunner:
         used = self.spec.blocks_for(int((past + new).max()))
         if tables.shape[1] > used:
             tables = np.ascontiguousarray(tables[:, :used])
-        feeds = {"input_ids": ids, "positions": pos, "past_lens": past, "new_lens": new, "block_tables": tables}
+        feeds = {
+            "input_ids": ids,
+            "positions": pos,
+            "past_lens": past,
+            "new_lens": new,
+            "block_tables": tables,
+        }
         for i, (k_name, v_name) in enumerate(self.spec.kv_inputs):
             feeds[k_name] = self.key_cache[i]
             feeds[v_name] = self.value_cache[i]

@@ -21,9 +21,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import numpy as np
+
 from precast.runtime.errors import InputError
 
-__all__ = ["PerplexityResult", "WindowScores", "make_windows", "perplexity", "perplexity_of_text", "score_windows"]
+__all__ = [
+    "PerplexityResult",
+    "WindowScores",
+    "make_windows",
+    "perplexity",
+    "perplexity_of_text",
+    "score_windows",
+]
 
 
 @dataclass
@@ -88,7 +96,9 @@ def score_windows(
         raise InputError(f"batch must be >= 1, got {batch}")
     longest = max(e - b for b, e, _ in windows)
     if longest > spec.max_context:
-        raise InputError(f"perplexity window of {longest} tokens exceeds the model's max context {spec.max_context}")
+        raise InputError(
+            f"perplexity window of {longest} tokens exceeds the model's max context {spec.max_context}"
+        )
     maxb = spec.blocks_for(longest)
     batch = min(batch, len(windows), max(1, runner.num_blocks // maxb))
     if runner.num_blocks < maxb:
@@ -116,8 +126,13 @@ def score_windows(
         for t in range(done, int(lens.max()) - 1):
             live = int(np.count_nonzero(lens - 1 > t))
             ids = np.array([[s[t]] for s in seqs[:live]], dtype=np.int64)
-            logits = runner.step(ids, np.full((live, 1), t, np.int64), np.full(live, t, np.int64),
-                                 np.ones(live, np.int64), tables[:live])
+            logits = runner.step(
+                ids,
+                np.full((live, 1), t, np.int64),
+                np.full(live, t, np.int64),
+                np.ones(live, np.int64),
+                tables[:live],
+            )
             lp = _log_softmax(logits)
             for r in range(live):
                 got_lp[r][t] = lp[r, seqs[r][t + 1]]
@@ -147,15 +162,25 @@ def perplexity(
     scores = score_windows(runner, tokens, windows, batch)
     nll = float(-scores.logprobs.mean())
     result = PerplexityResult(
-        perplexity=math.exp(nll), nll=nll, tokens=int(scores.logprobs.size), windows=len(windows),
-        window=window, stride=stride, seconds=time.perf_counter() - t0,
+        perplexity=math.exp(nll),
+        nll=nll,
+        tokens=int(scores.logprobs.size),
+        windows=len(windows),
+        window=window,
+        stride=stride,
+        seconds=time.perf_counter() - t0,
     )
     return result, scores
 
 
 def perplexity_of_text(
-    artifact, text: str, window: int | None = None, stride: int | None = None, max_tokens: int | None = None,
-    batch: int = 16, threads: int | None = None,
+    artifact,
+    text: str,
+    window: int | None = None,
+    stride: int | None = None,
+    max_tokens: int | None = None,
+    batch: int = 16,
+    threads: int | None = None,
 ) -> PerplexityResult:
     """Load a causal-lm artifact, tokenize ``text`` with its tokenizer, and measure perplexity."""
     from precast.runtime.llm.model_runner import LLMSpec, ModelRunner

@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from precast.runtime.llm.sampler import SamplingParams
 
 __all__ = ["Request", "Status"]

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from precast.runtime.errors import LLMRequestError
 
 __all__ = ["SamplingParams", "filtered_probs", "sample"]
@@ -88,7 +89,9 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams, history: Sequence
     return p
 
 
-def sample(logits: np.ndarray, params: SamplingParams, history: Sequence[int], rng: np.random.Generator) -> int:
+def sample(
+    logits: np.ndarray, params: SamplingParams, history: Sequence[int], rng: np.random.Generator
+) -> int:
     """Pick the next token of one request. history = prompt + generated ids (for the repetition penalty)."""
     if params.greedy:
         x = _apply_repetition_penalty(np.asarray(logits), history, params.repetition_penalty)

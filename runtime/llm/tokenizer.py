@@ -25,7 +25,9 @@ class TextTokenizer:
         try:
             return cls(Tokenizer.from_file(str(path)))
         except Exception as e:
-            raise ArtifactError(f"cannot read tokenizer {path}: {str(e).splitlines()[0] if str(e) else e}") from e
+            raise ArtifactError(
+                f"cannot read tokenizer {path}: {str(e).splitlines()[0] if str(e) else e}"
+            ) from e
 
     @property
     def vocab_size(self) -> int:

@@ -24,8 +24,14 @@ def serve(config: ServerConfig) -> None:
     import uvicorn
 
     app = create_app(config)
-    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level,
-                        timeout_graceful_shutdown=int(max(1, config.drain_timeout)), lifespan="on")
+    uv = uvicorn.Config(
+        app,
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=int(max(1, config.drain_timeout)),
+        lifespan="on",
+    )
     uvicorn.Server(uv).run()
 
 

@@ -18,6 +18,7 @@ from contextlib import asynccontextmanager
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+
 from precast.runtime.errors import InputError, PrecastError
 from precast.runtime.server.batcher import BatchConfig, Batcher, QueueFullError
 from precast.runtime.server.config import ServerConfig, is_loopback
@@ -35,8 +36,9 @@ class ServerState:
     def __init__(self, config: ServerConfig, host: ModelHost | None = None):
         self.config = config
         self.metrics = ServerMetrics()
-        self.host = host or ModelHost(config.artifact, threads=config.threads, verify=config.verify,
-                                      llm_options=config.llm)
+        self.host = host or ModelHost(
+            config.artifact, threads=config.threads, verify=config.verify, llm_options=config.llm
+        )
         self.batcher = Batcher(
             lambda: self.host.current.model,
             BatchConfig(config.max_batch_size, config.max_queue_delay_ms / 1000.0, config.max_queue),
@@ -83,8 +85,13 @@ def v2_error(status: int, message: str, headers: dict | None = None):
     return JSONResponse({"error": message}, status_code=status, headers=headers)
 
 
-def openai_error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 headers: dict | None = None):
+def openai_error(
+    status: int,
+    message: str,
+    kind: str = "invalid_request_error",
+    param: str | None = None,
+    headers: dict | None = None,
+):
     body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
     return JSONResponse(body, status_code=status, headers=headers)
 
@@ -198,8 +205,12 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
     @app.get("/v1/models")
     async def list_models():
         served = state.host.current
-        return {"object": "list", "data": [{"id": state.name, "object": "model", "created": int(served.loaded_at),
-                                            "owned_by": "precast"}]}
+        return {
+            "object": "list",
+            "data": [
+                {"id": state.name, "object": "model", "created": int(served.loaded_at), "owned_by": "precast"}
+            ],
+        }
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request):
@@ -210,33 +221,48 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
                 raise InputError("request body must be a JSON object")
             model_name = body.get("model", state.name)
             if model_name != state.name:
-                return openai_error(404, f"unknown model '{model_name}'; this server serves '{state.name}'",
-                                    param="model")
+                return openai_error(
+                    404, f"unknown model '{model_name}'; this server serves '{state.name}'", param="model"
+                )
             spec = served.encoder
             if spec is None:
-                return openai_error(400, f"model '{state.name}' is not a text encoder (needs input_ids/attention_mask "
-                                         f"inputs and tokenizer/tokenizer.json); use /v2/models/{state.name}/infer")
+                return openai_error(
+                    400,
+                    f"model '{state.name}' is not a text encoder (needs input_ids/attention_mask "
+                    f"inputs and tokenizer/tokenizer.json); use /v2/models/{state.name}/infer",
+                )
             texts = parse_inputs(body)
             fmt = body.get("encoding_format", "float")
             if fmt not in ("float", "base64"):
                 raise InputError(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
             feeds, n_tokens = tokenize(spec, texts)
-            pad = None if spec.static else {"input_ids": spec.pad_id, "attention_mask": 0, "token_type_ids": 0}
+            pad = (
+                None if spec.static else {"input_ids": spec.pad_id, "attention_mask": 0, "token_type_ids": 0}
+            )
             outputs = await state.batcher.submit(feeds, pad=pad, timeout=state.config.request_timeout)
         except QueueFullError as e:
             return openai_error(429, str(e), kind="rate_limit_error", headers=_busy_headers(e))
         except asyncio.TimeoutError:
-            return openai_error(504, f"request timed out after {state.config.request_timeout:g} s", kind="timeout")
+            return openai_error(
+                504, f"request timed out after {state.config.request_timeout:g} s", kind="timeout"
+            )
         except PrecastError as e:
             return openai_error(400, str(e))
         vectors = mean_pool_normalize(outputs[spec.output], feeds["attention_mask"])
         data = []
         for i, v in enumerate(vectors):
-            emb = (base64.b64encode(v.astype(np.float32).tobytes()).decode() if fmt == "base64"
-                   else v.astype(np.float32).tolist())
+            emb = (
+                base64.b64encode(v.astype(np.float32).tobytes()).decode()
+                if fmt == "base64"
+                else v.astype(np.float32).tolist()
+            )
             data.append({"object": "embedding", "index": i, "embedding": emb})
-        return {"object": "list", "data": data, "model": state.name,
-                "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens}}
+        return {
+            "object": "list",
+            "data": data,
+            "model": state.name,
+            "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
+        }
 
     # -- admin -----------------------------------------------------------------------------------------
     def admin_denied(request: Request):
@@ -244,8 +270,11 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
         if token is None:
             if is_loopback(state.config.host):
                 return None
-            return v2_error(403, "admin endpoints are disabled on a non-loopback bind without a token: "
-                                 "start with --admin-token or PRECAST_ADMIN_TOKEN")
+            return v2_error(
+                403,
+                "admin endpoints are disabled on a non-loopback bind without a token: "
+                "start with --admin-token or PRECAST_ADMIN_TOKEN",
+            )
         auth = request.headers.get("authorization", "")
         given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-admin-token", "")
         if not hmac.compare_digest(given.encode(), token.encode()):
@@ -264,7 +293,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
                 return v2_error(400, f"malformed JSON body: {e}")
             if not isinstance(body, dict) or not isinstance(body.get("path", ""), str):
-                return v2_error(400, "reload body must be {\"path\": \"<artifact dir>\"} or empty")
+                return v2_error(400, 'reload body must be {"path": "<artifact dir>"} or empty')
             path = body.get("path") or None
         try:
             served = await asyncio.to_thread(state.reload, path)
@@ -272,17 +301,29 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
             return v2_error(409, str(e))
         except ReloadError as e:
             return v2_error(422, str(e))
-        return {"ok": True, "model": state.name, "version": served.version, "path": str(served.path),
-                "seconds": state.host.last_reload.get("seconds")}
+        return {
+            "ok": True,
+            "model": state.name,
+            "version": served.version,
+            "path": str(served.path),
+            "seconds": state.host.last_reload.get("seconds"),
+        }
 
     @app.get("/admin/status")
     async def admin_status(request: Request):
         if (err := admin_denied(request)) is not None:
             return err
         served = state.host.current
-        return {"model": state.name, "version": served.version, "path": str(served.path), "digest": served.digest,
-                "target": served.model.target, "last_reload": state.host.last_reload,
-                "queue_depth": state.batcher.depth, "batches": state.batcher.batches}
+        return {
+            "model": state.name,
+            "version": served.version,
+            "path": str(served.path),
+            "digest": served.digest,
+            "target": served.model.target,
+            "last_reload": state.host.last_reload,
+            "queue_depth": state.batcher.depth,
+            "batches": state.batcher.batches,
+        }
 
     if state.host.current.llm is not None or config.llm.get("force_routes"):
         from precast.runtime.server.llm_api import add_llm_routes

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
+
 from precast.runtime.errors import InputError, PrecastError
 from precast.runtime.feeds import check_feeds
 
@@ -96,8 +97,10 @@ class Batcher:
         self._stopping = False
         self.batches = 0
         self.max_rows_seen = 0
-        self._threads = [threading.Thread(target=self._worker, name=f"precast-batcher-{i}", daemon=True)
-                         for i in range(max(1, instances))]
+        self._threads = [
+            threading.Thread(target=self._worker, name=f"precast-batcher-{i}", daemon=True)
+            for i in range(max(1, instances))
+        ]
         for t in self._threads:
             t.start()
 
@@ -110,8 +113,9 @@ class Batcher:
     def busy(self) -> int:
         return self._pending + self._running
 
-    async def submit(self, feeds: dict[str, np.ndarray], pad: Mapping[str, int] | None = None,
-                     timeout: float | None = None) -> dict[str, np.ndarray]:
+    async def submit(
+        self, feeds: dict[str, np.ndarray], pad: Mapping[str, int] | None = None, timeout: float | None = None
+    ) -> dict[str, np.ndarray]:
         """Queue one request and wait for its outputs; raises QueueFullError, TimeoutError or the run's error."""
         loop = asyncio.get_running_loop()
         rows = int(next(iter(feeds.values())).shape[0]) if feeds else 1
@@ -232,12 +236,14 @@ class Batcher:
         total = sum(it.rows for it in items)
         for name, arr in outputs.items():
             if arr.ndim == 0 or arr.shape[0] != total:
-                raise InputError(f"output '{name}' has leading dim {arr.shape[:1]}, cannot split a batch of {total}")
+                raise InputError(
+                    f"output '{name}' has leading dim {arr.shape[:1]}, cannot split a batch of {total}"
+                )
         results, start = [], 0
         for it, length in zip(items, lengths):
             res = {}
             for name, arr in outputs.items():
-                part = arr[start:start + it.rows]
+                part = arr[start : start + it.rows]
                 if it.pad is not None and part.ndim >= 2 and part.shape[1] == longest:
                     part = part[:, :length]
                 res[name] = part

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+
 from precast.runtime.errors import ArtifactError, InputError
 
 __all__ = ["EncoderSpec", "encoder_spec", "mean_pool_normalize", "parse_inputs", "tokenize"]
@@ -31,19 +32,26 @@ class EncoderSpec:
 def encoder_spec(model) -> EncoderSpec | None:
     """An EncoderSpec when the artifact is a text encoder with a shipped tokenizer, else None."""
     names = {s.name for s in model.inputs}
-    if not {"input_ids", "attention_mask"} <= names or not names <= {"input_ids", "attention_mask", "token_type_ids"}:
+    if not {"input_ids", "attention_mask"} <= names or not names <= {
+        "input_ids",
+        "attention_mask",
+        "token_type_ids",
+    }:
         return None
     path = Path(model.path) / TOKENIZER_FILE
     if not path.is_file():
         return None
     hidden = [o for o in model.outputs if o.name == "last_hidden_state"] or [
-        o for o in model.outputs if o.shape is not None and len(o.shape) == 3]
+        o for o in model.outputs if o.shape is not None and len(o.shape) == 3
+    ]
     if not hidden:
         return None
     try:
         from tokenizers import Tokenizer
     except ImportError as e:
-        raise ArtifactError("serving embeddings needs the 'tokenizers' package: pip install tokenizers") from e
+        raise ArtifactError(
+            "serving embeddings needs the 'tokenizers' package: pip install tokenizers"
+        ) from e
     tok = Tokenizer.from_file(str(path))
     max_length = 512
     cfg = path.parent / "tokenizer_config.json"
@@ -61,7 +69,9 @@ def encoder_spec(model) -> EncoderSpec | None:
     pad = tok.padding or {}
     tok.no_padding()
     tok.no_truncation()
-    return EncoderSpec(tok, hidden[0].name, "token_type_ids" in names, max_length, int(pad.get("pad_id", 0)), static)
+    return EncoderSpec(
+        tok, hidden[0].name, "token_type_ids" in names, max_length, int(pad.get("pad_id", 0)), static
+    )
 
 
 def tokenize(spec: EncoderSpec, texts: list[str]) -> tuple[dict[str, np.ndarray], int]:

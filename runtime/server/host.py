@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
 from precast.runtime.errors import ArtifactError, PrecastError
 from precast.runtime.manifest import read_manifest
 
@@ -46,13 +47,23 @@ class Served:
 def _warm_up(model) -> None:
     """Run the stored parity feeds once, so the first real request does not pay ORT's lazy init."""
     parity = model.manifest.get("parity") or {}
-    feeds = {n: np.load(Path(model.path) / rel, allow_pickle=False) for n, rel in (parity.get("inputs") or {}).items()}
+    feeds = {
+        n: np.load(Path(model.path) / rel, allow_pickle=False)
+        for n, rel in (parity.get("inputs") or {}).items()
+    }
     if feeds:
         model.run(feeds)
 
 
 class ModelHost:
-    def __init__(self, path: str | Path, *, threads: int | None = None, verify: bool = True, llm_options: dict | None = None):
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        threads: int | None = None,
+        verify: bool = True,
+        llm_options: dict | None = None,
+    ):
         self.threads = threads
         self.verify = verify
         self.llm_options = llm_options or {}
@@ -96,7 +107,9 @@ class ModelHost:
                 new = self._load(target, version=old.version + 1)
             except PrecastError as e:
                 self.last_reload = {"ok": False, "path": str(target), "error": str(e)}
-                raise ReloadError(f"reload from {target} failed, still serving version {old.version}: {e}") from e
+                raise ReloadError(
+                    f"reload from {target} failed, still serving version {old.version}: {e}"
+                ) from e
             except Exception as e:
                 self.last_reload = {"ok": False, "path": str(target), "error": f"{type(e).__name__}: {e}"}
                 raise ReloadError(
@@ -105,8 +118,12 @@ class ModelHost:
             self.current = new  # the atomic swap: one reference assignment
             if old.llm is not None:
                 old.llm.retire()  # stops taking new work; finishes what it runs
-            self.last_reload = {"ok": True, "path": str(target), "version": new.version,
-                                "seconds": round(time.perf_counter() - t0, 3)}
+            self.last_reload = {
+                "ok": True,
+                "path": str(target),
+                "version": new.version,
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
             return new
         finally:
             self._reload_lock.release()

@@ -5,14 +5,24 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
 from precast.runtime.errors import InputError
 
 __all__ = ["DATATYPES", "decode_request", "encode_response", "model_metadata", "requested_outputs"]
 
 DATATYPES = {
-    "BOOL": "bool", "UINT8": "uint8", "UINT16": "uint16", "UINT32": "uint32", "UINT64": "uint64",
-    "INT8": "int8", "INT16": "int16", "INT32": "int32", "INT64": "int64",
-    "FP16": "float16", "FP32": "float32", "FP64": "float64",
+    "BOOL": "bool",
+    "UINT8": "uint8",
+    "UINT16": "uint16",
+    "UINT32": "uint32",
+    "UINT64": "uint64",
+    "INT8": "int8",
+    "INT16": "int16",
+    "INT32": "int32",
+    "INT64": "int64",
+    "FP16": "float16",
+    "FP32": "float32",
+    "FP64": "float64",
 }
 _BY_NUMPY = {v: k for k, v in DATATYPES.items()}
 
@@ -41,11 +51,16 @@ def decode_request(body: object) -> dict[str, np.ndarray]:
             raise InputError(f"input '{name}' is given twice")
         datatype = t.get("datatype")
         if datatype not in DATATYPES:
-            raise InputError(f"input '{name}': unsupported datatype {datatype!r} (one of {', '.join(DATATYPES)})")
+            raise InputError(
+                f"input '{name}': unsupported datatype {datatype!r} (one of {', '.join(DATATYPES)})"
+            )
         shape = t.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
-                                                  for d in shape):
-            raise InputError(f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}")
+        if not isinstance(shape, list) or not all(
+            isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        ):
+            raise InputError(
+                f"input '{name}': 'shape' must be a list of non-negative integers, got {shape!r}"
+            )
         if "data" not in t:
             raise InputError(f"input '{name}' has no 'data' (binary tensors are not supported)")
         try:
@@ -62,7 +77,9 @@ def requested_outputs(body: dict, known: list[str]) -> list[str] | None:
     outs = body.get("outputs")
     if outs is None:
         return None
-    if not isinstance(outs, list) or not all(isinstance(o, dict) and isinstance(o.get("name"), str) for o in outs):
+    if not isinstance(outs, list) or not all(
+        isinstance(o, dict) and isinstance(o.get("name"), str) for o in outs
+    ):
         raise InputError("'outputs' must be a list of objects with a 'name'")
     names = [o["name"] for o in outs]
     for n in names:
@@ -71,12 +88,19 @@ def requested_outputs(body: dict, known: list[str]) -> list[str] | None:
     return names
 
 
-def encode_response(model_name: str, version: str, outputs: dict[str, np.ndarray], request_id: str | None) -> dict:
+def encode_response(
+    model_name: str, version: str, outputs: dict[str, np.ndarray], request_id: str | None
+) -> dict:
     body = {
         "model_name": model_name,
         "model_version": version,
         "outputs": [
-            {"name": n, "datatype": _v2_type(a.dtype.name), "shape": list(a.shape), "data": a.ravel().tolist()}
+            {
+                "name": n,
+                "datatype": _v2_type(a.dtype.name),
+                "shape": list(a.shape),
+                "data": a.ravel().tolist(),
+            }
             for n, a in outputs.items()
         ],
     }
@@ -90,7 +114,11 @@ def model_metadata(model_name: str, version: str, model) -> dict:
         "name": model_name,
         "versions": [version],
         "platform": f"precast_{model.target}",
-        "inputs": [{"name": s.name, "datatype": _v2_type(s.dtype), "shape": _v2_shape(s.shape)} for s in model.inputs],
-        "outputs": [{"name": s.name, "datatype": _v2_type(s.dtype), "shape": _v2_shape(s.shape)}
-                    for s in model.outputs],
+        "inputs": [
+            {"name": s.name, "datatype": _v2_type(s.dtype), "shape": _v2_shape(s.shape)} for s in model.inputs
+        ],
+        "outputs": [
+            {"name": s.name, "datatype": _v2_type(s.dtype), "shape": _v2_shape(s.shape)}
+            for s in model.outputs
+        ],
     }

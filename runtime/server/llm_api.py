@@ -15,6 +15,7 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
+
 from precast.runtime.errors import LLMRequestError, PrecastError
 from precast.runtime.server.app import openai_error, read_json
 from precast.runtime.server.batcher import QueueFullError
@@ -79,8 +80,9 @@ def add_llm_routes(app, state) -> None:
                 raise LLMRequestError("request body must be a JSON object")
             model_name = body.get("model", state.name)
             if model_name != state.name:
-                return openai_error(404, f"unknown model '{model_name}'; this server serves '{state.name}'",
-                                    param="model")
+                return openai_error(
+                    404, f"unknown model '{model_name}'; this server serves '{state.name}'", param="model"
+                )
             if chat:
                 prompt = svc.chat_prompt(body.get("messages"))
             else:
@@ -96,7 +98,9 @@ def add_llm_routes(app, state) -> None:
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
             stream = await svc.start(prompt, params, priority, rid)
         except QueueFullError as e:
-            return openai_error(429, str(e), kind="rate_limit_error", headers={"Retry-After": str(int(e.retry_after))})
+            return openai_error(
+                429, str(e), kind="rate_limit_error", headers={"Retry-After": str(int(e.retry_after))}
+            )
         except PrecastError as e:
             return openai_error(400, str(e))
         created = int(time.time())
@@ -104,37 +108,63 @@ def add_llm_routes(app, state) -> None:
         timeout = state.config.request_timeout
 
         def usage() -> dict:
-            return {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.n_out,
-                    "total_tokens": stream.prompt_tokens + stream.n_out}
+            return {
+                "prompt_tokens": stream.prompt_tokens,
+                "completion_tokens": stream.n_out,
+                "total_tokens": stream.prompt_tokens + stream.n_out,
+            }
 
         if body.get("stream"):
+
             async def events():
                 deadline = time.monotonic() + timeout
                 try:
                     if chat:
-                        yield _sse(_chunk(rid, created, state.name, {"role": "assistant", "content": ""}, None, chat))
+                        yield _sse(
+                            _chunk(rid, created, state.name, {"role": "assistant", "content": ""}, None, chat)
+                        )
                     while True:
                         try:
-                            ev = await asyncio.wait_for(stream.__anext__(), max(0.0, deadline - time.monotonic()))
+                            ev = await asyncio.wait_for(
+                                stream.__anext__(), max(0.0, deadline - time.monotonic())
+                            )
                         except StopAsyncIteration:
                             break
                         except asyncio.TimeoutError:
-                            yield _sse({"error": {"message": f"request timed out after {timeout:g} s",
-                                                  "type": "timeout", "code": 504}})
+                            yield _sse(
+                                {
+                                    "error": {
+                                        "message": f"request timed out after {timeout:g} s",
+                                        "type": "timeout",
+                                        "code": 504,
+                                    }
+                                }
+                            )
                             break
                         delta = {"content": ev.text} if chat else ev.text
                         yield _sse(_chunk(rid, created, state.name, delta, ev.finish_reason, chat))
                         if ev.finish_reason is not None:
                             break
                     if stream_opts.get("include_usage"):
-                        yield _sse({"id": rid, "object": obj + ".chunk" if chat else obj, "created": created,
-                                    "model": state.name, "choices": [], "usage": usage()})
+                        yield _sse(
+                            {
+                                "id": rid,
+                                "object": obj + ".chunk" if chat else obj,
+                                "created": created,
+                                "model": state.name,
+                                "choices": [],
+                                "usage": usage(),
+                            }
+                        )
                     yield b"data: [DONE]\n\n"
                 finally:
                     stream.close()  # a disconnect lands here too: the engine drops the request
 
-            return StreamingResponse(events(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Request-Id": rid})
+            return StreamingResponse(
+                events(),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": rid},
+            )
 
         # Non-streaming: collect, but watch for the client going away and for the timeout.
         deadline = time.monotonic() + timeout
@@ -157,11 +187,24 @@ def add_llm_routes(app, state) -> None:
         finally:
             stream.close()
         out = "".join(text)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": out}, "finish_reason": finish,
-                   "logprobs": None} if chat else
-                  {"index": 0, "text": out, "finish_reason": finish, "logprobs": None})
-        return {"id": rid, "object": obj, "created": created, "model": state.name, "choices": [choice],
-                "usage": usage()}
+        choice = (
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": out},
+                "finish_reason": finish,
+                "logprobs": None,
+            }
+            if chat
+            else {"index": 0, "text": out, "finish_reason": finish, "logprobs": None}
+        )
+        return {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": state.name,
+            "choices": [choice],
+            "usage": usage(),
+        }
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -174,8 +217,23 @@ def add_llm_routes(app, state) -> None:
 
 def _chunk(rid: str, created: int, model: str, delta, finish: str | None, chat: bool) -> dict:
     if chat:
-        choice = {"index": 0, "delta": delta if finish is None or delta.get("content") else {}, "finish_reason": finish,
-                  "logprobs": None}
-        return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model, "choices": [choice]}
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}]}
+        choice = {
+            "index": 0,
+            "delta": delta if finish is None or delta.get("content") else {},
+            "finish_reason": finish,
+            "logprobs": None,
+        }
+        return {
+            "id": rid,
+            "object": "chat.completion.chunk",
+            "created": created,
+            "model": model,
+            "choices": [choice],
+        }
+    return {
+        "id": rid,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}],
+    }

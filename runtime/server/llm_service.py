@@ -41,9 +41,13 @@ def parse_priority(value) -> int:
         try:
             value = int(v)
         except ValueError:
-            raise LLMRequestError(f"priority must be one of {', '.join(PRIORITIES)} or an integer, got {value!r}") from None
+            raise LLMRequestError(
+                f"priority must be one of {', '.join(PRIORITIES)} or an integer, got {value!r}"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 9:
-        raise LLMRequestError(f"priority must be one of {', '.join(PRIORITIES)} or an integer 0-9, got {value!r}")
+        raise LLMRequestError(
+            f"priority must be one of {', '.join(PRIORITIES)} or an integer 0-9, got {value!r}"
+        )
     return value
 
 
@@ -74,7 +78,9 @@ class LLMService:
         engine.start()
 
     @classmethod
-    def from_artifact(cls, path: Path, num_blocks: int | None = None, max_active: int = 256, **_ignored) -> LLMService:
+    def from_artifact(
+        cls, path: Path, num_blocks: int | None = None, max_active: int = 256, **_ignored
+    ) -> LLMService:
         from precast.runtime.llm.engine import Engine
 
         engine = Engine.load(path, num_blocks=num_blocks)
@@ -136,7 +142,9 @@ class LLMService:
                 raise LLMRequestError(f"messages[{i}].content must be a string")
             clean.append({"role": m["role"], "content": content})
         try:
-            return self._template.render(messages=clean, add_generation_prompt=True, bos_token="", eos_token="")
+            return self._template.render(
+                messages=clean, add_generation_prompt=True, bos_token="", eos_token=""
+            )
         except Exception as e:
             raise LLMRequestError(f"chat template failed: {e}") from e
 
@@ -150,8 +158,9 @@ class LLMService:
         if self.active >= self.max_active:
             raise QueueFullError(self.active, 1.0)
         stream = TokenStream(self, asyncio.get_running_loop())
-        stream.handle = await asyncio.to_thread(self.engine.submit, prompt, params, priority,
-                                                request_id=request_id, on_token=stream._on_token)
+        stream.handle = await asyncio.to_thread(
+            self.engine.submit, prompt, params, priority, request_id=request_id, on_token=stream._on_token
+        )
         self.active += 1
         return stream
 

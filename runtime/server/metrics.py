@@ -35,26 +35,50 @@ class ServerMetrics:
         disable_created_metrics()  # no *_created series: smaller scrapes
 
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("precast_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.latency = Histogram("precast_request_latency_seconds", "End-to-end request latency",
-                                 ["endpoint"], buckets=_LATENCY, registry=r)
-        self.queue_wait = Histogram("precast_queue_wait_seconds", "Time from submit to the start of its batch",
-                                    buckets=_LATENCY, registry=r)
+        self.requests = Counter(
+            "precast_requests",
+            "HTTP requests by endpoint and status code",
+            ["endpoint", "status"],
+            registry=r,
+        )
+        self.latency = Histogram(
+            "precast_request_latency_seconds",
+            "End-to-end request latency",
+            ["endpoint"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.queue_wait = Histogram(
+            "precast_queue_wait_seconds",
+            "Time from submit to the start of its batch",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.queue_depth = Gauge("precast_queue_depth", "Requests queued, not yet running", registry=r)
         self.inflight = Gauge("precast_inflight_requests", "HTTP requests being handled", registry=r)
-        self.batch_size = Histogram("precast_batch_size", "Rows per model call (dynamic batching)",
-                                    buckets=_BATCH, registry=r)
-        self.batch_run = Histogram("precast_batch_run_seconds", "Model call time per batch",
-                                   buckets=_LATENCY, registry=r)
+        self.batch_size = Histogram(
+            "precast_batch_size", "Rows per model call (dynamic batching)", buckets=_BATCH, registry=r
+        )
+        self.batch_run = Histogram(
+            "precast_batch_run_seconds", "Model call time per batch", buckets=_LATENCY, registry=r
+        )
         self.reloads = Counter("precast_reloads", "Hot reloads by result", ["result"], registry=r)
-        self.model_version = Gauge("precast_model_version", "Version number of the model being served", registry=r)
-        self.ttft = Histogram("precast_llm_time_to_first_token_seconds", "Time to first token",
-                              buckets=_LATENCY, registry=r)
-        self.tpot = Histogram("precast_llm_time_per_output_token_seconds", "Time per output token after the first",
-                              buckets=_LATENCY, registry=r)
+        self.model_version = Gauge(
+            "precast_model_version", "Version number of the model being served", registry=r
+        )
+        self.ttft = Histogram(
+            "precast_llm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r
+        )
+        self.tpot = Histogram(
+            "precast_llm_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.tokens = Counter("precast_llm_tokens", "Tokens processed", ["kind"], registry=r)
-        self.llm_running = Gauge("precast_llm_requests_running", "LLM requests in the running batch", registry=r)
+        self.llm_running = Gauge(
+            "precast_llm_requests_running", "LLM requests in the running batch", registry=r
+        )
         self.llm_waiting = Gauge("precast_llm_requests_waiting", "LLM requests waiting", registry=r)
         self.kv_used = Gauge("precast_llm_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_free = Gauge("precast_llm_kv_blocks_free", "KV cache blocks free", registry=r)

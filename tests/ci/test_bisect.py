@@ -8,12 +8,12 @@ import xml.etree.ElementTree as ET
 import numpy as np
 import onnx_ir as ir
 import pytest
+
 from precast.compiler import registry
 from precast.compiler.bisect import bisect_model
 from precast.compiler.driver import CompileOptions
 from precast.compiler.registry import Pass, PassResult
 from precast.runtime.errors import EXIT_PARITY
-
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import save, tiny_mlp
 
@@ -51,7 +51,9 @@ def test_bisect_names_the_wrong_pass(model_file):
 
 
 def test_bisect_good_pipeline_is_ok(model_file):
-    result = bisect_model(str(model_file), CompileOptions(passes="infer-shapes,fold-constants,eliminate-dead-code"))
+    result = bisect_model(
+        str(model_file), CompileOptions(passes="infer-shapes,fold-constants,eliminate-dead-code")
+    )
     assert result.index is None and result.to_json()["ok"]
 
 
@@ -70,8 +72,20 @@ def test_compile_with_wrong_pass_fails_and_names_it(model_file, tmp_path, capsys
     out_dir = tmp_path / "out" / "art"
     junit = tmp_path / "compile.xml"
     report = tmp_path / "compile.json"
-    code, _, err = run_cli(capsys, "compile", model_file, "-o", out_dir, "--passes", BAD_PIPELINE,
-                           "--junit", junit, "--report", report, "-q")
+    code, _, err = run_cli(
+        capsys,
+        "compile",
+        model_file,
+        "-o",
+        out_dir,
+        "--passes",
+        BAD_PIPELINE,
+        "--junit",
+        junit,
+        "--report",
+        report,
+        "-q",
+    )
     assert code == EXIT_PARITY
     assert f"first broken by pass '{WRONG}'" in err
     assert not out_dir.exists() and list((tmp_path / "out").iterdir()) == []  # nothing half-written either

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from precast.compiler.cache import cache_key, check_artifact_tree, lookup
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import load
 from precast.runtime.manifest import BUILD_INFO_NAME, sha256_file
-
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import ort_run, save, tiny_mlp
 
@@ -22,8 +22,11 @@ def model_file(tmp_path) -> Path:
 
 
 def _hashes(root: Path) -> dict[str, str]:
-    return {p.relative_to(root).as_posix(): sha256_file(p) for p in sorted(root.rglob("*"))
-            if p.is_file() and p.name != BUILD_INFO_NAME}
+    return {
+        p.relative_to(root).as_posix(): sha256_file(p)
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != BUILD_INFO_NAME
+    }
 
 
 def test_two_builds_are_byte_identical(model_file, tmp_path):
@@ -37,20 +40,35 @@ def test_miss_then_hit_copies_the_same_artifact(model_file, tmp_path, rng):
     first = compile_model(str(model_file), tmp_path / "a", CompileOptions(cache_dir=str(cache)))
     assert first.cache == "miss" and first.records["ort-cpu"]
     said = []
-    second = compile_model(str(model_file), tmp_path / "b", CompileOptions(cache_dir=str(cache)), progress=said.append)
+    second = compile_model(
+        str(model_file), tmp_path / "b", CompileOptions(cache_dir=str(cache)), progress=said.append
+    )
     assert second.cache == "hit" and second.records == {}
     assert any(m.startswith("cache hit") for m in said)
     assert _hashes(first.output) == _hashes(second.output)
     feeds = {"x": rng.standard_normal((3, 8), dtype=np.float32)}
-    np.testing.assert_allclose(load(second.output).run(feeds)["y"], ort_run(tiny_mlp(), feeds)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        load(second.output).run(feeds)["y"], ort_run(tiny_mlp(), feeds)[0], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_options_and_model_are_part_of_the_key(model_file, tmp_path):
     cache = str(tmp_path / "cache")
     compile_model(str(model_file), tmp_path / "a", CompileOptions(cache_dir=cache))
-    assert compile_model(str(model_file), tmp_path / "b", CompileOptions(cache_dir=cache, atol=1e-3)).cache == "miss"
-    assert compile_model(str(model_file), tmp_path / "c", CompileOptions(cache_dir=cache, passes="fold-constants")).cache == "miss"
-    assert compile_model(str(model_file), tmp_path / "d", CompileOptions(cache_dir=cache, seed=1)).cache == "miss"
+    assert (
+        compile_model(str(model_file), tmp_path / "b", CompileOptions(cache_dir=cache, atol=1e-3)).cache
+        == "miss"
+    )
+    assert (
+        compile_model(
+            str(model_file), tmp_path / "c", CompileOptions(cache_dir=cache, passes="fold-constants")
+        ).cache
+        == "miss"
+    )
+    assert (
+        compile_model(str(model_file), tmp_path / "d", CompileOptions(cache_dir=cache, seed=1)).cache
+        == "miss"
+    )
     other = save(tiny_mlp(seed=1), tmp_path / "mlp.onnx")  # same name, new weights
     assert compile_model(str(other), tmp_path / "e", CompileOptions(cache_dir=cache)).cache == "miss"
     assert compile_model(str(other), tmp_path / "f", CompileOptions(cache_dir=cache)).cache == "hit"
@@ -66,7 +84,9 @@ def test_corrupt_entry_is_detected_and_rebuilt(model_file, tmp_path):
     model = entry / "model.onnx"
     model.write_bytes(model.read_bytes()[:-8] + b"\0" * 8)
     said = []
-    result = compile_model(str(model_file), tmp_path / "b", CompileOptions(cache_dir=str(cache)), progress=said.append)
+    result = compile_model(
+        str(model_file), tmp_path / "b", CompileOptions(cache_dir=str(cache)), progress=said.append
+    )
     assert result.cache.startswith("corrupt") and "model.onnx" in result.cache
     assert any("rebuilding" in m for m in said)
     check_artifact_tree(result.output)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.pack import pack_artifact
 from precast.compiler.pipeline import PassSpec, format_pipeline, parse_pipeline
@@ -20,17 +21,20 @@ from precast.compiler.registry import all_passes, option_fields
 from precast.runtime.archive import unpack_artifact
 from precast.runtime.errors import ArtifactError, PipelineError
 from precast.runtime.manifest import check_integrity, read_manifest
-
 from tests.ci.archive_helpers import tree
 from tests.helpers import save, tiny_mlp
 
-FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
 
 # ---------------------------------------------------------------- pipeline parser
 
 PASS_NAMES = sorted(all_passes())
 _PIPE_ALPHABET = "abcdefghijklmnopqrstuvwxyz-_{}[],= 0123456789.\t"
-_tokens = st.sampled_from(PASS_NAMES + ["default", "{", "}", "[", "]", ",", "=", "true", "16", "block", "x", " "])
+_tokens = st.sampled_from(
+    PASS_NAMES + ["default", "{", "}", "[", "]", ",", "=", "true", "16", "block", "x", " "]
+)
 pipeline_text = st.one_of(
     st.text(max_size=60),
     st.text(alphabet=_PIPE_ALPHABET, max_size=60),
@@ -50,7 +54,9 @@ def test_parse_any_string_gives_specs_or_pipeline_error(text):
     assert parse_pipeline(format_pipeline(specs)) == specs
 
 
-_WORD = st.text(alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./:-", min_size=1, max_size=12)
+_WORD = st.text(
+    alphabet="abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_./:-", min_size=1, max_size=12
+)
 
 
 def _value(tp):
@@ -102,12 +108,20 @@ json_values = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
-_paths = st.one_of(st.text(max_size=12), st.sampled_from(["../x", "/etc/passwd", "a/../../b", "", ".", "a//b", "manifest.json", "x\0y"]))
+_paths = st.one_of(
+    st.text(max_size=12),
+    st.sampled_from(["../x", "/etc/passwd", "a/../../b", "", ".", "a//b", "manifest.json", "x\0y"]),
+)
 manifest_like = st.fixed_dictionaries(
     {"schema_version": st.one_of(st.integers(-2, 3), json_values)},
     optional={
-        "files": st.one_of(st.dictionaries(_paths, st.one_of(st.text(max_size=64), json_values), max_size=4), json_values),
-        "target": json_values, "io": json_values, "kind": st.sampled_from(["multi-target", "x"]), "targets": json_values,
+        "files": st.one_of(
+            st.dictionaries(_paths, st.one_of(st.text(max_size=64), json_values), max_size=4), json_values
+        ),
+        "target": json_values,
+        "io": json_values,
+        "kind": st.sampled_from(["multi-target", "x"]),
+        "targets": json_values,
     },
 )
 
@@ -135,7 +149,9 @@ def test_manifest_loader_gives_dict_or_artifact_error(doc, raw_bytes):
 @pytest.fixture(scope="module")
 def packed_bytes(tmp_path_factory) -> bytes:
     root = tmp_path_factory.mktemp("fuzzpack")
-    art = compile_model(str(save(tiny_mlp(hidden=4), root / "m.onnx")), root / "art", CompileOptions(passes="")).output
+    art = compile_model(
+        str(save(tiny_mlp(hidden=4), root / "m.onnx")), root / "art", CompileOptions(passes="")
+    ).output
     pack_artifact(art, root / "m.precast")
     return (root / "m.precast").read_bytes()
 
@@ -177,10 +193,25 @@ def test_mutated_packs(packed_bytes, data):
 
 
 _member_names = st.one_of(
-    st.sampled_from(["manifest.json", "model.onnx", "../evil", "/abs", "a/../../evil", "./x", "a//b", "parity", "x\\y", "MANIFEST.JSON"]),
+    st.sampled_from(
+        [
+            "manifest.json",
+            "model.onnx",
+            "../evil",
+            "/abs",
+            "a/../../evil",
+            "./x",
+            "a//b",
+            "parity",
+            "x\\y",
+            "MANIFEST.JSON",
+        ]
+    ),
     st.text(alphabet="abc./-_", min_size=1, max_size=10),
 )
-_types = st.sampled_from([tarfile.REGTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.DIRTYPE, tarfile.CHRTYPE, tarfile.FIFOTYPE])
+_types = st.sampled_from(
+    [tarfile.REGTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tarfile.DIRTYPE, tarfile.CHRTYPE, tarfile.FIFOTYPE]
+)
 
 
 @FUZZ
@@ -188,7 +219,10 @@ _types = st.sampled_from([tarfile.REGTYPE, tarfile.SYMTYPE, tarfile.LNKTYPE, tar
 def test_random_members(packed_bytes, data):
     """Start from the honest pack's members (often kept), then add hostile ones."""
     out = io.BytesIO()
-    with tarfile.open(fileobj=io.BytesIO(packed_bytes)) as src, tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst:
+    with (
+        tarfile.open(fileobj=io.BytesIO(packed_bytes)) as src,
+        tarfile.open(fileobj=out, mode="w", format=tarfile.PAX_FORMAT) as dst,
+    ):
         for m in src.getmembers():
             if data.draw(st.booleans()):
                 dst.addfile(m, src.extractfile(m))

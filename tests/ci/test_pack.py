@@ -8,13 +8,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.pack import pack_artifact
 from precast.runtime import load
 from precast.runtime.archive import ArchiveError, Limits, unpack_artifact
 from precast.runtime.errors import EXIT_ARTIFACT, ArtifactError, IntegrityError
 from precast.runtime.signing import SignatureError, generate_keypair
-
 from tests.ci.archive_helpers import members_of, reg, special, tree, write_tar
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import ort_run, save, tiny_mlp
@@ -52,7 +52,9 @@ def test_unpack_and_load_packed_file(built, tmp_path, rng):
     unpack_artifact(built["packed"], tmp_path / "un")
     assert tree(tmp_path / "un") == [p for p in tree(built["art"]) if p != "build-info.json"]
     feeds = {"x": rng.standard_normal((2, 8), dtype=np.float32)}
-    np.testing.assert_allclose(load(built["packed"]).run(feeds)["y"], ort_run(tiny_mlp(), feeds)[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        load(built["packed"]).run(feeds)["y"], ort_run(tiny_mlp(), feeds)[0], rtol=1e-5, atol=1e-5
+    )
 
 
 def test_unpack_refuses_non_empty_target(built, tmp_path):
@@ -115,7 +117,9 @@ def test_missing_file_is_rejected(built, tmp_path):
 
 def test_size_bomb_is_rejected(built, tmp_path):
     zeros = b"\0" * (8 << 20)
-    bomb = write_tar(tmp_path / "bomb.tar.gz", [m for m in members_of(built["packed"])] + [reg("zeros.bin", zeros)], "w:gz")
+    bomb = write_tar(
+        tmp_path / "bomb.tar.gz", [m for m in members_of(built["packed"])] + [reg("zeros.bin", zeros)], "w:gz"
+    )
     assert bomb.stat().st_size < 100_000
     with pytest.raises(ArchiveError, match="size bomb"):
         unpack_artifact(bomb, tmp_path / "out", limits=Limits(max_ratio=10, ratio_slack_bytes=1 << 20))
@@ -149,12 +153,15 @@ def test_signature_roundtrip_and_rejections(built, keys, tmp_path):
         unpack_artifact(signed, tmp_path / "a", pubkey=keys / "other.pub")
     with pytest.raises(SignatureError, match="not signed"):
         unpack_artifact(built["packed"], tmp_path / "b", pubkey=keys / "k.pub")
+
     # A valid signature does not bless a swapped model file: the signed manifest's sha256 catches it.
     def swap(m, d):
         return (m, d[:-4] + b"EVIL") if m.name == "model.onnx" else (m, d)
 
     with pytest.raises(IntegrityError):
-        unpack_artifact(_hostile({"packed": signed}, tmp_path, replace=swap), tmp_path / "c", pubkey=keys / "k.pub")
+        unpack_artifact(
+            _hostile({"packed": signed}, tmp_path, replace=swap), tmp_path / "c", pubkey=keys / "k.pub"
+        )
     assert not any((tmp_path / n).exists() for n in "abc")
 
 
@@ -168,7 +175,13 @@ def test_cli_pack_verify_unpack(built, keys, tmp_path, capsys):
     assert code == EXIT_ARTIFACT and "signature does not match" in err
     code, _, _ = run_cli(capsys, "unpack", out, "-o", tmp_path / "un", "--pubkey", keys / "k.pub")
     assert code == 0 and (tmp_path / "un" / "manifest.json").is_file()
-    code, _, err = run_cli(capsys, "run", _hostile(built, tmp_path, extra=[reg("../evil", b"x")]), "-i", tmp_path / "none.npz")
+    code, _, err = run_cli(
+        capsys, "run", _hostile(built, tmp_path, extra=[reg("../evil", b"x")]), "-i", tmp_path / "none.npz"
+    )
     assert code in (1, EXIT_ARTIFACT) and "Traceback" not in err
     code, _, _ = run_cli(capsys, "keygen", "-o", tmp_path / "new.pem")
-    assert code == 0 and (tmp_path / "new.pem.pub").is_file() and (tmp_path / "new.pem").stat().st_mode & 0o077 == 0
+    assert (
+        code == 0
+        and (tmp_path / "new.pem.pub").is_file()
+        and (tmp_path / "new.pem").stat().st_mode & 0o077 == 0
+    )

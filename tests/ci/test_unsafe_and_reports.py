@@ -9,11 +9,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from precast.cli import main as cli_main
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import errors
 from precast.runtime.errors import EXIT_ARTIFACT, EXIT_PARITY, EXIT_USAGE
-
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import save, tiny_mlp
 
@@ -29,7 +29,9 @@ def built(tmp_path_factory):
 
 
 def _pickled_npz(path: Path) -> Path:
-    np.savez(path, x=np.array([{"boom": 1}, None], dtype=object))  # an object array is a pickle inside the zip
+    np.savez(
+        path, x=np.array([{"boom": 1}, None], dtype=object)
+    )  # an object array is a pickle inside the zip
     return path
 
 
@@ -76,18 +78,31 @@ def test_no_pickle_in_source():
         if rel.startswith(("tests/", ".")) or "/." in rel:
             continue
         text = path.read_text()
-        offenders += [f"{rel}: np.load({a})" for a in _calls(text, "np.load") if "allow_pickle=False" not in a]
-        offenders += [f"{rel}: torch.load({a})" for a in _calls(text, "torch.load") if "weights_only=True" not in a]
+        offenders += [
+            f"{rel}: np.load({a})" for a in _calls(text, "np.load") if "allow_pickle=False" not in a
+        ]
+        offenders += [
+            f"{rel}: torch.load({a})" for a in _calls(text, "torch.load") if "weights_only=True" not in a
+        ]
         if "allow_pickle=True" in text:
             offenders.append(f"{rel}: allow_pickle=True")
-        if rel.startswith("runtime/") and re.search(r"^\s*(import pickle|from pickle|import dill|import joblib)", text, re.MULTILINE):
+        if rel.startswith("runtime/") and re.search(
+            r"^\s*(import pickle|from pickle|import dill|import joblib)", text, re.MULTILINE
+        ):
             offenders.append(f"{rel}: imports a pickle module")
     assert offenders == []
 
 
 def test_exit_codes_are_stable_and_documented():
-    assert (errors.EXIT_OK, errors.EXIT_USAGE, errors.EXIT_PARITY, errors.EXIT_ARTIFACT, errors.EXIT_TARGET,
-            errors.EXIT_COMPILE, errors.EXIT_INTERNAL) == (0, 1, 2, 3, 4, 5, 70)
+    assert (
+        errors.EXIT_OK,
+        errors.EXIT_USAGE,
+        errors.EXIT_PARITY,
+        errors.EXIT_ARTIFACT,
+        errors.EXIT_TARGET,
+        errors.EXIT_COMPILE,
+        errors.EXIT_INTERNAL,
+    ) == (0, 1, 2, 3, 4, 5, 70)
     doc = " ".join(cli_main.cli.help.split())
     for code in sorted(set(errors.EXIT_CODES.values()) - {0}):
         assert f"{code} " in doc
@@ -116,7 +131,9 @@ def test_verify_junit_and_quiet(built, tmp_path, capsys):
     code, _, err = run_cli(capsys, "verify", art, "--junit", junit)
     assert code == EXIT_PARITY and "output 'y'" in err
     suite = ET.parse(junit).getroot().find("testsuite")
-    assert suite.get("failures") == "1" and "out of tolerance" in suite.find("testcase/failure").get("message")
+    assert suite.get("failures") == "1" and "out of tolerance" in suite.find("testcase/failure").get(
+        "message"
+    )
     (art / "model.onnx").write_bytes(b"tampered")
     code, _, err = run_cli(capsys, "verify", art, "--junit", junit)
     assert code == EXIT_ARTIFACT

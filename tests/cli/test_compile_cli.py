@@ -115,8 +115,12 @@ def test_not_onnx_and_truncated(cli, tmp_path, mlp_path):
 
 def test_op_onnxruntime_cannot_run(cli, tmp_path):
     m = make_model(
-        [helper.make_node("Relu", ["x"], ["h"], name="ok"), helper.make_node("FrobnicateOp", ["h"], ["y"], name="weird_node")],
-        [("x", TensorProto.FLOAT, [2])], [("y", TensorProto.FLOAT, [2])],
+        [
+            helper.make_node("Relu", ["x"], ["h"], name="ok"),
+            helper.make_node("FrobnicateOp", ["h"], ["y"], name="weird_node"),
+        ],
+        [("x", TensorProto.FLOAT, [2])],
+        [("y", TensorProto.FLOAT, [2])],
     )
     path = save(m, tmp_path / "weird.onnx")
     r = cli("compile", path, "-o", tmp_path / "o")
@@ -206,8 +210,20 @@ def test_run_with_bad_feeds(cli, artifact, tmp_path, feeds, needles):
 
 def test_parity_failure_writes_nothing(cli, mlp_path, tmp_path):
     # An impossible tolerance on a target that optimizes: parity is reported, nothing is written.
-    r = cli("compile", mlp_path, "-o", tmp_path / "o", "--atol", "0", "--rtol", "0", "--min-cosine", "1.5",
-            "--report", tmp_path / "r.json")
+    r = cli(
+        "compile",
+        mlp_path,
+        "-o",
+        tmp_path / "o",
+        "--atol",
+        "0",
+        "--rtol",
+        "0",
+        "--min-cosine",
+        "1.5",
+        "--report",
+        tmp_path / "r.json",
+    )
     assert r.code == 2
     _one_line_error(r, "parity failed", "output 'y'")
     assert not (tmp_path / "o").exists()
@@ -225,5 +241,3 @@ def test_unknown_command_suggests(cli):
     r = cli("complie")
     assert r.code == 1
     _one_line_error(r, "did you mean 'compile'")
-
-

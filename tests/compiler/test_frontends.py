@@ -34,7 +34,12 @@ def test_onnx_with_external_data(tmp_path, rng):
     assert src.kind == "onnx"
     compile_model(str(path), tmp_path / "art", CompileOptions())
     x = rng.standard_normal((2, 8)).astype(np.float32)
-    np.testing.assert_allclose(load(tmp_path / "art").run({"x": x})["y"], ort_run(tiny_mlp(hidden=64), {"x": x})[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        load(tmp_path / "art").run({"x": x})["y"],
+        ort_run(tiny_mlp(hidden=64), {"x": x})[0],
+        rtol=1e-5,
+        atol=1e-5,
+    )
     # The source hash covers the external data: change the weights, the hash changes.
     data = bytearray((path.parent / "m.weights").read_bytes())
     data[10] ^= 1

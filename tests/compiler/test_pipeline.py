@@ -33,7 +33,12 @@ def test_unknown_pass_suggests_close_name():
 
 @pytest.mark.parametrize(
     "text, column",
-    [("fold-constants{input_size_limit=1", 34), ("fold-constants,,infer-shapes", 16), ("Fold", 1), ("infer-shapes{=1}", 14)],
+    [
+        ("fold-constants{input_size_limit=1", 34),
+        ("fold-constants,,infer-shapes", 16),
+        ("Fold", 1),
+        ("infer-shapes{=1}", 14),
+    ],
 )
 def test_syntax_error_points_at_column(text, column):
     with pytest.raises(PipelineError, match=f"column {column}\\b"):
@@ -77,6 +82,8 @@ def test_pass_manager_records_stats_and_keeps_numbers(rng):
 
 
 def test_print_ir_after(capsys):
-    PassManager(parse_pipeline("eliminate-dead-code"), print_ir_after=frozenset({"eliminate-dead-code"})).run(tiny_mlp())
+    PassManager(parse_pipeline("eliminate-dead-code"), print_ir_after=frozenset({"eliminate-dead-code"})).run(
+        tiny_mlp()
+    )
     err = capsys.readouterr().err
     assert "IR after eliminate-dead-code" in err and "MatMul" in err

@@ -106,11 +106,11 @@ def _expand(args: list[str], env: dict[str, str]) -> list[str]:
 
 def test_deployment_args_start_a_server_whose_probes_answer(docs, container, tmp_path, monkeypatch):
     from fastapi.testclient import TestClient
+
     from precast.cli.main import main
     from precast.compiler.driver import CompileOptions, compile_model
     from precast.runtime import server as server_pkg
     from precast.runtime.server import create_app
-
     from tests.helpers import save, tiny_mlp
 
     # The artifact volume: <mount>/current is a compiled artifact.

@@ -12,12 +12,25 @@ from pathlib import Path
 __all__ = ["GPT2_TINY", "LLAMA_TINY", "build_gpt2", "build_llama", "train_tokenizer"]
 
 LLAMA_TINY = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-    "vocab_size": 512, "max_position_embeddings": 256, "rope_theta": 10000.0,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "rope_theta": 10000.0,
     # HF's default 0.02 leaves attention near uniform, so attention bugs would not change the tokens.
     "initializer_range": 0.1,
 }
-GPT2_TINY = {"n_embd": 64, "n_layer": 2, "n_head": 4, "vocab_size": 512, "n_positions": 256, "initializer_range": 0.1}
+GPT2_TINY = {
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "vocab_size": 512,
+    "n_positions": 256,
+    "initializer_range": 0.1,
+}
 
 _SPECIALS = ["<|endoftext|>", "<s>", "</s>"]
 
@@ -32,7 +45,9 @@ def train_tokenizer(vocab_size: int = 512):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=_SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        vocab_size=vocab_size,
+        special_tokens=_SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
@@ -53,7 +68,9 @@ def build_llama(folder: Path, seed: int = 0, model_type: str = "llama", **overri
 
     tok = train_tokenizer()
     cfg_cls = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config"}[model_type]
-    model_cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[model_type]
+    model_cls = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}[
+        model_type
+    ]
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     kw = {**LLAMA_TINY, "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos, **overrides}
     config = getattr(transformers, cfg_cls)(**kw)

@@ -8,6 +8,7 @@ import sys
 
 import numpy as np
 import pytest
+
 from precast.runtime.errors import InputError, ModelLoadError
 from precast.runtime.llm import ModelRunner
 
@@ -50,7 +51,7 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int, chunk
         logits = runner.step(ids, pos, [done[i] for i in live], [len(t) for t in take], bt)
         for r, (i, t) in enumerate(zip(live, take)):
             done[i] += len(t)
-            pending[i] = pending[i][len(t):]
+            pending[i] = pending[i][len(t) :]
             if not pending[i]:  # the prompt is in: this logit row predicts the next token
                 tok = int(np.argmax(logits[r]))
                 out[i].append(tok)
@@ -65,10 +66,14 @@ def hf_greedy(folder, prompt: list[int], new_tokens: int) -> list[int]:
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
     with torch.no_grad():
         ids = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            do_sample=False, max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0,
+            torch.tensor([prompt]),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
         )
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
 
 
 def compile_llm(folder, out):
@@ -107,7 +112,9 @@ def test_greedy_matches_hf_generate(which, request):
         expected = hf_greedy(folder, prompt, NEW_TOKENS)
         assert got == expected, f"prompt {prompt[:5]}...: {got} != {expected}"
     # Batching and chunking do not change results: each request alone, prefilled in one step.
-    alone = greedy(ModelRunner.from_artifact(result.output, num_blocks=64), [prompts[1]], NEW_TOKENS, chunk=1000)
+    alone = greedy(
+        ModelRunner.from_artifact(result.output, num_blocks=64), [prompts[1]], NEW_TOKENS, chunk=1000
+    )
     assert alone[0] == ours[1]
 
 
@@ -117,7 +124,12 @@ def test_manifest_llm_block_and_tokenizer(llama_artifact, tiny_llama_dir):
     llm = m["llm"]
     config = json.loads((tiny_llama_dir / "config.json").read_text())
     assert (llm["architecture"], llm["layers"], llm["heads"], llm["kv_heads"], llm["head_size"]) == (
-        "llama", config["num_hidden_layers"], 4, 2, 16)
+        "llama",
+        config["num_hidden_layers"],
+        4,
+        2,
+        16,
+    )
     assert llm["kv_inputs"][1] == ["key_cache.1", "value_cache.1"] and llm["block_size"] == 16
     assert llm["eos_ids"] == [config["eos_token_id"]] and llm["bos_id"] == config["bos_token_id"]
     assert "llm" not in m["source"] and m["parity"]["ok"]
@@ -131,7 +143,13 @@ def test_manifest_llm_block_and_tokenizer(llama_artifact, tiny_llama_dir):
 @pytest.mark.slow
 def test_runner_rejects_bad_steps(llama_artifact):
     runner = ModelRunner.from_artifact(llama_artifact.output, num_blocks=4)
-    ok = {"input_ids": [[5, 6]], "positions": [[0, 1]], "past_lens": [0], "new_lens": [2], "block_tables": [[1]]}
+    ok = {
+        "input_ids": [[5, 6]],
+        "positions": [[0, 1]],
+        "past_lens": [0],
+        "new_lens": [2],
+        "block_tables": [[1]],
+    }
     runner.step(**ok)
     for bad, needle in [
         ({"new_lens": [3]}, "new_lens"),
@@ -184,7 +202,6 @@ def test_llama_family_paged_math_matches_hf(model_type, tmp_path):
     """Qwen2 (QKV biases) and Mistral through the same paged decoder: greedy == HF generate()."""
     from precast.compiler.causal_lm import build_paged_decoder, llm_block
     from precast.runtime.llm import LLMSpec
-
     from tests.llm.fixtures import build_llama
 
     folder = build_llama(tmp_path / model_type, seed=1, model_type=model_type, num_hidden_layers=1)

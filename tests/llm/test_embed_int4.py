@@ -13,10 +13,10 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 import pytest
+
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.source import load_source
 from precast.runtime.llm import ModelRunner
-
 from tests.helpers import op_types
 from tests.llm.fixtures import build_llama
 from tests.llm.test_causal_lm import PROMPTS, _encode, greedy, hf_greedy
@@ -58,7 +58,11 @@ def _rows(model: ir.Model, feeds: dict, output: str) -> np.ndarray:
 
 
 def _embedding_output(model: ir.Model) -> str:
-    node = next(n for n in model.graph if n.op_type in ("GatherBlockQuantized", "Gather") and n.name.startswith("node_embedding"))
+    node = next(
+        n
+        for n in model.graph
+        if n.op_type in ("GatherBlockQuantized", "Gather") and n.name.startswith("node_embedding")
+    )
     out = node.outputs[0]
     after = [u.node for u in out.uses() if u.node.op_type == "Slice"]
     return (after[0].outputs[0] if after else out).name
@@ -81,8 +85,11 @@ def test_tied_table_shares_the_heads_bytes(tied, options):
     assert stats["embeddings"] == 1 and stats["embeddings_shared"] == 1 and stats["kept_fp32"] == 0
     ops = op_types(out)
     assert "GatherBlockQuantized" in ops and "Transpose" not in ops
-    assert not [v for v in out.graph.initializers.values() if v.const_value.dtype == ir.DataType.FLOAT
-                and v.const_value.size >= table.size // 8], "an fp32 copy of the table survived"
+    assert not [
+        v
+        for v in out.graph.initializers.values()
+        if v.const_value.dtype == ir.DataType.FLOAT and v.const_value.size >= table.size // 8
+    ], "an fp32 copy of the table survived"
     feeds, ref = _feeds_and_rows(source, table)
     got = _rows(out, feeds, _embedding_output(out))
     err = np.linalg.norm(got - ref) / np.linalg.norm(ref)
@@ -92,10 +99,17 @@ def test_tied_table_shares_the_heads_bytes(tied, options):
 def test_untied_and_fallbacks(untied, tied):
     """Untied tables and a tied table whose head stays fp32 go through ONNX Runtime's Gather quantizer."""
     logging.disable(logging.INFO)
-    for (_, source), pipeline, shared in [(untied, "quantize-int4", 0), (tied, "quantize-int4{exclude=[node_matmul]}", 0),
-                                          (tied, "quantize-int4{symmetric=false}", 0)]:
+    for (_, source), pipeline, shared in [
+        (untied, "quantize-int4", 0),
+        (tied, "quantize-int4{exclude=[node_matmul]}", 0),
+        (tied, "quantize-int4{symmetric=false}", 0),
+    ]:
         init = source.model.graph.initializers
-        table = init["embed.weight"].const_value.numpy() if "embed.weight" in init else init["lm_head_t"].const_value.numpy().T
+        table = (
+            init["embed.weight"].const_value.numpy()
+            if "embed.weight" in init
+            else init["lm_head_t"].const_value.numpy().T
+        )
         out, stats = run(pipeline, _copy(source.model), sample_feeds=source.sample_feeds)
         assert stats["embeddings"] == 1 and stats["embeddings_shared"] == shared, (pipeline, stats)
         feeds, ref = _feeds_and_rows(source, table)
@@ -113,15 +127,21 @@ def test_tied_artifacts_fp32_once_and_int4_under_30_percent(tied, tmp_path):
     """fp32: the table is stored once and greedy decoding equals HF; INT4 (RTN, block 32) <= 30% of fp32."""
     folder, source = tied
     fp32 = compile_model(source, tmp_path / "fp32", CompileOptions(task="causal-lm"))
-    int4 = compile_model(source, tmp_path / "int4", CompileOptions(task="causal-lm", passes="default,quantize-int4",
-                                                                    accuracy_budget="cosine>=0.9"))
+    int4 = compile_model(
+        source,
+        tmp_path / "int4",
+        CompileOptions(task="causal-lm", passes="default,quantize-int4", accuracy_budget="cosine>=0.9"),
+    )
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True)
     unique = sum(p.numel() for p in hf.parameters()) * 4  # parameters() lists a tied table once
     size32, size4 = _model_bytes(fp32.output), _model_bytes(int4.output)
     table = hf.get_input_embeddings().weight.numel() * 4
-    assert size32 < unique + table // 2, (size32, unique)  # rotary caches and graph on top; not a second table
+    assert size32 < unique + table // 2, (
+        size32,
+        unique,
+    )  # rotary caches and graph on top; not a second table
     assert size4 <= 0.30 * size32, f"INT4 {size4} B is {size4 / size32:.0%} of fp32 {size32} B"
     prompts = _encode(fp32, PROMPTS[:2])
     ours = greedy(ModelRunner.from_artifact(fp32.output, num_blocks=64), prompts, 12)

@@ -10,11 +10,11 @@ import sys
 
 import numpy as np
 import pytest
+
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.source import load_source
 from precast.runtime.errors import InputError, ParityError, UsageError
 from precast.runtime.llm.perplexity import make_windows, perplexity_of_text
-
 from tests.llm.trained_lm import texts, trained_lm_dir
 
 WINDOW = 64  # the fixture's training length
@@ -35,10 +35,18 @@ def artifacts(lm, tmp_path_factory):
     _, source, calib, _ = lm
     root = tmp_path_factory.mktemp("qlm")
     out = {}
-    for name, passes in [("fp32", None), ("rtn", "default,quantize-int4{algo=rtn,block=32}"),
-                         ("gptq", "default,quantize-int4{algo=gptq,block=32}"), ("int8", "default,quantize-int8")]:
-        opts = CompileOptions(passes=passes, task="causal-lm", calibration_text=calib,
-                              accuracy_budget="top1>=0.8,ppl_delta<=3" if passes else None)
+    for name, passes in [
+        ("fp32", None),
+        ("rtn", "default,quantize-int4{algo=rtn,block=32}"),
+        ("gptq", "default,quantize-int4{algo=gptq,block=32}"),
+        ("int8", "default,quantize-int8"),
+    ]:
+        opts = CompileOptions(
+            passes=passes,
+            task="causal-lm",
+            calibration_text=calib,
+            accuracy_budget="top1>=0.8,ppl_delta<=3" if passes else None,
+        )
         out[name] = compile_model(source, root / name, opts)
     return out
 
@@ -82,7 +90,9 @@ def test_perplexity_equals_torch(lm, artifacts, stride):
             count += n
     expected = math.exp(nll / count)
     got = perplexity_of_text(artifacts["fp32"].output, held, window=WINDOW, stride=stride, max_tokens=600)
-    assert got.tokens == count == (599 if stride < WINDOW else 599 - 9)  # without overlap window starts go unscored
+    assert (
+        got.tokens == count == (599 if stride < WINDOW else 599 - 9)
+    )  # without overlap window starts go unscored
     assert got.perplexity == pytest.approx(expected, rel=2e-4)
     assert 5 < got.perplexity < 200  # a model that learned something (vocabulary 1024)
 
@@ -92,7 +102,9 @@ def test_gptq_beats_rtn_on_heldout_perplexity(lm, artifacts):
     folder, _, _, held = lm
     ppl = {k: _ppl(artifacts[k].output, held) for k in ("fp32", "rtn", "gptq", "int8")}
     # The training script measured the same held-out perplexity with torch.
-    assert ppl["fp32"] == pytest.approx(json.loads((folder / "training.json").read_text())["heldout_ppl"], rel=1e-4)
+    assert ppl["fp32"] == pytest.approx(
+        json.loads((folder / "training.json").read_text())["heldout_ppl"], rel=1e-4
+    )
     d_rtn, d_gptq = ppl["rtn"] - ppl["fp32"], ppl["gptq"] - ppl["fp32"]
     assert 0 < d_gptq < d_rtn, ppl
     assert abs(ppl["int8"] - ppl["fp32"]) < d_rtn, ppl
@@ -111,42 +123,86 @@ def test_budget_metrics_recorded_on_text(artifacts):
         assert "top1" not in budget["metrics"]["logits"]  # the text's top1 replaces the random sample step's
     a, b = (artifacts[k].manifest["parity"]["budget"]["metrics"]["logits@text"] for k in ("rtn", "gptq"))
     assert a["ppl_reference"] == b["ppl_reference"]
-    assert b["top1"] > a["top1"] and b["ppl_delta"] < a["ppl_delta"]  # GPTQ keeps more of the fp32 predictions
+    assert (
+        b["top1"] > a["top1"] and b["ppl_delta"] < a["ppl_delta"]
+    )  # GPTQ keeps more of the fp32 predictions
 
 
 def test_ppl_budget_exceeded_fails_without_artifact(lm, tmp_path):
     _, source, calib, _ = lm
-    opts = CompileOptions(passes="default,quantize-int4{algo=rtn,block=128}", task="causal-lm",
-                          calibration_text=calib, accuracy_budget="ppl_delta<=0.0001")
-    with pytest.raises(ParityError, match=r"ppl_delta \S+ on output 'logits@text' misses ppl_delta<=0.0001 by \S+"):
+    opts = CompileOptions(
+        passes="default,quantize-int4{algo=rtn,block=128}",
+        task="causal-lm",
+        calibration_text=calib,
+        accuracy_budget="ppl_delta<=0.0001",
+    )
+    with pytest.raises(
+        ParityError, match=r"ppl_delta \S+ on output 'logits@text' misses ppl_delta<=0.0001 by \S+"
+    ):
         compile_model(source, tmp_path / "a", opts)
     assert not (tmp_path / "a").exists()
     with pytest.raises(UsageError, match="ppl_delta, top1 of a causal-lm compile is measured on text"):
-        compile_model(source, tmp_path / "b", CompileOptions(passes="default,quantize-int8", task="causal-lm",
-                                                              accuracy_budget="ppl_delta<=1,top1>=0.9"))
+        compile_model(
+            source,
+            tmp_path / "b",
+            CompileOptions(
+                passes="default,quantize-int8", task="causal-lm", accuracy_budget="ppl_delta<=1,top1>=0.9"
+            ),
+        )
     assert not (tmp_path / "b").exists()
 
 
 def test_eval_cli(lm, artifacts, tmp_path):
     _, _, _, held = lm
     (tmp_path / "held.txt").write_text(held, encoding="utf-8")
-    cmd = [sys.executable, "-c", "import sys; from precast.cli.main import main; main(sys.argv[1:])", "eval",
-           str(artifacts["fp32"].output)]
-    ok = subprocess.run(cmd + ["--perplexity", str(tmp_path / "held.txt"), "--window", str(WINDOW), "--max-tokens",
-                               "300", "--json", "--report", str(tmp_path / "r.json")], capture_output=True, text=True, check=False)
+    cmd = [
+        sys.executable,
+        "-c",
+        "import sys; from precast.cli.main import main; main(sys.argv[1:])",
+        "eval",
+        str(artifacts["fp32"].output),
+    ]
+    ok = subprocess.run(
+        cmd
+        + [
+            "--perplexity",
+            str(tmp_path / "held.txt"),
+            "--window",
+            str(WINDOW),
+            "--max-tokens",
+            "300",
+            "--json",
+            "--report",
+            str(tmp_path / "r.json"),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert ok.returncode == 0, ok.stderr
     out = json.loads(ok.stdout)
     assert out == json.loads((tmp_path / "r.json").read_text())
-    assert out["tokens"] == 300 - 5 and out["perplexity"] == pytest.approx(_ppl(artifacts["fp32"].output, held, max_tokens=300))
+    assert out["tokens"] == 300 - 5 and out["perplexity"] == pytest.approx(
+        _ppl(artifacts["fp32"].output, held, max_tokens=300)
+    )
     (tmp_path / "empty.txt").write_text("  \n")
-    for extra, msg in [(["--perplexity", str(tmp_path / "nope.txt")], "text file not found"),
-                       (["--perplexity", str(tmp_path / "empty.txt")], "is empty"),
-                       (["--perplexity", str(tmp_path / "held.txt"), "--window", "100000"], "exceeds the model's max context"),
-                       (["--perplexity", str(tmp_path / "held.txt"), "--stride", "0", "--window", "8"], "stride")]:
+    for extra, msg in [
+        (["--perplexity", str(tmp_path / "nope.txt")], "text file not found"),
+        (["--perplexity", str(tmp_path / "empty.txt")], "is empty"),
+        (
+            ["--perplexity", str(tmp_path / "held.txt"), "--window", "100000"],
+            "exceeds the model's max context",
+        ),
+        (["--perplexity", str(tmp_path / "held.txt"), "--stride", "0", "--window", "8"], "stride"),
+    ]:
         bad = subprocess.run(cmd + extra, capture_output=True, text=True, check=False)
         assert bad.returncode == 1 and msg in bad.stderr and "Traceback" not in bad.stderr, bad.stderr
-    not_llm = subprocess.run([*cmd[:-1], str(tmp_path), "--perplexity", str(tmp_path / "held.txt")],
-                             capture_output=True, text=True, check=False)
+    not_llm = subprocess.run(
+        [*cmd[:-1], str(tmp_path), "--perplexity", str(tmp_path / "held.txt")],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     assert not_llm.returncode != 0 and "Traceback" not in not_llm.stderr
 
 

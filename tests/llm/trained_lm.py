@@ -30,7 +30,11 @@ FIXTURE_TRAINING = {"steps": 200, "seq": 64, "batch": 16, "lr": 0.004, "seed": 0
 
 def _key() -> str:
     h = hashlib.sha256()
-    for blob in (SCRIPT.read_bytes(), TEXT.read_bytes(), json.dumps(FIXTURE_TRAINING, sort_keys=True).encode()):
+    for blob in (
+        SCRIPT.read_bytes(),
+        TEXT.read_bytes(),
+        json.dumps(FIXTURE_TRAINING, sort_keys=True).encode(),
+    ):
         h.update(hashlib.sha256(blob).digest())
     return h.hexdigest()[:16]
 
@@ -48,8 +52,13 @@ def trained_lm_dir() -> Path:
         tmp = out.with_name(out.name + f".tmp{os.getpid()}")
         args = [f"--{k.replace('_', '-')}={v}" for k, v in FIXTURE_TRAINING.items()]
         env = {**os.environ, "OMP_NUM_THREADS": str(FIXTURE_TRAINING["threads"])}
-        done = subprocess.run([sys.executable, str(SCRIPT), "--text", str(TEXT), "--out", str(tmp), *args],
-                              check=False, capture_output=True, text=True, env=env)
+        done = subprocess.run(
+            [sys.executable, str(SCRIPT), "--text", str(TEXT), "--out", str(tmp), *args],
+            check=False,
+            capture_output=True,
+            text=True,
+            env=env,
+        )
         if done.returncode != 0:
             raise RuntimeError(f"training the tiny LM failed:\n{done.stderr[-3000:]}")
         tmp.rename(out)

@@ -35,8 +35,11 @@ def layernorm(pow_exp: float = 2.0, shared: bool = False, bias: bool = True, see
     if bias:
         nodes.append(helper.make_node("Add", ["y0", "b"], ["y"]))
     outputs = [("y", F, ["batch", "seq", D])] + ([("d", F, ["batch", "seq", D])] if shared else [])
-    inits = {"axes": np.array([-1], np.int64), "g": rng.standard_normal(D).astype(np.float32),
-             "b": rng.standard_normal(D).astype(np.float32)}
+    inits = {
+        "axes": np.array([-1], np.int64),
+        "g": rng.standard_normal(D).astype(np.float32),
+        "b": rng.standard_normal(D).astype(np.float32),
+    }
     return make_model(nodes, [("x", F, ["batch", "seq", D])], outputs, inits)
 
 
@@ -54,8 +57,10 @@ def rmsnorm(pow_exp: float = 2.0, shared: bool = False, scale_shape=(D,)):
         helper.make_node("Mul", ["w", "n"], ["y"]),
     ]
     outputs = [("y", F, ["batch", "seq", D])] + ([("ms", F, ["batch", "seq", 1])] if shared else [])
-    inits = {"axes": np.array([-1], np.int64),
-             "w": np.random.default_rng(1).standard_normal(scale_shape).astype(np.float32)}
+    inits = {
+        "axes": np.array([-1], np.int64),
+        "w": np.random.default_rng(1).standard_normal(scale_shape).astype(np.float32),
+    }
     return make_model(nodes, [("x", F, ["batch", "seq", D])], outputs, inits)
 
 
@@ -65,19 +70,31 @@ def gelu(kind: str = "erf", bias: bool = True, const: float | None = None, share
     nodes = [helper.make_node("Add", ["x", "b"], ["xb"])] if bias else []
     if kind == "erf":
         nodes += [
-            _c("k", const or math.sqrt(2.0)), helper.make_node("Div", [x, "k"], ["t"]),
-            helper.make_node("Erf", ["t"], ["e"]), _c("one", 1.0), helper.make_node("Add", ["e", "one"], ["e1"]),
-            helper.make_node("Mul", [x, "e1"], ["xe"]), _c("half", 0.5), helper.make_node("Mul", ["xe", "half"], ["y"]),
+            _c("k", const or math.sqrt(2.0)),
+            helper.make_node("Div", [x, "k"], ["t"]),
+            helper.make_node("Erf", ["t"], ["e"]),
+            _c("one", 1.0),
+            helper.make_node("Add", ["e", "one"], ["e1"]),
+            helper.make_node("Mul", [x, "e1"], ["xe"]),
+            _c("half", 0.5),
+            helper.make_node("Mul", ["xe", "half"], ["y"]),
         ]
         inner = "e"
     else:
         nodes += [
-            _c("three", 3.0), helper.make_node("Pow", [x, "three"], ["x3"]),
-            _c("k1", const or 0.044715), helper.make_node("Mul", ["k1", "x3"], ["x3k"]),
+            _c("three", 3.0),
+            helper.make_node("Pow", [x, "three"], ["x3"]),
+            _c("k1", const or 0.044715),
+            helper.make_node("Mul", ["k1", "x3"], ["x3k"]),
             helper.make_node("Add", [x, "x3k"], ["u"]),
-            _c("k2", math.sqrt(2 / math.pi)), helper.make_node("Mul", ["k2", "u"], ["u2"]),
-            helper.make_node("Tanh", ["u2"], ["t"]), _c("one", 1.0), helper.make_node("Add", ["t", "one"], ["t1"]),
-            _c("half", 0.5), helper.make_node("Mul", ["half", "t1"], ["h"]), helper.make_node("Mul", [x, "h"], ["y"]),
+            _c("k2", math.sqrt(2 / math.pi)),
+            helper.make_node("Mul", ["k2", "u"], ["u2"]),
+            helper.make_node("Tanh", ["u2"], ["t"]),
+            _c("one", 1.0),
+            helper.make_node("Add", ["t", "one"], ["t1"]),
+            _c("half", 0.5),
+            helper.make_node("Mul", ["half", "t1"], ["h"]),
+            helper.make_node("Mul", [x, "h"], ["y"]),
         ]
         inner = "t"
     outputs = [("y", F, ["batch", "seq", D])] + ([(inner, F, ["batch", "seq", D])] if shared else [])
@@ -103,7 +120,10 @@ def matmul_add(rank: int = 2, bias_shape=(D,)):
     shape = ["batch", 8] if rank == 2 else ["batch", "seq", 8]
     rng = np.random.default_rng(4)
     nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]), helper.make_node("Add", ["h", "b"], ["y"])]
-    inits = {"w": rng.standard_normal((8, D)).astype(np.float32), "b": rng.standard_normal(bias_shape).astype(np.float32)}
+    inits = {
+        "w": rng.standard_normal((8, D)).astype(np.float32),
+        "b": rng.standard_normal(bias_shape).astype(np.float32),
+    }
     out_shape = None
     return make_model(nodes, [("x", F, shape)], [("y", F, out_shape)], inits)
 
@@ -112,13 +132,23 @@ def feeds_for(model, batch: int = 3, seq: int = 5, seed: int = 0) -> dict[str, n
     rng = np.random.default_rng(seed)
     out = {}
     for v in model.graph.inputs:
-        shape = [batch if d == "batch" else seq if d == "seq" else d for d in (str(d) if not isinstance(d, int) else d for d in v.shape)]
+        shape = [
+            batch if d == "batch" else seq if d == "seq" else d
+            for d in (str(d) if not isinstance(d, int) else d for d in v.shape)
+        ]
         out[v.name] = rng.standard_normal(shape).astype(np.float32)
     return out
 
 
-def check_fusion(pass_cls, model, n: int, new_ops: list[str], key: str = "fused", options: dict | None = None,
-                 batches=(3, 1)):
+def check_fusion(
+    pass_cls,
+    model,
+    n: int,
+    new_ops: list[str],
+    key: str = "fused",
+    options: dict | None = None,
+    batches=(3, 1),
+):
     """Fuses n times, introduces new_ops, keeps ORT's numbers at each batch size, and is idempotent."""
     feeds = [feeds_for(model, batch=b, seed=b) for b in batches]
     expected = [ort_run(model, f) for f in feeds]

@@ -14,8 +14,15 @@ def tiny_bert():
     from precast.compiler.torch_export import export_module
     from precast.runtime.manifest import TensorSpec
 
-    cfg = transformers.BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2,
-                                  vocab_size=100, max_position_embeddings=64, attn_implementation="eager")
+    cfg = transformers.BertConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        vocab_size=100,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+    )
     import torch
 
     torch.manual_seed(0)
@@ -48,7 +55,9 @@ def test_dynamo_bert_attention_fused(tiny_bert):
 def test_unpacked_option_gives_multiheadattention(tiny_bert):
     result = FuseAttention(packed=False)(tiny_bert.clone())
     assert op_types(result.model).count("MultiHeadAttention") == 2
-    np.testing.assert_allclose(ort_run(result.model, _feeds(2))[0], ort_run(tiny_bert, _feeds(2))[0], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        ort_run(result.model, _feeds(2))[0], ort_run(tiny_bert, _feeds(2))[0], rtol=1e-4, atol=1e-5
+    )
 
 
 @pytest.mark.slow

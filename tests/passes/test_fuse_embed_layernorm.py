@@ -5,8 +5,8 @@ import collections
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
-from precast.passes.fuse_embed_layernorm import FuseEmbedLayerNorm
 
+from precast.passes.fuse_embed_layernorm import FuseEmbedLayerNorm
 from tests.helpers import make_model, op_types, ort_run
 
 F, I32, I64 = TensorProto.FLOAT, TensorProto.INT32, TensorProto.INT64

@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
-from precast.passes.fuse_matmul_layernorm_gelu import FuseMatMulLayerNormGelu
 
+from precast.passes.fuse_matmul_layernorm_gelu import FuseMatMulLayerNormGelu
 from tests.helpers import make_model, op_types, ort_run
 from tests.passes import fusion_graphs as g
 
@@ -10,8 +10,15 @@ F = TensorProto.FLOAT
 K, N = 8, 16
 
 
-def chain(gelu: str = "ms", mm_bias: bool = True, beta: bool = True, shared: str | None = None, axis: int = -1,
-          bias_shape=(N,), opset: int = 18):
+def chain(
+    gelu: str = "ms",
+    mm_bias: bool = True,
+    beta: bool = True,
+    shared: str | None = None,
+    axis: int = -1,
+    bias_shape=(N,),
+    opset: int = 18,
+):
     """x[batch,seq,K] -> MatMul(W) [-> Add(b)] -> LayerNormalization(g[, beta]) -> Gelu / FastGelu / ONNX Gelu."""
     rng = np.random.default_rng(7)
     h = "m"
@@ -19,13 +26,19 @@ def chain(gelu: str = "ms", mm_bias: bool = True, beta: bool = True, shared: str
     if mm_bias:
         nodes.append(helper.make_node("Add", ["m", "b"], ["h"]))
         h = "h"
-    nodes.append(helper.make_node("LayerNormalization", [h, "g"] + (["beta"] if beta else []), ["n"], axis=axis, epsilon=1e-5))
+    nodes.append(
+        helper.make_node(
+            "LayerNormalization", [h, "g"] + (["beta"] if beta else []), ["n"], axis=axis, epsilon=1e-5
+        )
+    )
     if gelu == "onnx":
         nodes.append(helper.make_node("Gelu", ["n"], ["y"]))
     elif gelu == "onnx-tanh":
         nodes.append(helper.make_node("Gelu", ["n"], ["y"], approximate="tanh"))
     else:
-        nodes.append(helper.make_node("FastGelu" if gelu == "fast" else "Gelu", ["n"], ["y"], domain="com.microsoft"))
+        nodes.append(
+            helper.make_node("FastGelu" if gelu == "fast" else "Gelu", ["n"], ["y"], domain="com.microsoft")
+        )
     outputs = [("y", F, ["batch", "seq", N])] + ([(shared, F, ["batch", "seq", N])] if shared else [])
     inits = {
         "w": rng.standard_normal((K, N)).astype(np.float32),
@@ -35,20 +48,27 @@ def chain(gelu: str = "ms", mm_bias: bool = True, beta: bool = True, shared: str
         "beta": (0.3 * rng.standard_normal(N)).astype(np.float32),
     }
     opset = 20 if gelu.startswith("onnx") else opset
-    return make_model(nodes, [("x", F, ["batch", "seq", K])], outputs, inits, opset=opset,
-                      extra_opsets={"com.microsoft": 1})
+    return make_model(
+        nodes, [("x", F, ["batch", "seq", K])], outputs, inits, opset=opset, extra_opsets={"com.microsoft": 1}
+    )
 
 
 @pytest.mark.parametrize("gelu,new", [("ms", "BiasGelu"), ("onnx", "BiasGelu"), ("fast", "FastGelu")])
 def test_chain_fuses_with_ort_numbers(gelu, new):
-    model = g.check_fusion(FuseMatMulLayerNormGelu, chain(gelu), n=1, new_ops=["SimplifiedLayerNormalization", new])
+    model = g.check_fusion(
+        FuseMatMulLayerNormGelu, chain(gelu), n=1, new_ops=["SimplifiedLayerNormalization", new]
+    )
     assert op_types(model) == ["MatMul", "Add", "SimplifiedLayerNormalization", new]
 
 
 @pytest.mark.parametrize("mm_bias,beta", [(False, True), (True, False), (False, False)])
 def test_optional_bias_and_beta(mm_bias, beta):
-    model = g.check_fusion(FuseMatMulLayerNormGelu, chain("ms", mm_bias=mm_bias, beta=beta), n=1,
-                           new_ops=["SimplifiedLayerNormalization"])
+    model = g.check_fusion(
+        FuseMatMulLayerNormGelu,
+        chain("ms", mm_bias=mm_bias, beta=beta),
+        n=1,
+        new_ops=["SimplifiedLayerNormalization"],
+    )
     assert "LayerNormalization" not in op_types(model)
     assert ("BiasGelu" if beta else "Gelu") in op_types(model)
 

@@ -10,8 +10,9 @@ def test_residual_bias_layernorm_fused():
 
 def test_sum_used_elsewhere_comes_from_the_fused_op():
     # The residual sum is SkipLayerNormalization's 4th output; the fusion keeps it for other users.
-    model = g.check_fusion(FuseSkipLayerNorm, g.skip_layernorm(bias=False, shared=True), n=1,
-                           new_ops=["SkipLayerNormalization"])
+    model = g.check_fusion(
+        FuseSkipLayerNorm, g.skip_layernorm(bias=False, shared=True), n=1, new_ops=["SkipLayerNormalization"]
+    )
     assert op_types(model) == ["SkipLayerNormalization"]
 
 

@@ -12,7 +12,18 @@ from precast.targets.ort_cpu import OrtCpu
 from tests.helpers import make_model, ort_run
 
 D = 8
-PIECES = ["add", "mul", "relu", "matmul", "matmul_bias", "layernorm", "ln_op", "gelu_erf", "gelu_tanh", "residual_ln"]
+PIECES = [
+    "add",
+    "mul",
+    "relu",
+    "matmul",
+    "matmul_bias",
+    "layernorm",
+    "ln_op",
+    "gelu_erf",
+    "gelu_tanh",
+    "residual_ln",
+]
 
 
 def _build(pieces: list[str], seed: int):
@@ -27,7 +38,7 @@ def _build(pieces: list[str], seed: int):
     for k, piece in enumerate(pieces):
         p = f"p{k}_"
         out = f"{p}out"
-        vec = lambda n: const(p + n, rng.standard_normal(D))  # noqa: E731
+        vec = lambda n: const(p + n, rng.standard_normal(D))  # noqa: E731, B023 (called inside this iteration only)
         if piece == "add":
             nodes.append(helper.make_node("Add", [cur, vec("b")], [out]))
         elif piece == "mul":
@@ -72,7 +83,9 @@ def _build(pieces: list[str], seed: int):
         cur = out
     nodes.append(helper.make_node("Identity", [cur], ["y"]))
     F = TensorProto.FLOAT
-    return make_model(nodes, [("x", F, ["batch", "seq", D])], [("y", F, ["batch", "seq", D])], inits, opset=20)
+    return make_model(
+        nodes, [("x", F, ["batch", "seq", D])], [("y", F, ["batch", "seq", D])], inits, opset=20
+    )
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,7 +10,9 @@ from precast.compiler.driver import CompileOptions, compile_model
 @pytest.mark.slow
 def test_minilm_default_pipeline_fuses_attention_with_parity(minilm_dir, tmp_path):
     # ort_level=none: what is counted below is precast's own work, not ONNX Runtime's offline optimizer.
-    res = compile_model(str(minilm_dir), tmp_path / "art", CompileOptions(target_options={"ort_level": "none"}))
+    res = compile_model(
+        str(minilm_dir), tmp_path / "art", CompileOptions(target_options={"ort_level": "none"})
+    )
     stats = {str(r.spec): r.stats for r in res.records["ort-cpu"]}
     assert stats["fuse-attention"]["fused"] == 6
     assert stats["fuse-skip-layernorm"]["fused"] == 12

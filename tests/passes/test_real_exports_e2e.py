@@ -10,9 +10,9 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
+
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.passes._decoder_rules import is_causal_mask
-
 from tests.helpers import make_model, to_ir
 
 torch = pytest.importorskip("torch")
@@ -22,8 +22,13 @@ transformers = pytest.importorskip("transformers")
 def tiny_llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 256):
     """A Hugging Face Llama with seeded random weights; forward(input_ids) -> logits, no KV cache."""
     cfg = transformers.LlamaConfig(
-        vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=512,
         attn_implementation="eager",
     )
     torch.manual_seed(0)
@@ -51,14 +56,22 @@ def llama_source(module):
 
     spec = [TensorSpec("input_ids", "int64", ("batch", "sequence"))]
     model = export_module(module, spec, ["logits"], {"batch": 2, "sequence": 7})
-    return Source("torch", "tiny_llama", model, "0" * 64, reference=torch_reference(module, ["input_ids"], ["logits"]),
-                  reference_name="torch (eager)")
+    return Source(
+        "torch",
+        "tiny_llama",
+        model,
+        "0" * 64,
+        reference=torch_reference(module, ["input_ids"], ["logits"]),
+        reference_name="torch (eager)",
+    )
 
 
 @pytest.mark.slow
 def test_llama_decoder_fuses_rmsnorm_rotary_gqa_with_torch_parity(tmp_path):
     module = tiny_llama()
-    res = compile_model(llama_source(module), tmp_path / "art", CompileOptions(target_options={"ort_level": "none"}))
+    res = compile_model(
+        llama_source(module), tmp_path / "art", CompileOptions(target_options={"ort_level": "none"})
+    )
     stats = {str(r.spec).split("{")[0]: r.stats for r in res.records["ort-cpu"]}
     # 5 RMSNorms (2 per layer + final); all but the first follow a residual Add.
     assert stats["fuse-rmsnorm"]["fused"] == 5
@@ -95,14 +108,22 @@ def _mask_model(kind: str):
         helper.make_node("Where", ["above", "neg", "zerof"], ["m2"]),
     ]
     if kind == "data":  # a padding mask would read the input's values
-        nodes += [helper.make_node("ReduceSum", ["x"], ["sx"], keepdims=0),
-                  helper.make_node("Cast", ["sx"], ["sxf"], to=F),
-                  helper.make_node("Mul", ["m2", "sxf"], ["m2b"])]
+        nodes += [
+            helper.make_node("ReduceSum", ["x"], ["sx"], keepdims=0),
+            helper.make_node("Cast", ["sx"], ["sxf"], to=F),
+            helper.make_node("Mul", ["m2", "sxf"], ["m2b"]),
+        ]
     last = "m2b" if kind == "data" else "m2"
     nodes.append(helper.make_node("Unsqueeze", [last, "ax01"], ["mask"]))
-    inits = {"zero": np.array(0, np.int64), "one": np.array(1, np.int64), "ax0": np.array([0], np.int64),
-             "ax1": np.array([1], np.int64), "ax01": np.array([0, 1], np.int64),
-             "neg": np.array(np.finfo(np.float32).min, np.float32), "zerof": np.array(0, np.float32)}
+    inits = {
+        "zero": np.array(0, np.int64),
+        "one": np.array(1, np.int64),
+        "ax0": np.array([0], np.int64),
+        "ax1": np.array([1], np.int64),
+        "ax01": np.array([0, 1], np.int64),
+        "neg": np.array(np.finfo(np.float32).min, np.float32),
+        "zerof": np.array(0, np.float32),
+    }
     return make_model(nodes, [("x", I64, ["batch", "seq"])], [("mask", F, ["batch", 1, "seq", "seq"])], inits)
 
 
@@ -137,8 +158,14 @@ def export_loop(path, steps: int = 6):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         torch.onnx.export(
-            torch.jit.script(RecurrentLoop().eval()), (torch.randn(2, steps, 16),), str(path), dynamo=False,
-            opset_version=17, input_names=["x"], output_names=["y"], dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
+            torch.jit.script(RecurrentLoop().eval()),
+            (torch.randn(2, steps, 16),),
+            str(path),
+            dynamo=False,
+            opset_version=17,
+            input_names=["x"],
+            output_names=["y"],
+            dynamic_axes={"x": {0: "batch"}, "y": {0: "batch"}},
         )
 
 
@@ -146,7 +173,9 @@ def export_loop(path, steps: int = 6):
 def test_scripted_python_loop_is_unrolled_with_parity(tmp_path):
     export_loop(tmp_path / "loop.onnx")
     assert "Loop" in [n.op_type for n in onnx.load(str(tmp_path / "loop.onnx")).graph.node]
-    res = compile_model(str(tmp_path / "loop.onnx"), tmp_path / "art", CompileOptions(target_options={"ort_level": "none"}))
+    res = compile_model(
+        str(tmp_path / "loop.onnx"), tmp_path / "art", CompileOptions(target_options={"ort_level": "none"})
+    )
     stats = {str(r.spec).split("{")[0]: r.stats for r in res.records["ort-cpu"]}
     assert stats["unroll-loops"]["unrolled"] == 1 and "kept" not in stats["unroll-loops"]
     assert res.manifest["parity"]["ok"]
@@ -164,6 +193,8 @@ def test_scripted_python_loop_is_unrolled_with_parity(tmp_path):
 @pytest.mark.slow
 def test_loop_longer_than_max_trip_is_kept(tmp_path):
     export_loop(tmp_path / "loop.onnx", steps=20)
-    res = compile_model(str(tmp_path / "loop.onnx"), tmp_path / "art", CompileOptions(target_options={"ort_level": "none"}))
+    res = compile_model(
+        str(tmp_path / "loop.onnx"), tmp_path / "art", CompileOptions(target_options={"ort_level": "none"})
+    )
     stats = {str(r.spec).split("{")[0]: r.stats for r in res.records["ort-cpu"]}
     assert stats["unroll-loops"] == {"unrolled": 0, "kept": 1} and res.manifest["parity"]["ok"]

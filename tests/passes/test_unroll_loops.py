@@ -2,8 +2,8 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 from onnx import TensorProto, helper
-from precast.passes.unroll_loops import UnrollLoops
 
+from precast.passes.unroll_loops import UnrollLoops
 from tests.helpers import make_model, op_types, ort_run
 
 F, I64, B = TensorProto.FLOAT, TensorProto.INT64, TensorProto.BOOL

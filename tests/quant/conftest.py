@@ -19,13 +19,17 @@ def mlp2():
         "w1": (rng.standard_normal((k, h)) / np.sqrt(k)).astype(np.float32),
         "w2": (rng.standard_normal((h, n)) / np.sqrt(h)).astype(np.float32),
     }
-    return make_model(nodes, [("x", TensorProto.FLOAT, ["batch", k])], [("y", TensorProto.FLOAT, ["batch", n])], inits)
+    return make_model(
+        nodes, [("x", TensorProto.FLOAT, ["batch", k])], [("y", TensorProto.FLOAT, ["batch", n])], inits
+    )
 
 
 @pytest.fixture
 def correlated():
     """Sampler of anisotropic, correlated activations (a few loud channels): where GPTQ beats RTN."""
-    mix = np.random.default_rng(7).standard_normal((128, 128)) * (np.random.default_rng(8).random(128) ** 4 * 10)
+    mix = np.random.default_rng(7).standard_normal((128, 128)) * (
+        np.random.default_rng(8).random(128) ** 4 * 10
+    )
 
     def sample(n: int, seed: int) -> np.ndarray:
         return (np.random.default_rng(seed).standard_normal((n, 128)) @ mix.T).astype(np.float32)

@@ -20,14 +20,22 @@ def test_minilm_int8_dynamic_artifact(tmp_path, minilm_dir):
     quant = next(p for p in res.manifest["passes"] if p["pass"].startswith("quantize-int8"))
     # The packed Attention is unpacked so Q/K/V quantize too: 6 layers x (q, k, v, attention out, fc1, fc2)
     assert quant["stats"]["attention_unpacked"] == 6 and quant["stats"]["int8_weights"] >= 36
-    assert res.manifest["parity"]["budget"] == {**res.manifest["parity"]["budget"], "budget": "cosine>=0.99", "ok": True}
+    assert res.manifest["parity"]["budget"] == {
+        **res.manifest["parity"]["budget"],
+        "budget": "cosine>=0.99",
+        "ok": True,
+    }
     assert res.manifest["parity"]["padding_mask"] == "attention_mask"
     assert res.manifest["parity"]["outputs"]["last_hidden_state"]["cosine"] >= 0.99
 
     tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
     tok.enable_padding(pad_id=0, pad_token="[PAD]")
-    sentences = ["A compiler turns source code into machine code.", "Heavy rain is expected tomorrow.",
-                 "How do I reset my password?", "The museum opens at nine in the morning."]
+    sentences = [
+        "A compiler turns source code into machine code.",
+        "Heavy rain is expected tomorrow.",
+        "How do I reset my password?",
+        "The museum opens at nine in the morning.",
+    ]
     enc = tok.encode_batch(sentences)
     feeds = {
         "input_ids": np.array([e.ids for e in enc], np.int64),

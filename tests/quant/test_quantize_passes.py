@@ -38,7 +38,9 @@ def test_int8_static_qdq_calibrated(mlp2, correlated, method):
     out, stats = run(f"quantize-int8{{mode=static,method={method}}}", mlp2, calibration_feeds=calib)
     assert stats["calibration"] == "calibration" and stats["calibration_batches"] == 3
     ops = op_types(out)
-    assert ops.count("QuantizeLinear") >= 2 and "DequantizeLinear" in ops and ops.count("MatMul") == 2  # QDQ format
+    assert (
+        ops.count("QuantizeLinear") >= 2 and "DequantizeLinear" in ops and ops.count("MatMul") == 2
+    )  # QDQ format
     err, _ = rel_err(out, mlp2, {"x": correlated(32, 9)})
     assert 0 < err < 0.1
 
@@ -103,7 +105,9 @@ def test_int4_options_are_validated():
         parse_pipeline("quantize-int4{block=48}")
     with pytest.raises(PassOptionError, match="accuracy_level"):
         parse_pipeline("quantize-int4{accuracy_level=7}")
-    assert str(parse_pipeline("quantize-int4{algo=gptq,block=128}")[0]) == "quantize-int4{algo=gptq,block=128}"
+    assert (
+        str(parse_pipeline("quantize-int4{algo=gptq,block=128}")[0]) == "quantize-int4{algo=gptq,block=128}"
+    )
 
 
 def test_int4_artifact_weights_under_30_percent(mlp2):
@@ -126,7 +130,9 @@ def test_calibration_npz_formats(tmp_path):
     from precast.compiler.calibration import load_calibration
 
     np.savez(tmp_path / "one.npz", x=np.ones((2, 3), np.float32))
-    np.savez(tmp_path / "many.npz", **{"1/x": np.ones((1, 3), np.float32), "0/x": np.zeros((1, 3), np.float32)})
+    np.savez(
+        tmp_path / "many.npz", **{"1/x": np.ones((1, 3), np.float32), "0/x": np.zeros((1, 3), np.float32)}
+    )
     np.savez(tmp_path / "mixed.npz", **{"0/x": np.ones(3), "x": np.ones(3)})
     (tmp_path / "t.txt").write_text("some text")
     assert len(load_calibration(tmp_path / "one.npz")[0]) == 1

@@ -4,8 +4,8 @@ MultiHeadAttention, so the projections quantize too. Numbers checked against ONN
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
-from precast.passes._unpack_attention import unpack_attention
 
+from precast.passes._unpack_attention import unpack_attention
 from tests.helpers import make_model, op_types, ort_run
 from tests.quant.test_quantize_passes import cosine, run
 

@@ -27,7 +27,9 @@ def test_load_and_run(artifact, rng):
     assert [s.name for s in model.outputs] == ["y"]
     assert model.target == "ort-cpu" and "CPUExecutionProvider" in model.providers
     x = rng.standard_normal((5, 8)).astype(np.float32)
-    np.testing.assert_allclose(model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-5, atol=1e-5
+    )
     with pytest.raises(ArtifactError, match="unknown output 'z'"):
         model.run({"x": x}, outputs=["z"])
 
@@ -119,10 +121,18 @@ def test_mask_padding_ignores_padded_positions_only():
     feeds = {"attention_mask": mask}
     tol = Tolerance(1e-6, 0, 0.9999)
     assert not compare_outputs({"h": ref}, {"h": got}, tol)["h"]["ok"]
-    masked = compare_outputs(mask_padding({"h": ref}, feeds, "attention_mask"), mask_padding({"h": got}, feeds, "attention_mask"), tol)
+    masked = compare_outputs(
+        mask_padding({"h": ref}, feeds, "attention_mask"),
+        mask_padding({"h": got}, feeds, "attention_mask"),
+        tol,
+    )
     assert masked["h"]["ok"] and masked["h"]["max_abs"] == 0
     got[1, 2] = 100.0  # a real token that differs still fails
-    masked = compare_outputs(mask_padding({"h": ref}, feeds, "attention_mask"), mask_padding({"h": got}, feeds, "attention_mask"), tol)
+    masked = compare_outputs(
+        mask_padding({"h": ref}, feeds, "attention_mask"),
+        mask_padding({"h": got}, feeds, "attention_mask"),
+        tol,
+    )
     assert not masked["h"]["ok"]
     assert mask_padding({"p": pooled}, feeds, "attention_mask")["p"] is not None
     np.testing.assert_array_equal(mask_padding({"p": pooled}, feeds, "attention_mask")["p"], pooled)

@@ -80,9 +80,15 @@ def tiny_encoder(tmp_path_factory) -> Path:
     ]
     model = make_model(
         nodes,
-        [("input_ids", TensorProto.INT64, ["batch", "seq"]), ("attention_mask", TensorProto.INT64, ["batch", "seq"]),
-         ("token_type_ids", TensorProto.INT64, ["batch", "seq"])],
-        [("last_hidden_state", TensorProto.FLOAT, ["batch", "seq", 6]), ("lengths", TensorProto.FLOAT, ["batch"])],
+        [
+            ("input_ids", TensorProto.INT64, ["batch", "seq"]),
+            ("attention_mask", TensorProto.INT64, ["batch", "seq"]),
+            ("token_type_ids", TensorProto.INT64, ["batch", "seq"]),
+        ],
+        [
+            ("last_hidden_state", TensorProto.FLOAT, ["batch", "seq", 6]),
+            ("lengths", TensorProto.FLOAT, ["batch"]),
+        ],
         {"table": encoder_table(), "axes": np.array([1], np.int64)},
     )
     out = tmp_path_factory.mktemp("enc") / "encoder"
@@ -99,11 +105,15 @@ def tiny_encoder(tmp_path_factory) -> Path:
 def live_server(config):
     """A real uvicorn server for ``config`` on 127.0.0.1 and a kernel-chosen port; yields (url, state)."""
     import uvicorn
+
     from precast.runtime.server.app import create_app
 
     app = create_app(config)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="on",
-                                           timeout_graceful_shutdown=10))
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", timeout_graceful_shutdown=10
+        )
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -119,7 +129,9 @@ def live_server(config):
 
 
 def v2_body(x: np.ndarray, name: str = "x") -> dict:
-    return {"inputs": [{"name": name, "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]}
+    return {
+        "inputs": [{"name": name, "shape": list(x.shape), "datatype": "FP32", "data": x.ravel().tolist()}]
+    }
 
 
 def v2_output(resp_json: dict, name: str = "y") -> np.ndarray:

@@ -6,8 +6,8 @@ import time
 
 import httpx
 import pytest
-from precast.runtime.server import ServerConfig
 
+from precast.runtime.server import ServerConfig
 from tests.server.conftest import live_server, metric_value
 
 openai = pytest.importorskip("openai")
@@ -27,7 +27,9 @@ def llm_artifact(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(llm_artifact):
-    with live_server(ServerConfig(llm_artifact, model_name="tiny", request_timeout=60, llm={"num_blocks": 32})) as s:
+    with live_server(
+        ServerConfig(llm_artifact, model_name="tiny", request_timeout=60, llm={"num_blocks": 32})
+    ) as s:
         yield s
 
 
@@ -40,14 +42,25 @@ def client(server):
 def test_completions_match_the_engine(server, client, llm_artifact):
     from precast.runtime.llm import Engine, SamplingParams
 
-    want = Engine.load(llm_artifact, num_blocks=16).generate(PROMPT, SamplingParams(max_tokens=12, ignore_eos=True))[0]
-    r = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0,
-                                  extra_body={"ignore_eos": True})
+    want = Engine.load(llm_artifact, num_blocks=16).generate(
+        PROMPT, SamplingParams(max_tokens=12, ignore_eos=True)
+    )[0]
+    r = client.completions.create(
+        model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].text == want.text and r.choices[0].finish_reason == "length"
     assert r.usage.completion_tokens == 12 and r.usage.prompt_tokens == len(want.prompt_ids)
     # streamed: the same text, piece by piece, then finish_reason on the last chunk
-    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True,
-                                            extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.completions.create(
+            model="tiny",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            stream=True,
+            extra_body={"ignore_eos": True},
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == want.text
     assert chunks[-1].choices[0].finish_reason == "length" and len(chunks) >= 2
     assert [m.id for m in client.models.list().data] == ["tiny"]
@@ -55,12 +68,21 @@ def test_completions_match_the_engine(server, client, llm_artifact):
 
 def test_chat_completions_stream_and_not(client):
     msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}]
-    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
-                                       extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(
+        model="tiny", messages=msgs, max_tokens=8, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert r.choices[0].message.role == "assistant" and r.usage.completion_tokens == 8
-    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=0,
-                                                 stream=True, stream_options={"include_usage": True},
-                                                 extra_body={"ignore_eos": True}))
+    chunks = list(
+        client.chat.completions.create(
+            model="tiny",
+            messages=msgs,
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == r.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 8
@@ -70,7 +92,9 @@ def test_priority_header_and_field(client, server):
     url, _ = server
     r = client.completions.create(model="tiny", prompt="x = [", max_tokens=2, extra_body={"priority": "high"})
     assert r.usage.completion_tokens >= 1
-    r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Priority": "low"})
+    r = httpx.post(
+        f"{url}/v1/completions", json={"prompt": "x", "max_tokens": 2}, headers={"X-Priority": "low"}
+    )
     assert r.status_code == 200
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "x", "priority": "urgent"})
     assert r.status_code == 400 and "priority" in r.json()["error"]["message"]
@@ -82,8 +106,12 @@ def test_bad_requests_are_4xx_and_the_server_keeps_serving(client, server):
         client.completions.create(model="tiny", prompt="word " * 400, max_tokens=4)
     with pytest.raises(openai.NotFoundError, match="unknown model 'gpt-4'"):
         client.completions.create(model="gpt-4", prompt="hi", max_tokens=4)
-    for body, culprit in [({"prompt": "hi", "max_tokens": 0}, "max_tokens"), ({"prompt": ""}, "'prompt'"),
-                          ({"prompt": "hi", "temperature": -1}, "temperature"), ({"prompt": "hi", "n": 2}, "'n'")]:
+    for body, culprit in [
+        ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+        ({"prompt": ""}, "'prompt'"),
+        ({"prompt": "hi", "temperature": -1}, "temperature"),
+        ({"prompt": "hi", "n": 2}, "'n'"),
+    ]:
         r = httpx.post(f"{url}/v1/completions", json=body)
         assert r.status_code == 400 and culprit in r.json()["error"]["message"], r.text
     r = httpx.post(f"{url}/v1/chat/completions", json={"messages": "hi"})

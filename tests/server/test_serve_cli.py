@@ -38,10 +38,26 @@ def _wait(predicate, seconds: float, what: str) -> None:
 def test_cli_serves_reloads_on_sighup_and_drains_on_sigterm(mlp_a):
     port = _free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-c", "from precast.cli.main import main; main()", "serve", str(mlp_a),
-         "--port", str(port), "--model-name", "mlp", "--log-level", "warning",
-         "--max-batch-size", "64", "--max-queue-delay-ms", "1500"],  # requests wait 1.5 s for company
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-c",
+            "from precast.cli.main import main; main()",
+            "serve",
+            str(mlp_a),
+            "--port",
+            str(port),
+            "--model-name",
+            "mlp",
+            "--log-level",
+            "warning",
+            "--max-batch-size",
+            "64",
+            "--max-queue-delay-ms",
+            "1500",
+        ],  # requests wait 1.5 s for company
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -49,20 +65,37 @@ def test_cli_serves_reloads_on_sighup_and_drains_on_sigterm(mlp_a):
         r = httpx.post(f"{url}/v2/models/mlp/infer", json=v2_body(np.ones((2, 8), np.float32)), timeout=10)
         assert r.status_code == 200 and r.json()["model_version"] == "1"
         proc.send_signal(signal.SIGHUP)
-        _wait(lambda: metric_value(httpx.get(f"{url}/metrics", timeout=2).text, "precast_reloads_total",
-                                   result="ok") == 1, 30, "the SIGHUP reload")
+        _wait(
+            lambda: (
+                metric_value(
+                    httpx.get(f"{url}/metrics", timeout=2).text, "precast_reloads_total", result="ok"
+                )
+                == 1
+            ),
+            30,
+            "the SIGHUP reload",
+        )
         r = httpx.post(f"{url}/v2/models/mlp/infer", json=v2_body(np.ones((2, 8), np.float32)), timeout=10)
         assert r.json()["model_version"] == "2"
         # SIGTERM while a request waits in the batcher: it is answered before the process exits.
         with ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(httpx.post, f"{url}/v2/models/mlp/infer",
-                                  json=v2_body(np.ones((1, 8), np.float32)), timeout=30)
-            _wait(lambda: metric_value(httpx.get(f"{url}/metrics", timeout=2).text, "precast_queue_depth") == 1,
-                  10, "the request to be queued")
+            pending = pool.submit(
+                httpx.post,
+                f"{url}/v2/models/mlp/infer",
+                json=v2_body(np.ones((1, 8), np.float32)),
+                timeout=30,
+            )
+            _wait(
+                lambda: metric_value(httpx.get(f"{url}/metrics", timeout=2).text, "precast_queue_depth") == 1,
+                10,
+                "the request to be queued",
+            )
             proc.send_signal(signal.SIGTERM)
             assert pending.result(timeout=30).status_code == 200
         out, _ = proc.communicate(timeout=30)
-        assert proc.returncode in (0, -signal.SIGTERM), out[-2000:]  # uvicorn re-raises the signal it drained on
+        assert proc.returncode in (0, -signal.SIGTERM), out[
+            -2000:
+        ]  # uvicorn re-raises the signal it drained on
         assert "Traceback" not in out, out[-2000:]
     finally:
         if proc.poll() is None:
@@ -71,8 +104,13 @@ def test_cli_serves_reloads_on_sighup_and_drains_on_sigterm(mlp_a):
 
 
 def test_cli_bad_artifact_is_one_line_and_exit_3(tmp_path):
-    r = subprocess.run([sys.executable, "-c", "from precast.cli.main import main; main()", "serve",
-                        str(tmp_path / "nope")], capture_output=True, text=True, timeout=60, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", "from precast.cli.main import main; main()", "serve", str(tmp_path / "nope")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 3 and r.stderr.strip() == f"error: artifact not found: {tmp_path / 'nope'}"
 
 
@@ -106,9 +144,26 @@ def test_server_imports_no_compiler_dependencies(mlp_a):
 def test_load_generator_reports_and_loses_nothing(mlp_a, tmp_path):
     out = tmp_path / "rows.json"
     r = subprocess.run(
-        [sys.executable, "benchmarks/load_server.py", str(mlp_a), "--mode", "v2", "--clients", "4",
-         "--requests", "5", "--max-batch-size", "8", "--json", str(out)],
-        capture_output=True, text=True, timeout=120, check=False, cwd=Path(__file__).resolve().parents[2],
+        [
+            sys.executable,
+            "benchmarks/load_server.py",
+            str(mlp_a),
+            "--mode",
+            "v2",
+            "--clients",
+            "4",
+            "--requests",
+            "5",
+            "--max-batch-size",
+            "8",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=Path(__file__).resolve().parents[2],
     )
     assert r.returncode == 0, r.stdout + r.stderr[-2000:]
     import json

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from fastapi.testclient import TestClient
+
 from precast.runtime.server import ServerConfig
 from precast.runtime.server.app import create_app
-
 from tests.helpers import ort_run, tiny_mlp
 from tests.server.conftest import VOCAB, encoder_table, metric_value, v2_body, v2_output
 
@@ -40,23 +40,51 @@ def test_metadata_and_health(client):
     assert client.get("/v1/models").json()["data"][0]["id"] == "mlp"
 
 
-@pytest.mark.parametrize("body, status, culprit", [
-    ("{not json", 400, "malformed JSON"),
-    ('{"inputs": []}', 400, "non-empty 'inputs'"),
-    ('{"inputs": [{"name": "x", "shape": [1, 7], "datatype": "FP32", "data": [0,0,0,0,0,0,0]}]}', 400,
-     "input 'x': dim 1 must be 8"),
-    ('{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "INT64", "data": [0,0,0,0,0,0,0,0]}]}', 400,
-     "input 'x': expected dtype float32, got int64"),
-    ('{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0,0,0]}]}', 400,
-     "input 'x': shape [1, 8] needs 8 values, got 3"),
-    ('{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP99", "data": [0]}]}', 400, "unsupported datatype"),
-    ('{"inputs": [{"name": "z", "shape": [1, 8], "datatype": "FP32", "data": [0,0,0,0,0,0,0,0]}]}', 400,
-     "unknown input 'z'"),
-    ('{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": ["a","b","c","d","e","f","g","h"]}]}',
-     400, "input 'x': data is not FP32"),
-    (('{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0,0,0,0,0,0,0,0]}],'
-      ' "outputs": [{"name": "nope"}]}'), 400, "unknown output 'nope'"),
-])
+@pytest.mark.parametrize(
+    "body, status, culprit",
+    [
+        ("{not json", 400, "malformed JSON"),
+        ('{"inputs": []}', 400, "non-empty 'inputs'"),
+        (
+            '{"inputs": [{"name": "x", "shape": [1, 7], "datatype": "FP32", "data": [0,0,0,0,0,0,0]}]}',
+            400,
+            "input 'x': dim 1 must be 8",
+        ),
+        (
+            '{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "INT64", "data": [0,0,0,0,0,0,0,0]}]}',
+            400,
+            "input 'x': expected dtype float32, got int64",
+        ),
+        (
+            '{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0,0,0]}]}',
+            400,
+            "input 'x': shape [1, 8] needs 8 values, got 3",
+        ),
+        (
+            '{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP99", "data": [0]}]}',
+            400,
+            "unsupported datatype",
+        ),
+        (
+            '{"inputs": [{"name": "z", "shape": [1, 8], "datatype": "FP32", "data": [0,0,0,0,0,0,0,0]}]}',
+            400,
+            "unknown input 'z'",
+        ),
+        (
+            '{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": ["a","b","c","d","e","f","g","h"]}]}',
+            400,
+            "input 'x': data is not FP32",
+        ),
+        (
+            (
+                '{"inputs": [{"name": "x", "shape": [1, 8], "datatype": "FP32", "data": [0,0,0,0,0,0,0,0]}],'
+                ' "outputs": [{"name": "nope"}]}'
+            ),
+            400,
+            "unknown output 'nope'",
+        ),
+    ],
+)
 def test_bad_input_is_a_4xx_naming_the_culprit(client, body, status, culprit):
     r = client.post("/v2/models/mlp/infer", content=body, headers={"content-type": "application/json"})
     assert r.status_code == status and culprit in r.json()["error"], r.text
@@ -79,7 +107,9 @@ def test_metrics_count_requests_by_status(client):
     assert metric_value(text, "precast_requests_total", endpoint="/v2/models/{name}/infer", status="200") == 1
     assert metric_value(text, "precast_requests_total", endpoint="/v2/models/{name}/infer", status="400") == 1
     assert metric_value(text, "precast_batch_size_count") == 1
-    assert metric_value(text, "precast_request_latency_seconds_count", endpoint="/v2/models/{name}/infer") == 2
+    assert (
+        metric_value(text, "precast_request_latency_seconds_count", endpoint="/v2/models/{name}/infer") == 2
+    )
     assert "precast_queue_depth 0.0" in text
 
 
@@ -110,8 +140,11 @@ def test_embeddings_mean_pool_and_normalize(tiny_encoder):
 
         vec = np.frombuffer(base64.b64decode(r.json()["data"][0]["embedding"]), np.float32)
         np.testing.assert_allclose(vec, _expected_embedding("fox"), rtol=1e-5, atol=1e-6)
-        for bad, culprit in [({"input": []}, "'input'"), ({"input": [""]}, "empty string"),
-                             ({"input": "x", "model": "gpt"}, "unknown model 'gpt'"),
-                             ({"input": "x", "encoding_format": "int8"}, "encoding_format")]:
+        for bad, culprit in [
+            ({"input": []}, "'input'"),
+            ({"input": [""]}, "empty string"),
+            ({"input": "x", "model": "gpt"}, "unknown model 'gpt'"),
+            ({"input": "x", "encoding_format": "int8"}, "encoding_format"),
+        ]:
             r = c.post("/v1/embeddings", json=bad)
             assert r.status_code in (400, 404) and culprit in r.json()["error"]["message"], r.text

@@ -3,8 +3,8 @@
 from types import SimpleNamespace
 
 import pytest
-from precast.cli.main import main
 
+from precast.cli.main import main
 from tests.helpers import save, tiny_mlp
 
 

@@ -4,19 +4,21 @@ import json
 
 import numpy as np
 import pytest
+
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import ArtifactError, ep_plugin, load
 from precast.runtime.errors import TargetUnavailableError
 from precast.runtime.model import preference_order
 from precast.runtime.tensorrt_backend import tensorrt_available
-
 from tests.helpers import ort_run, tiny_mlp
 from tests.targets.conftest import cosine
 
 pytest.importorskip("onnxruntime_qnn")
 pytest.importorskip("openvino")
 # On a GPU host with TensorRT the plan would still be skipped, but the reasons differ; gpu_check.sh covers that.
-pytestmark = pytest.mark.skipif(tensorrt_available()[0], reason="GPU host: selection is checked by gpu_check.sh")
+pytestmark = pytest.mark.skipif(
+    tensorrt_available()[0], reason="GPU host: selection is checked by gpu_check.sh"
+)
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +48,9 @@ def test_prefer_overrides_and_unknown_prefer_is_refused(multi, rng):
     for name, provider in [("openvino", "OpenVINO:CPU"), ("ort-cpu", "CPUExecutionProvider")]:
         model = load(multi, prefer=name)
         assert model.target == name and model.providers[0] == provider and model.skipped == {}
-        np.testing.assert_allclose(model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-4, atol=1e-4)
+        np.testing.assert_allclose(
+            model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-4, atol=1e-4
+        )
     with pytest.raises(ArtifactError, match="no target 'ort-qnnn'"):
         load(multi, prefer="ort-qnnn")
 
@@ -62,7 +66,12 @@ def test_npu_missing_falls_back_to_openvino_with_reason(multi, monkeypatch):
 
 
 def test_preference_order():
-    assert preference_order(["ort-cpu", "x", "openvino", "tensorrt"]) == ["tensorrt", "openvino", "ort-cpu", "x"]
+    assert preference_order(["ort-cpu", "x", "openvino", "tensorrt"]) == [
+        "tensorrt",
+        "openvino",
+        "ort-cpu",
+        "x",
+    ]
     assert preference_order(["ort-cpu", "openvino"], prefer="ort-cpu") == ["ort-cpu", "openvino"]
 
 
@@ -76,5 +85,9 @@ def test_cli_run_prefer_and_targets(cli, multi, tmp_path):
     r = cli("targets", "--json")
     rows = json.loads(r.out)
     assert rows["ort-qnn"]["build"] and rows["ort-qnn"]["run"] and rows["openvino"]["run"]
-    assert rows["tensorrt"]["build"] and not rows["tensorrt"]["run"] and "libcuda" in rows["tensorrt"]["run_reason"]
+    assert (
+        rows["tensorrt"]["build"]
+        and not rows["tensorrt"]["run"]
+        and "libcuda" in rows["tensorrt"]["run_reason"]
+    )
     assert "build plan only" in rows["tensorrt"]["build_reason"]

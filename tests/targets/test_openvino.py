@@ -4,10 +4,10 @@ import json
 
 import numpy as np
 import pytest
+
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import load
 from precast.runtime.errors import UsageError
-
 from tests.helpers import ort_run, tiny_mlp
 
 pytest.importorskip("openvino")
@@ -29,14 +29,21 @@ def test_ir_artifact_runs_dynamic_batch_at_fp32(ov_art, rng, tmp_path, monkeypat
     assert model.providers == ["OpenVINO:CPU"]
     for batch in (1, 5):  # symbolic batch stays dynamic in the IR
         x = rng.standard_normal((batch, 8)).astype(np.float32)
-        np.testing.assert_allclose(model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-4, atol=1e-4)
-    assert any((tmp_path / "cache" / "openvino").iterdir())  # compiled blob cached per host, not in the artifact
+        np.testing.assert_allclose(
+            model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-4, atol=1e-4
+        )
+    assert any(
+        (tmp_path / "cache" / "openvino").iterdir()
+    )  # compiled blob cached per host, not in the artifact
 
 
 def test_bad_option(mlp_path, tmp_path):
     with pytest.raises(UsageError, match="inference_precision"):
-        compile_model(str(mlp_path), tmp_path / "a", CompileOptions(targets=["openvino"],
-                                                                   target_options={"inference_precision": "f64"}))
+        compile_model(
+            str(mlp_path),
+            tmp_path / "a",
+            CompileOptions(targets=["openvino"], target_options={"inference_precision": "f64"}),
+        )
 
 
 def test_edited_ir_is_refused(ov_art, tmp_path):

@@ -5,10 +5,10 @@ import json
 import numpy as np
 import onnx
 import pytest
+
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import InputError, load
 from precast.runtime.errors import ParityError, UsageError
-
 from tests.helpers import ort_run, tiny_mlp
 from tests.targets.conftest import cosine
 
@@ -52,8 +52,13 @@ def test_wrong_batch_names_the_compiled_shape(qnn_art):
 
 def test_pipeline_without_quantize_pass_uses_qnn_recipe(mlp_path, tmp_path, rng):
     calib = [{"x": rng.standard_normal((5, 8)).astype(np.float32)} for _ in range(4)]
-    opts = CompileOptions(targets=["ort-qnn"], passes="fold-constants", calibration_feeds=calib, dims={"batch": 1},
-                          target_options={"shapes": "x=1x8"})
+    opts = CompileOptions(
+        targets=["ort-qnn"],
+        passes="fold-constants",
+        calibration_feeds=calib,
+        dims={"batch": 1},
+        target_options={"shapes": "x=1x8"},
+    )
     result = compile_model(str(mlp_path), tmp_path / "a", opts)
     block = result.manifest["target"]
     assert block["static_shapes"] == {"x": [1, 8]} and "4 batches" in block["quantization"]["calibration"]
@@ -64,12 +69,22 @@ def test_pipeline_without_quantize_pass_uses_qnn_recipe(mlp_path, tmp_path, rng)
 
 def test_budget_can_fail(mlp_path, tmp_path):
     with pytest.raises(ParityError, match="cosine"):
-        compile_model(str(mlp_path), tmp_path / "a", CompileOptions(targets=["ort-qnn"], accuracy_budget="cosine>=0.9999999"))
+        compile_model(
+            str(mlp_path),
+            tmp_path / "a",
+            CompileOptions(targets=["ort-qnn"], accuracy_budget="cosine>=0.9999999"),
+        )
     assert not (tmp_path / "a").exists()
 
 
-@pytest.mark.parametrize("opt, msg", [({"htp": "73"}, "'htp' is not an option of target"), ({"shapes": "y=2x8"}, "not an input"),
-                                      ({"shapes": "x=2by8"}, "NAME=2x8")])
+@pytest.mark.parametrize(
+    "opt, msg",
+    [
+        ({"htp": "73"}, "'htp' is not an option of target"),
+        ({"shapes": "y=2x8"}, "not an input"),
+        ({"shapes": "x=2by8"}, "NAME=2x8"),
+    ],
+)
 def test_bad_options(mlp_path, tmp_path, opt, msg):
     with pytest.raises(UsageError, match=msg):
         compile_model(str(mlp_path), tmp_path / "a", CompileOptions(targets=["ort-qnn"], target_options=opt))

@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from onnx import TensorProto, helper
+
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import load
 from precast.runtime.errors import UsageError
 from precast.targets import get_target
-
 from tests.helpers import make_model, ort_run, save, tiny_mlp
 from tests.targets.pbtxt import one, parse
 from tests.targets.triton_fixtures import llama_triton, mlp_triton

@@ -5,7 +5,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from precast.compiler.driver import CompileOptions, compile_model
-
 from tests.helpers import save, tiny_mlp
 
 __all__ = ["llama_triton", "mlp_triton"]

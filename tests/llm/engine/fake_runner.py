@@ -46,7 +46,7 @@ def reference_greedy(prompt: list[int], n: int, vocab: int = 64) -> list[int]:
     toks = list(prompt)
     for _ in range(n):
         toks.append(int(np.argmax(reference_logits(toks, vocab))))
-    return toks[len(prompt):]
+    return toks[len(prompt) :]
 
 
 class FakeRunner:
@@ -60,8 +60,9 @@ class FakeRunner:
         self.steps: list[dict] = []  # feeds of every step (tests inspect batching)
 
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
-        ids, pos, past, new, tables = (np.asarray(a, dtype=np.int64) for a in
-                                       (input_ids, positions, past_lens, new_lens, block_tables))
+        ids, pos, past, new, tables = (
+            np.asarray(a, dtype=np.int64) for a in (input_ids, positions, past_lens, new_lens, block_tables)
+        )
         b, s = ids.shape
         bs, nb = self.spec.block_size, self.key_cache[0].shape[0]
         assert pos.shape == (b, s) and past.shape == (b,) and new.shape == (b,) and tables.shape[0] == b
@@ -82,8 +83,9 @@ class FakeRunner:
             for layer in range(1, self.spec.layers):
                 other = self.key_cache[layer][blk, 0, off].astype(np.int64)
                 vals = self.value_cache[layer][blk, 0, off].astype(np.int64)
-                past_rows = np.where((other == past_rows) & (vals[:, :1] == past_rows[:, :1] * (layer + 1)),
-                                     past_rows, -1)
+                past_rows = np.where(
+                    (other == past_rows) & (vals[:, :1] == past_rows[:, :1] * (layer + 1)), past_rows, -1
+                )
             new_rows = np.stack([ids[i, :n], pos[i, :n] + 1], axis=1)
             logits[i] = _logits_of(np.concatenate([past_rows, new_rows]), self.spec.vocab)
             # scatter the new K/V (the real ModelRunner does this after its session run)

@@ -1,6 +1,7 @@
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from precast.runtime.llm.block_pool import BlockPool
 from precast.runtime.llm.kv_cache_manager import KVCacheManager, block_hashes
 

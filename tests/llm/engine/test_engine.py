@@ -1,8 +1,8 @@
 import numpy as np
 import pytest
+
 from precast.runtime.errors import LLMRequestError, RequestCancelledError
 from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
-
 from tests.llm.engine.fake_runner import FakeRunner, FakeSpec, reference_greedy
 
 GREEDY = SamplingParams(max_tokens=12)
@@ -125,7 +125,12 @@ def test_seeded_sampling_independent_of_batch_and_preemption():
     hs = [eng.submit(p, sp) for p, sp in zip(prompts, params)]
     eng.run_until_done()
     assert [h.result().token_ids for h in hs] == alone
-    assert alone[0] != _engine().generate([prompts[0]], SamplingParams(max_tokens=10, temperature=0.8, seed=99))[0].token_ids
+    assert (
+        alone[0]
+        != _engine()
+        .generate([prompts[0]], SamplingParams(max_tokens=10, temperature=0.8, seed=99))[0]
+        .token_ids
+    )
 
 
 def test_cancel_frees_blocks_and_others_continue():
@@ -158,16 +163,19 @@ def test_cancel_waiting_request():
     _assert_no_leak(eng)
 
 
-@pytest.mark.parametrize("prompt,params,match", [
-    ([1 + i % 60 for i in range(128)], GREEDY, "128 tokens.*context is 128"),
-    ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
-    ([1, 2], SamplingParams(max_tokens=-1), "max_tokens"),
-    ([1, 64, 2], GREEDY, "unknown token id 64"),
-    ([1, -1], GREEDY, "unknown token id -1"),
-    ([], GREEDY, "empty prompt"),
-    ("text", GREEDY, "no tokenizer"),
-    ([1, 2], SamplingParams(temperature=-0.5), "temperature"),
-])
+@pytest.mark.parametrize(
+    "prompt,params,match",
+    [
+        ([1 + i % 60 for i in range(128)], GREEDY, "128 tokens.*context is 128"),
+        ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
+        ([1, 2], SamplingParams(max_tokens=-1), "max_tokens"),
+        ([1, 64, 2], GREEDY, "unknown token id 64"),
+        ([1, -1], GREEDY, "unknown token id -1"),
+        ([], GREEDY, "empty prompt"),
+        ("text", GREEDY, "no tokenizer"),
+        ([1, 2], SamplingParams(temperature=-0.5), "temperature"),
+    ],
+)
 def test_bad_inputs_are_typed_errors_and_engine_keeps_serving(prompt, params, match):
     eng = _engine()
     ok = eng.submit([7, 8, 9], GREEDY)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
 
 NEW = 24
@@ -47,10 +48,13 @@ def test_engine_greedy_matches_hf_generate(llama, expected, num_blocks, budget):
 @pytest.mark.slow
 def test_generate_cli_streams(llama, expected):
     from click.testing import CliRunner
+
     from precast.cli.main import _register, cli
 
     _register()
-    res = CliRunner().invoke(cli, ["generate", str(llama), TEXTS[0], "--max-tokens", "5", "--stream", "--json"])
+    res = CliRunner().invoke(
+        cli, ["generate", str(llama), TEXTS[0], "--max-tokens", "5", "--stream", "--json"]
+    )
     assert res.exit_code == 0, res.output
     assert '"finish_reason"' in res.output
     res = CliRunner().invoke(cli, ["generate", str(llama), TEXTS[0], "--max-tokens", "0"])

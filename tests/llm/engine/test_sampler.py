@@ -1,5 +1,6 @@
 import numpy as np
 import pytest
+
 from precast.runtime.errors import LLMRequestError
 from precast.runtime.llm.sampler import SamplingParams, filtered_probs, sample
 
@@ -56,10 +57,19 @@ def test_repetition_penalty_demotes_seen_tokens():
     assert probs[2] < probs[3]
 
 
-@pytest.mark.parametrize("bad", [
-    {"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -1.0}, {"top_k": -1}, {"top_p": 0.0},
-    {"top_p": 1.5}, {"repetition_penalty": 0.0}, {"stop": ("",)},
-])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        {"max_tokens": 0},
+        {"max_tokens": -3},
+        {"temperature": -1.0},
+        {"top_k": -1},
+        {"top_p": 0.0},
+        {"top_p": 1.5},
+        {"repetition_penalty": 0.0},
+        {"stop": ("",)},
+    ],
+)
 def test_bad_params_are_typed_errors(bad):
     with pytest.raises(LLMRequestError, match=next(iter(bad)).split("_")[0]):
         SamplingParams(**bad).validate()
