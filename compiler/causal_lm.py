@@ -10,15 +10,13 @@ Registered in hf_source.TASK_LOADERS. The Source carries:
 from __future__ import annotations
 
 import contextlib
-import io
 import json
-import logging
-import warnings
 from pathlib import Path
 
 import numpy as np
 
 from precast.compiler.source import Source, hash_files
+from precast.compiler.torch_export import dynamo_export
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
 
 __all__ = [
@@ -239,30 +237,14 @@ def export_step(module, spec: dict):
         [{0: nb}] * layers,
         [{0: nb}] * layers,
     )
-    for name in ("torch.onnx", "torch._export", "torch.export", "torch._dynamo"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(
-                module,
-                args,
-                dynamo=True,
-                input_names=_input_names(layers),
-                output_names=_output_names(layers),
-                dynamic_shapes=dynamic,
-                optimize=True,
-                verbose=False,
-                custom_translation_table=translations,
-            )
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ExportError(f"torch.onnx.export failed for {type(module).__name__}: {first}") from e
-    model = program.model
-    model.graph.name = model.graph.name or "main"
-    model.metadata_props.clear()
-    model.graph.metadata_props.clear()
-    return model
+    return dynamo_export(
+        module,
+        args,
+        input_names=_input_names(layers),
+        output_names=_output_names(layers),
+        dynamic_shapes=dynamic,
+        custom_translation_table=translations,
+    )
 
 
 def load_causal_lm(folder: Path, config: dict, dims: dict[str, int] | None = None) -> Source:

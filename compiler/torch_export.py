@@ -14,7 +14,14 @@ import onnx_ir as ir
 from precast.runtime.errors import ExportError, UsageError
 from precast.runtime.manifest import TensorSpec
 
-__all__ = ["import_torch", "export_module", "sample_dims", "torch_reference", "example_array"]
+__all__ = [
+    "import_torch",
+    "export_module",
+    "dynamo_export",
+    "sample_dims",
+    "torch_reference",
+    "example_array",
+]
 
 _SAMPLE_SIZES = [2, 8, 5, 3, 7, 6, 4]
 
@@ -62,28 +69,36 @@ def export_module(
     else:
         kwargs, args = {}, examples
         dynamic = tuple(dynamic.values())  # type: ignore[assignment]
+    return dynamo_export(
+        module,
+        args,
+        kwargs=kwargs or None,
+        input_names=[s.name for s in inputs],
+        output_names=list(output_names) if output_names else None,
+        dynamic_shapes=dynamic,
+    )
+
+
+def dynamo_export(module, args: tuple, **export_kwargs) -> ir.Model:
+    """torch.onnx.export(dynamo=True, optimize=True), quiet, with a one-line ExportError on failure.
+
+    The exporter's logs and stdout chatter are silenced; its host/torch metadata is dropped so the artifact
+    does not depend on them.
+    """
+    torch = import_torch()
     for name in ("torch.onnx", "torch._export", "torch.export", "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.ERROR)
     try:
         with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
             program = torch.onnx.export(
-                module,
-                args,
-                kwargs=kwargs or None,
-                dynamo=True,
-                input_names=[s.name for s in inputs],
-                output_names=list(output_names) if output_names else None,
-                dynamic_shapes=dynamic,
-                optimize=True,
-                verbose=False,
+                module, args, dynamo=True, optimize=True, verbose=False, **export_kwargs
             )
     except Exception as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ExportError(f"torch.onnx.export failed for {type(module).__name__}: {first}") from e
     model = program.model
     model.graph.name = model.graph.name or "main"
-    # The exporter records torch/host details in metadata; keep the artifact independent of them.
     model.metadata_props.clear()
     model.graph.metadata_props.clear()
     return model

