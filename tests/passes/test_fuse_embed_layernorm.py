@@ -141,7 +141,6 @@ def test_not_fused(model):
 @pytest.mark.slow
 def test_minilm_dynamo_export_fuses_embeddings_with_parity(minilm_dir, tmp_path):
     from precast.compiler.driver import CompileOptions, compile_model
-
     from precast.targets.ort_cpu import OrtCpu
 
     # The pass is opt-in (see targets/ort_cpu.py): the default pipeline plus fuse-embed-layernorm.
