@@ -7,6 +7,7 @@ Everything above (which blocks a request owns, scheduling, sampling) belongs to 
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -86,6 +87,9 @@ class ModelRunner:
         self.key_cache = list(self._k_all)
         self.value_cache = list(self._v_all)
         self._views = (tuple(self.key_cache), tuple(self.value_cache))
+        # The pool inputs of every step (numpy views: ORT reads them in place, no copy).
+        self._pool_feeds = {k: pool for (k, _), pool in zip(spec.kv_inputs, self.key_cache)}
+        self._pool_feeds.update({v: pool for (_, v), pool in zip(spec.kv_inputs, self.value_cache)})
         self._outputs = ["logits"] + [n for pair in spec.kv_outputs for n in pair]
 
     @classmethod
@@ -132,24 +136,25 @@ class ModelRunner:
             raise InputError(f"block_tables must be [B, MAXB] with B={b}; got {tables.shape}")
         if b == 0 or s == 0:
             raise InputError(f"empty step: input_ids has shape {ids.shape}")
-        if (new < 1).any() or (new > s).any():
+        if new.min() < 1 or new.max() > s:
             raise InputError(f"new_lens must be within [1, S={s}]; got {new.tolist()}")
-        if (past < 0).any():
+        if past.min() < 0:
             raise InputError(f"past_lens must be >= 0; got {past.tolist()}")
         end = past + new
-        if (end > self.spec.max_context).any():
+        longest = int(end.max())  # one reduction per check: this runs every decode step
+        if longest > self.spec.max_context:
             i = int(np.argmax(end > self.spec.max_context))
             raise InputError(
                 f"request {i}: {int(end[i])} tokens exceed the model's max context {self.spec.max_context}"
             )
-        if (end > tables.shape[1] * self.spec.block_size).any():
+        if longest > tables.shape[1] * self.spec.block_size:
             i = int(np.argmax(end > tables.shape[1] * self.spec.block_size))
             raise InputError(
                 f"request {i}: {int(end[i])} tokens need more than the {tables.shape[1]} blocks in its table"
             )
-        if tables.size and ((tables < 0).any() or (tables >= self.num_blocks).any()):
+        if tables.size and (tables.min() < 0 or tables.max() >= self.num_blocks):
             raise InputError(f"block_tables hold ids outside [0, {self.num_blocks})")
-        if (ids < 0).any() or (ids >= self.spec.vocab).any():
+        if ids.min() < 0 or ids.max() >= self.spec.vocab:
             raise InputError(f"input_ids hold token ids outside [0, {self.spec.vocab})")
         return arrays
 
@@ -183,18 +188,29 @@ class ModelRunner:
             "new_lens": new,
             "block_tables": tables,
         }
-        for i, (k_name, v_name) in enumerate(self.spec.kv_inputs):
-            feeds[k_name] = self.key_cache[i]
-            feeds[v_name] = self.value_cache[i]
+        intact = all(map(operator.is_, self.key_cache, self._views[0])) and all(
+            map(operator.is_, self.value_cache, self._views[1])
+        )  # the pools are still the views of _k_all/_v_all (a caller may have replaced one)
+        if intact:
+            feeds.update(self._pool_feeds)
+        else:
+            for i, (k_name, v_name) in enumerate(self.spec.kv_inputs):
+                feeds[k_name] = self.key_cache[i]
+                feeds[v_name] = self.value_cache[i]
         out = self._session.run(self._outputs, feeds)
+        if intact and ids.shape == (1, 1):  # batch-1 decode: one slot, basic indexing (no fancy scatter)
+            slot = int(past[0])
+            block, offset = int(tables[0, slot // self.spec.block_size]), slot % self.spec.block_size
+            # new_key.i [1, KV, 1, D] of every layer -> [L, KV, D] into the slot [L, KV, D] of [L, NB, KV, bs, D]
+            self._k_all[:, block, :, offset] = np.concatenate(out[1::2], axis=2)[0].transpose(1, 0, 2)
+            self._v_all[:, block, :, offset] = np.concatenate(out[2::2], axis=2)[0].transpose(1, 0, 2)
+            return out[0]
         # Slots of the real new tokens: (request b, token s) -> (block, offset) of position past[b] + s.
         b_idx, s_idx = np.nonzero(np.arange(ids.shape[1])[None, :] < new[:, None])
         slot = past[b_idx] + s_idx
         blocks = tables[b_idx, slot // self.spec.block_size]
         offsets = slot % self.spec.block_size
-        if all(a is b for a, b in zip(self.key_cache, self._views[0])) and all(
-            a is b for a, b in zip(self.value_cache, self._views[1])
-        ):  # all layers at once: [L, n, KV, D] into [L, NB, KV, bs, D] (the pools are views of _k_all/_v_all)
+        if intact:  # all layers at once: [L, n, KV, D] into [L, NB, KV, bs, D]
             self._k_all[:, blocks, :, offsets] = np.stack(out[1::2])[:, b_idx, :, s_idx]
             self._v_all[:, blocks, :, offsets] = np.stack(out[2::2])[:, b_idx, :, s_idx]
             return out[0]

@@ -162,6 +162,26 @@ def test_runner_rejects_bad_steps(llama_artifact):
             runner.step(**{**ok, **bad})
 
 
+@pytest.mark.slow
+def test_runner_decode_fast_path_writes_the_same_slots(llama_artifact):
+    """The batch-1 decode fast path (one slot, basic indexing) writes what the general scatter writes."""
+    fast = ModelRunner.from_artifact(llama_artifact.output, num_blocks=6)
+    slow = ModelRunner.from_artifact(llama_artifact.output, num_blocks=6)
+    slow.key_cache[0] = slow.key_cache[0].copy()  # a replaced pool array: the layer-by-layer path
+    prompt = {"input_ids": [list(range(3, 20))], "positions": [list(range(17))], "past_lens": [0]}
+    for r in (fast, slow):
+        r.step(**prompt, new_lens=[17], block_tables=[[4, 1]])
+    for pos in (17, 18):  # block 1 offsets 1 and 2
+        step = {"input_ids": [[7]], "positions": [[pos]], "past_lens": [pos], "new_lens": [1]}
+        a = fast.step(**step, block_tables=[[4, 1]])
+        b = slow.step(**step, block_tables=[[4, 1]])
+        np.testing.assert_array_equal(a, b)
+    for i in range(fast.spec.layers):
+        np.testing.assert_array_equal(fast.key_cache[i], slow.key_cache[i])
+        np.testing.assert_array_equal(fast.value_cache[i], slow.value_cache[i])
+    assert np.abs(fast.key_cache[1][1, :, 2]).sum() > 0 and not fast.key_cache[1][1, :, 3].any()
+
+
 def test_unknown_architecture_names_supported(tmp_path):
     from precast.compiler.source import load_source
 
