@@ -46,6 +46,8 @@ def read_feeds(path: str | Path, specs: Sequence[TensorSpec] | None = None) -> d
                 raise InputError(f"input '{name}' in {path}: not a rectangular numeric array ({e})") from e
             feeds[name] = arr
         return feeds
+    if not zipfile.is_zipfile(path):  # np.load would call any other file "pickled data"
+        raise InputError(f"{path}: not an .npz (zip of .npy arrays) or .json feeds file")
     try:
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}

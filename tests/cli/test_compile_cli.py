@@ -241,3 +241,12 @@ def test_unknown_command_suggests(cli):
     r = cli("complie")
     assert r.code == 1
     _one_line_error(r, "did you mean 'compile'")
+
+
+def test_feeds_file_that_is_neither_npz_nor_json(cli, artifact, tmp_path):
+    text = tmp_path / "feeds.txt"
+    text.write_text("x = 1, 2, 3\n")
+    r = cli("run", artifact, "--input", text)
+    assert r.code == 1
+    _one_line_error(r, "feeds.txt", "not an .npz")
+    assert "pickle" not in r.err
