@@ -340,6 +340,10 @@ def verify(artifact, as_json, pubkey, junit, quiet):
         emit_json(report)
     elif not quiet:
         for target, r in reports.items():
+            if r.get("skipped"):
+                out_console.print(
+                    escape(f"{target}: files intact; parity not re-run on this host ({r['skipped']})")
+                )
             for name, o in r["outputs"].items():
                 status = "ok" if o["ok"] else "FAIL"
                 out_console.print(

@@ -91,3 +91,20 @@ def test_cli_run_prefer_and_targets(cli, multi, tmp_path):
         and "libcuda" in rows["tensorrt"]["run_reason"]
     )
     assert "build plan only" in rows["tensorrt"]["build_reason"]
+
+
+def test_verify_checks_every_target_and_skips_what_this_host_cannot_run(cli, multi, tmp_path):
+    r = cli("verify", multi)
+    assert r.code == 0, r.err
+    assert "tensorrt: files intact; parity not re-run on this host" in r.out and "build plan" in r.out
+    for target in ("ort-cpu", "ort-qnn", "openvino"):
+        assert f"{target} y:" in r.out
+    # A tampered file of the skipped target is still caught.
+    plan = next(p for p in (multi / "tensorrt").rglob("*.onnx"))
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(multi, copy)
+    (copy / "tensorrt" / plan.relative_to(multi / "tensorrt")).write_bytes(plan.read_bytes() + b"\0")
+    r = cli("verify", copy)
+    assert r.code == 3 and "modified" in r.err
