@@ -261,8 +261,14 @@ def _inspect_one(path: Path, m: dict) -> None:
         f"source: {src.get('kind')} '{src.get('name')}' sha256 {str(src.get('sha256'))[:16]}..."
     )
     out_console.print(
-        f"target: {t.get('name')} ({t.get('backend')}, {', '.join(t.get('providers', []))}, "
-        f"{t.get('precision')}), session {t.get('session')}"
+        f"target: {t.get('name')} ("
+        + ", ".join(
+            str(x)
+            for x in (t.get("backend"), *(t.get("providers") or [t.get("device")]), t.get("precision"))
+            if x
+        )
+        + ")"
+        + (f", session {t['session']}" if t.get("session") else "")
     )
     out_console.print(escape(f"pipeline: {m.get('pipeline') or '(none)'}"))
     io = Table(title="IO signature", title_justify="left")
