@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -10,7 +13,7 @@ import onnx
 import onnx_ir as ir
 from onnx import TensorProto, helper, numpy_helper
 
-__all__ = ["ort_run", "op_types", "make_model", "to_ir", "save", "tiny_mlp"]
+__all__ = ["ort_run", "op_types", "make_model", "to_ir", "save", "tiny_mlp", "run_with_imports_blocked"]
 
 
 def to_ir(model) -> ir.Model:
@@ -95,4 +98,39 @@ def tiny_mlp(seed: int = 0, hidden: int = 16) -> ir.Model:
     }
     return make_model(
         nodes, [("x", TensorProto.FLOAT, ["batch", 8])], [("y", TensorProto.FLOAT, ["batch", 4])], inits
+    )
+
+
+COMPILER_MODULES = (
+    "torch",
+    "onnx_ir",
+    "onnxscript",
+    "onnx",
+    "transformers",
+    "precast.compiler",
+    "precast.passes",
+    "precast.targets",
+)
+
+
+def run_with_imports_blocked(body: str, blocked: Sequence[str] = COMPILER_MODULES, timeout: int = 120):
+    """Run ``body`` in a fresh interpreter where importing any of ``blocked`` (or a submodule) fails.
+
+    The runtime's dependency rule: what runs in production must never import the compiler's stack.
+    """
+    prelude = textwrap.dedent(
+        f"""
+        import sys
+        class _Block:
+            BLOCKED = {tuple(blocked)!r}
+            def find_spec(self, name, path=None, target=None):
+                if any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
+                    raise ImportError("blocked for the test: " + name)
+                return None
+        sys.meta_path.insert(0, _Block())
+        """
+    )
+    code = prelude + textwrap.dedent(body)
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
     )

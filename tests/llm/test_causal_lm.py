@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from precast.runtime.errors import InputError, ModelLoadError
 from precast.runtime.llm import ModelRunner
+from tests.helpers import run_with_imports_blocked
 
 PROMPTS = ["def wrap(text, width=70):", "import os\nclass Formatter:\n    def __init__(self, fill):", "x"]
 NEW_TOKENS = 36
@@ -191,17 +190,14 @@ def test_unknown_architecture_names_supported(tmp_path):
 
 
 def test_model_runner_imports_without_torch():
-    code = (
-        "import sys\n"
-        "class Block:\n"
-        "    def find_spec(self, name, path=None, target=None):\n"
-        "        if name.split('.')[0] in ('torch', 'onnx_ir', 'onnxscript', 'transformers'):\n"
-        "            raise ImportError('blocked ' + name)\n"
-        "sys.meta_path.insert(0, Block())\n"
-        "from precast.runtime.llm import ModelRunner, LLMSpec\n"
-        "assert 'precast.compiler' not in sys.modules\n"
+    r = run_with_imports_blocked(
+        """
+        from precast.runtime.llm import ModelRunner, LLMSpec
+        assert 'precast.compiler' not in sys.modules
+        """,
+        blocked=("torch", "onnx_ir", "onnxscript", "transformers"),
     )
-    subprocess.run([sys.executable, "-c", code], check=True)
+    assert r.returncode == 0, r.stderr
 
 
 class _TorchSession:

@@ -1,16 +1,13 @@
 """The runtime alone: load, integrity, IO checks, and the dependency rule (numpy + onnxruntime only)."""
 
 import json
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import ArtifactError, InputError, IntegrityError, SchemaVersionError, load
-from tests.helpers import ort_run, save, tiny_mlp
+from tests.helpers import ort_run, run_with_imports_blocked, save, tiny_mlp
 
 
 @pytest.fixture(scope="module")
@@ -83,17 +80,8 @@ def test_integrity_and_schema(artifact, tmp_path):
 
 def test_runtime_imports_only_numpy_and_onnxruntime(artifact):
     """Import and run the runtime in a process where the compiler's dependencies cannot be imported."""
-    code = textwrap.dedent(
+    r = run_with_imports_blocked(
         f"""
-        import sys
-        class Block:
-            BLOCKED = ("torch", "onnx_ir", "onnxscript", "onnx", "transformers", "precast.compiler",
-                       "precast.passes", "precast.targets")
-            def find_spec(self, name, path=None, target=None):
-                if any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
-                    raise ImportError("blocked for the test: " + name)
-                return None
-        sys.meta_path.insert(0, Block())
         import numpy as np
         import precast.runtime as rt
         from precast.runtime.verify import verify_artifact
@@ -106,7 +94,6 @@ def test_runtime_imports_only_numpy_and_onnxruntime(artifact):
         print("RUNTIME-OK")
         """
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "RUNTIME-OK" in r.stdout, r.stderr
 
 

@@ -6,7 +6,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -14,6 +13,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from tests.helpers import run_with_imports_blocked
 from tests.server.conftest import metric_value, v2_body
 
 
@@ -115,17 +115,8 @@ def test_cli_bad_artifact_is_one_line_and_exit_3(tmp_path):
 
 
 def test_server_imports_no_compiler_dependencies(mlp_a):
-    code = textwrap.dedent(
+    r = run_with_imports_blocked(
         f"""
-        import sys
-        class Block:
-            BLOCKED = ("torch", "onnx_ir", "onnxscript", "onnx", "transformers", "precast.compiler",
-                       "precast.passes", "precast.targets")
-            def find_spec(self, name, path=None, target=None):
-                if any(name == b or name.startswith(b + ".") for b in self.BLOCKED):
-                    raise ImportError("blocked for the test: " + name)
-                return None
-        sys.meta_path.insert(0, Block())
         from fastapi.testclient import TestClient
         from precast.runtime.server import ServerConfig, create_app
         with TestClient(create_app(ServerConfig({str(mlp_a)!r}, model_name="m"))) as c:
@@ -137,7 +128,6 @@ def test_server_imports_no_compiler_dependencies(mlp_a):
         print("SERVER-OK")
         """
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
     assert "SERVER-OK" in r.stdout, r.stderr[-3000:]
 
 
