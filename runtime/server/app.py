@@ -105,6 +105,22 @@ async def read_json(request) -> object:
         raise InputError(f"malformed JSON body: {e}") from e
 
 
+async def read_openai_body(request, served_name: str, error_cls: type[PrecastError] = InputError):
+    """An OpenAI-style request body: a JSON object naming this server's model (or none).
+
+    Returns the body, or a 404 response for another model; malformed bodies raise ``error_cls``.
+    """
+    body = await read_json(request)
+    if not isinstance(body, dict):
+        raise error_cls("request body must be a JSON object")
+    model_name = body.get("model", served_name)
+    if model_name != served_name:
+        return openai_error(
+            404, f"unknown model '{model_name}'; this server serves '{served_name}'", param="model"
+        )
+    return body
+
+
 def _busy_headers(e: QueueFullError) -> dict:
     return {"Retry-After": str(int(e.retry_after))}
 
@@ -216,14 +232,9 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
     async def embeddings(request: Request):
         served = state.host.current
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict):
-                raise InputError("request body must be a JSON object")
-            model_name = body.get("model", state.name)
-            if model_name != state.name:
-                return openai_error(
-                    404, f"unknown model '{model_name}'; this server serves '{state.name}'", param="model"
-                )
+            body = await read_openai_body(request, state.name)
+            if isinstance(body, JSONResponse):
+                return body
             spec = served.encoder
             if spec is None:
                 return openai_error(

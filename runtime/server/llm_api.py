@@ -14,10 +14,10 @@ import time
 import uuid
 
 from fastapi import Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from precast.runtime.errors import LLMRequestError, PrecastError
-from precast.runtime.server.app import openai_error, read_json
+from precast.runtime.server.app import openai_error, read_openai_body
 from precast.runtime.server.batcher import QueueFullError
 from precast.runtime.server.llm_service import parse_priority
 
@@ -75,14 +75,9 @@ def add_llm_routes(app, state) -> None:
         if svc is None:
             return openai_error(400, f"model '{state.name}' is not an LLM; use /v2/models/{state.name}/infer")
         try:
-            body = await read_json(request)
-            if not isinstance(body, dict):
-                raise LLMRequestError("request body must be a JSON object")
-            model_name = body.get("model", state.name)
-            if model_name != state.name:
-                return openai_error(
-                    404, f"unknown model '{model_name}'; this server serves '{state.name}'", param="model"
-                )
+            body = await read_openai_body(request, state.name, LLMRequestError)
+            if isinstance(body, JSONResponse):
+                return body
             if chat:
                 prompt = svc.chat_prompt(body.get("messages"))
             else:
