@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["TinyLMConfig", "split_text", "train", "train_tokenizer"]
+__all__ = ["TinyLMConfig", "bpe_tokenizer", "split_text", "train", "train_tokenizer"]
 
 SPECIALS = ["<|endoftext|>", "<s>", "</s>"]
 
@@ -51,7 +51,8 @@ def split_text(text: str, holdout: float = 0.1) -> tuple[str, str]:
     return text[:cut], text[cut:]
 
 
-def train_tokenizer(text: str, vocab: int):
+def bpe_tokenizer(texts, vocab: int, specials=SPECIALS):
+    """A byte-level BPE tokenizer trained on ``texts`` (also used by the test fixtures' tiny models)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -59,12 +60,16 @@ def train_tokenizer(text: str, vocab: int):
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab,
-        special_tokens=SPECIALS,
+        special_tokens=list(specials),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator([p for p in text.split("\n\n") if p.strip()], trainer=trainer)
+    tok.train_from_iterator(list(texts), trainer=trainer)
     return tok
+
+
+def train_tokenizer(text: str, vocab: int):
+    return bpe_tokenizer([p for p in text.split("\n\n") if p.strip()], vocab)
 
 
 def train(text: str, out: Path, cfg: TinyLMConfig = TinyLMConfig(), log=print) -> dict:

@@ -6,6 +6,7 @@ tokenizer.json); nothing comes from a hub. The tokenizer is trained on a few std
 
 from __future__ import annotations
 
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -37,21 +38,15 @@ _SPECIALS = ["<|endoftext|>", "<s>", "</s>"]
 
 def train_tokenizer(vocab_size: int = 512):
     """A byte-level BPE trained on a few stdlib modules (deterministic for a given Python)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
+    scripts = str(Path(__file__).resolve().parents[2] / "scripts")
+    sys.path.insert(0, scripts)
+    try:
+        from train_tiny_lm import bpe_tokenizer
+    finally:
+        sys.path.remove(scripts)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
     texts = [(stdlib / n).read_text(encoding="utf-8") for n in ("textwrap.py", "string.py", "bisect.py")]
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=_SPECIALS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    return tok
+    return bpe_tokenizer(texts, vocab_size, _SPECIALS)
 
 
 def _save(model, tok, folder: Path) -> Path:
