@@ -72,14 +72,21 @@ def load_tensors(root: Path, index: Mapping[str, str]) -> dict[str, np.ndarray]:
     return {name: np.load(root / rel, allow_pickle=False) for name, rel in index.items()}
 
 
-def finalize_manifest(root: Path, manifest: dict, build_info: dict | None = None) -> dict:
-    """Hash every file under ``root`` into ``manifest['files']`` and write manifest.json (+ build-info)."""
-    files = {}
-    for path in sorted(root.rglob("*")):
-        if path.is_file():
-            rel = path.relative_to(root).as_posix()
-            if rel not in (MANIFEST_NAME, BUILD_INFO_NAME):
-                files[rel] = sha256_file(path)
+def finalize_manifest(
+    root: Path, manifest: dict, build_info: dict | None = None, files: dict[str, str] | None = None
+) -> dict:
+    """Hash every file under ``root`` into ``manifest['files']`` and write manifest.json (+ build-info).
+
+    ``files``: hashes already taken (the files have not changed since); a model of several GB is then not
+    read again just to rewrite the manifest.
+    """
+    if files is None:
+        files = {}
+        for path in sorted(root.rglob("*")):
+            if path.is_file():
+                rel = path.relative_to(root).as_posix()
+                if rel not in (MANIFEST_NAME, BUILD_INFO_NAME):
+                    files[rel] = sha256_file(path)
     manifest = dict(manifest, files=files)
     dump_json(manifest, root / MANIFEST_NAME)
     if build_info is not None:

@@ -330,7 +330,7 @@ def _build_one(
     # Verify through the runtime, exactly as a user would load it.
     t2 = time.perf_counter()
     say(f"[{target.name}] verifying against {source.reference_name}")
-    finalize_manifest(out_dir, {**manifest, "parity": {"ok": False}})
+    staged = finalize_manifest(out_dir, {**manifest, "parity": {"ok": False}})
     stand_in = target.stand_in(out_dir, target_block)  # e.g. a TensorRT build plan's prepared ONNX
     try:
         actual = stand_in(feeds) if stand_in is not None else runtime_load(out_dir).run(feeds)
@@ -384,4 +384,5 @@ def _build_one(
         "pass_seconds": {r.spec: round(r.seconds, 4) for r in records},
         "seconds": {k: round(v, 3) for k, v in timings.items()},
     }
-    return finalize_manifest(out_dir, {**manifest, "parity": parity}, build_info)
+    # Same files as staged (the runtime load above checked them): only the manifest's parity block changes.
+    return finalize_manifest(out_dir, {**manifest, "parity": parity}, build_info, files=staged["files"])
