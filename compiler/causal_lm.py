@@ -18,6 +18,7 @@ import numpy as np
 from precast.compiler.source import Source, hash_files
 from precast.compiler.torch_export import dynamo_export
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
+from precast.runtime.llm.mapped_kv import page_block_size
 
 __all__ = [
     "BLOCK_SIZE",
@@ -89,6 +90,7 @@ def llm_block(folder: Path, config: dict, module) -> dict:
     pad = int(pad) if pad is not None else (eos[0] if eos else 0)
     ctx = _context(config)
     layers = len(module.layers) if hasattr(module, "layers") else len(module.blocks)
+    mapped = module.kv_layout == "mapped"
     return {
         "architecture": "gpt2" if config.get("model_type") == "gpt2" else "llama",
         "model_type": config.get("model_type"),
@@ -99,17 +101,17 @@ def llm_block(folder: Path, config: dict, module) -> dict:
         "hidden": int(config.get("hidden_size") or config.get("n_embd")),
         "vocab": int(config["vocab_size"]),
         "max_context": ctx,
-        "block_size": BLOCK_SIZE,
-        "kv_layout": "paged",
-        "kv_inputs": [[f"key_cache.{i}", f"value_cache.{i}"] for i in range(layers)],
-        "kv_outputs": [[f"new_key.{i}", f"new_value.{i}"] for i in range(layers)],
+        "block_size": page_block_size(module.head_dim) if mapped else BLOCK_SIZE,
+        "kv_layout": module.kv_layout,
+        "kv_inputs": [list(_kv_input_names(i, mapped)) for i in range(layers)],
+        "kv_outputs": [list(_kv_output_names(i, mapped)) for i in range(layers)],
         "bos_id": int(bos) if bos is not None else None,
         "eos_ids": eos,
         "pad_id": pad,
         "tokenizer": "tokenizer/tokenizer.json",
         # False: the graph's fused attention (GroupQueryAttention) takes S > 1 only for one request at a
         # time; ModelRunner runs such steps request by request.
-        "batched_prefill": not getattr(module, "fused", False),
+        "batched_prefill": not mapped,
     }
 
 
@@ -122,7 +124,8 @@ def build_paged_decoder(folder: Path, model_type: str):
         raise UsageError(
             "causal-lm export needs torch and transformers: pip install 'precast[export]'"
         ) from None
-    from precast.compiler.paged_decoder import PagedGPT2, PagedLlama
+    from precast.compiler.paged_decoder import MappedLlama, PagedGPT2, PagedLlama
+    from precast.compiler.paged_ops import supports_gqa
 
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -138,16 +141,39 @@ def build_paged_decoder(folder: Path, model_type: str):
         ) from e
     if model_type == "gpt2":
         return hf, PagedGPT2(hf).eval()
-    return hf, PagedLlama(hf, max_context=_context(json.loads((folder / "config.json").read_text()))).eval()
+    if supports_gqa(hf.model.layers[0].self_attn.head_dim):  # one GroupQueryAttention per layer, in place
+        ctx = _context(json.loads((folder / "config.json").read_text()))
+        return hf, MappedLlama(hf, max_context=ctx).eval()
+    return hf, PagedLlama(hf).eval()
 
 
-def _input_names(layers: int) -> list[str]:
-    names = ["input_ids", "positions", "past_lens", "new_lens", "block_tables"]
-    return names + [f"key_cache.{i}" for i in range(layers)] + [f"value_cache.{i}" for i in range(layers)]
+def _kv_input_names(i: int, mapped: bool) -> tuple[str, str]:
+    return (f"past_key.{i}", f"past_value.{i}") if mapped else (f"key_cache.{i}", f"value_cache.{i}")
 
 
-def _output_names(layers: int) -> list[str]:
-    return ["logits"] + [n for i in range(layers) for n in (f"new_key.{i}", f"new_value.{i}")]
+def _kv_output_names(i: int, mapped: bool) -> tuple[str, str]:
+    return (f"present_key.{i}", f"present_value.{i}") if mapped else (f"new_key.{i}", f"new_value.{i}")
+
+
+def _input_names(layers: int, mapped: bool = False) -> list[str]:
+    names = ["input_ids", "positions", "past_lens", "new_lens"] + ([] if mapped else ["block_tables"])
+    pairs = [_kv_input_names(i, mapped) for i in range(layers)]
+    return names + [k for k, _ in pairs] + [v for _, v in pairs]
+
+
+def _output_names(layers: int, mapped: bool = False) -> list[str]:
+    return ["logits"] + [n for i in range(layers) for n in _kv_output_names(i, mapped)]
+
+
+def kv_valid_rule(spec: dict) -> dict | None:
+    """Parity masking for the mapped layout: present rows past past_lens + new_lens are unspecified."""
+    if spec["kv_layout"] != "mapped":
+        return None
+    return {
+        "lengths": ["past_lens", "new_lens"],
+        "axis": 2,
+        "outputs": [n for p in spec["kv_outputs"] for n in p],
+    }
 
 
 def sample_step(
@@ -168,17 +194,18 @@ def sample_step(
     pos = past_lens[:, None] + np.arange(new, dtype=np.int64)[None, :]
     pad = np.arange(new)[None, :] >= new_lens[:, None]
     ids[pad], pos[pad] = spec["pad_id"], 0
-    feeds = {
-        "input_ids": ids,
-        "positions": pos,
-        "past_lens": past_lens,
-        "new_lens": new_lens,
-        "block_tables": tables,
-    }
-    for kind in ("key_cache", "value_cache"):
-        for i in range(spec["layers"]):
-            feeds[f"{kind}.{i}"] = rng.standard_normal((nb, kv, bs, d)).astype(np.float32)
-    return dict(sorted(feeds.items(), key=lambda kv_: _input_names(spec["layers"]).index(kv_[0])))
+    feeds = {"input_ids": ids, "positions": pos, "past_lens": past_lens, "new_lens": new_lens}
+    mapped = spec["kv_layout"] == "mapped"
+    if mapped:  # each request's view [B,KV,C,D]: C a little past the longest request, as a real view would be
+        shape = (batch, kv, past + new + 3, d)
+    else:
+        feeds["block_tables"] = tables
+        shape = (nb, kv, bs, d)
+    for i in range(spec["layers"]):
+        for name in _kv_input_names(i, mapped):
+            feeds[name] = rng.standard_normal(shape).astype(np.float32)
+    order = _input_names(spec["layers"], mapped)
+    return dict(sorted(feeds.items(), key=lambda kv_: order.index(kv_[0])))
 
 
 def decode_step(spec: dict, seed: int = 0, pasts: tuple[int, ...] = (20, 3, 37)) -> dict[str, np.ndarray]:
@@ -193,18 +220,26 @@ def decode_step(spec: dict, seed: int = 0, pasts: tuple[int, ...] = (20, 3, 37))
 def _call(module, feeds: dict, layers: int):
     import torch
 
-    t = {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}
-    keys = [t[f"key_cache.{i}"] for i in range(layers)]
-    values = [t[f"value_cache.{i}"] for i in range(layers)]
     with torch.no_grad():
         return module(
-            t["input_ids"], t["positions"], t["past_lens"], t["new_lens"], t["block_tables"], keys, values
+            *_module_args(
+                module, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}, layers
+            )
         )
+
+
+def _module_args(module, t: dict, layers: int) -> tuple:
+    """Feeds (torch tensors by graph input name) -> the decoder module's positional arguments."""
+    mapped = module.kv_layout == "mapped"
+    pairs = [_kv_input_names(i, mapped) for i in range(layers)]
+    keys, values = [t[k] for k, _ in pairs], [t[v] for _, v in pairs]
+    head = (t["input_ids"], t["positions"], t["past_lens"], t["new_lens"])
+    return (*head, keys, values) if mapped else (*head, t["block_tables"], keys, values)
 
 
 def step_reference(module, layers: int):
     """The torch paged decoder as a feeds -> outputs callable (the compile driver's parity reference)."""
-    names = _output_names(layers)
+    names = _output_names(layers, module.kv_layout == "mapped")
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {n: o.numpy() for n, o in zip(names, _call(module, feeds, layers))}
@@ -218,30 +253,25 @@ def export_step(module, spec: dict):
     from torch.export import Dim
 
     layers = spec["layers"]
-    feeds = sample_step(spec, batch=3, new=5, past=37)  # distinct sizes: B=3, S=5, MAXB=3, NB=12
-    fused = getattr(module, "fused", False)
+    feeds = sample_step(spec, batch=3, new=5, past=37)  # distinct sizes: B=3, S=5, C=45 or MAXB=3, NB=12
+    mapped = module.kv_layout == "mapped"
     translations = {}
-    if fused:
+    if mapped:
         from precast.compiler.paged_ops import TRANSLATIONS as translations
-    t = {k: torch.from_numpy(v) for k, v in feeds.items()}
-    keys = [t[f"key_cache.{i}"] for i in range(layers)]
-    values = [t[f"value_cache.{i}"] for i in range(layers)]
-    args = (t["input_ids"], t["positions"], t["past_lens"], t["new_lens"], t["block_tables"], keys, values)
-    b, s, nb, maxb = Dim("batch"), Dim("sequence"), Dim("num_blocks"), Dim("max_blocks")
-    dynamic = (
-        {0: b, 1: s},
-        {0: b, 1: s},
-        {0: b},
-        {0: b},
-        {0: b, 1: maxb},
-        [{0: nb}] * layers,
-        [{0: nb}] * layers,
-    )
+    args = _module_args(module, {k: torch.from_numpy(v) for k, v in feeds.items()}, layers)
+    b, s = Dim("batch"), Dim("sequence")
+    head = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b})
+    if mapped:
+        view = {0: b, 2: Dim("context")}
+        dynamic = (*head, [view] * layers, [view] * layers)
+    else:
+        nb = {0: Dim("num_blocks")}
+        dynamic = (*head, {0: b, 1: Dim("max_blocks")}, [nb] * layers, [nb] * layers)
     return dynamo_export(
         module,
         args,
-        input_names=_input_names(layers),
-        output_names=_output_names(layers),
+        input_names=_input_names(layers, mapped),
+        output_names=_output_names(layers, mapped),
         dynamic_shapes=dynamic,
         custom_translation_table=translations,
     )
@@ -259,7 +289,7 @@ def load_causal_lm(folder: Path, config: dict, dims: dict[str, int] | None = Non
     spec = llm_block(folder, config, module)
     model = export_step(module, spec)
     got = [v.name for v in model.graph.outputs]
-    if got != _output_names(spec["layers"]):
+    if got != _output_names(spec["layers"], spec["kv_layout"] == "mapped"):
         raise ExportError(f"{folder}: exported outputs {got[:3]}... do not match the step contract")
     hashed = [
         p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".safetensors", ".txt")
@@ -273,6 +303,12 @@ def load_causal_lm(folder: Path, config: dict, dims: dict[str, int] | None = Non
         reference=step_reference(module, spec["layers"]),
         reference_name="torch (paged decoder over the transformers model)",
         ship_files=ship,
-        info={"model_type": model_type, "task": "causal-lm", "vocab_size": spec["vocab"], "llm": spec},
+        info={
+            "model_type": model_type,
+            "task": "causal-lm",
+            "vocab_size": spec["vocab"],
+            "llm": spec,
+            **({"kv_valid": kv_valid_rule(spec)} if kv_valid_rule(spec) else {}),
+        },
         sample_feeds=sample_step(spec) if spec["batched_prefill"] else decode_step(spec),
     )

@@ -39,7 +39,7 @@ from precast.runtime.errors import InputError, ParityError, PrecastError, Unsupp
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
 from precast.runtime.model import preference_order
-from precast.runtime.verify import mask_padding
+from precast.runtime.verify import mask_kv_tail, mask_padding
 from precast.targets.base import Target, get_target
 
 __all__ = ["CompileOptions", "CompileResult", "compile_model", "toolchain_versions", "bisect_parity"]
@@ -336,9 +336,9 @@ def _build_one(
         actual = stand_in(feeds) if stand_in is not None else runtime_load(out_dir).run(feeds)
     except InputError as e:
         raise UsageError(f"compiled model rejects the sample inputs: {e}") from e
-    mask_input = source.info.get("padding_mask")
-    expected_cmp = mask_padding(expected, feeds, mask_input)  # padded positions are don't-cares
-    actual = mask_padding(actual, feeds, mask_input)
+    mask_input, kv_rule = source.info.get("padding_mask"), source.info.get("kv_valid")
+    expected_cmp = mask_kv_tail(mask_padding(expected, feeds, mask_input), feeds, kv_rule)  # don't-cares
+    actual = mask_kv_tail(mask_padding(actual, feeds, mask_input), feeds, kv_rule)
     report = compare_outputs(expected_cmp, actual, tol)
     bounds = budget_bounds(specs, opts.accuracy_budget, target.precision)
     text_metrics = None
@@ -356,6 +356,7 @@ def _build_one(
         "expected": parity_expected,
         "outputs": report,
         **({"padding_mask": mask_input} if mask_input else {}),
+        **({"kv_valid": kv_rule} if kv_rule else {}),
         **({"budget": budget} if budget else {}),
     }
     if budget and budget["violations"]:

@@ -30,13 +30,13 @@ __all__ = [
     "text_accuracy",
 ]
 
-STEP_INPUTS = ("input_ids", "positions", "past_lens", "new_lens", "block_tables")
+STEP_INPUTS = ("input_ids", "positions", "past_lens", "new_lens")
 TEXT_METRICS_KEY = "logits@text"  # the budget's name for metrics measured on text (not on the sample step)
 
 
 def is_step_graph(inputs: Sequence[TensorSpec]) -> bool:
     names = {s.name for s in inputs}
-    return all(n in names for n in STEP_INPUTS) and "key_cache.0" in names
+    return all(n in names for n in STEP_INPUTS) and ("key_cache.0" in names or "past_key.0" in names)
 
 
 def _tokenizer(folder) -> object:
@@ -68,15 +68,19 @@ def step_calibration_feeds(
         raise InputError(f"calibration text is too short: {len(ids)} tokens")
     rows = min(rows, batch * max_batches)
     chunks = ids[: rows * seq].reshape(rows, seq)
-    kv_names = sorted((n for n in by_name if n.startswith(("key_cache.", "value_cache."))), key=str)
+    mapped = "past_key.0" in by_name  # kv_layout "mapped": per-request views [B, KV, C, D]
+    prefixes = ("past_key.", "past_value.") if mapped else ("key_cache.", "value_cache.")
+    kv_names = sorted((n for n in by_name if n.startswith(prefixes)), key=str)
     for name in kv_names:
         shape = by_name[name].shape or ()
-        if len(shape) != 4 or not all(isinstance(d, int) for d in shape[1:]):
+        fixed = (shape[1], shape[3]) if mapped and len(shape) == 4 else tuple(shape[1:])
+        if len(shape) != 4 or not all(isinstance(d, int) for d in fixed):
             raise InputError(
-                f"step graph input '{name}' has shape {shape}; expected [num_blocks, KV, block, D]"
+                f"step graph input '{name}' has shape {shape}; expected "
+                + ("[B, KV, C, D]" if mapped else "[num_blocks, KV, block, D]")
             )
     # Each request's table covers its tokens, as the engine's would (fused attention checks it).
-    maxb = -(-seq // int(by_name[kv_names[0]].shape[2]))
+    maxb = 0 if mapped else -(-seq // int(by_name[kv_names[0]].shape[2]))
     feeds = []
     for g in range(0, rows, batch):
         x = chunks[g : g + batch]
@@ -86,10 +90,13 @@ def step_calibration_feeds(
             "positions": np.broadcast_to(np.arange(seq, dtype=np.int64), x.shape).copy(),
             "past_lens": np.zeros(b, np.int64),
             "new_lens": np.full(b, seq, np.int64),
-            "block_tables": np.arange(b * maxb, dtype=np.int64).reshape(b, maxb),
         }
+        if not mapped:
+            f["block_tables"] = np.arange(b * maxb, dtype=np.int64).reshape(b, maxb)
         for name in kv_names:
-            f[name] = np.zeros((b * maxb, *by_name[name].shape[1:]), np.float32)
+            shape = by_name[name].shape
+            kv_shape = (b, shape[1], seq, shape[3]) if mapped else (b * maxb, *shape[1:])
+            f[name] = np.zeros(kv_shape, np.float32)
         feeds.append(f)
     return feeds
 

@@ -9,9 +9,12 @@ The step graph (precast's LLM contract, issue 5), for B requests with S new toke
       logits [B,V] of the last real new token (new_lens-1);  new_key.i/new_value.i [B,KV,S,D]
 
 The pool is read only in the graph: the runtime scatters new_key/new_value into it after the step.
-When the head size allows (paged_ops.supports_gqa), PagedLlama runs fused: Q/K/V and gate/up packed
-into one projection each, rotary and attention as the custom ops of paged_ops.py, which export to
-com.microsoft RotaryEmbedding and GroupQueryAttention (decode steps batch; prefill runs per request).
+That is the general layout (GPT-2, and head sizes ONNX Runtime's GroupQueryAttention cannot take).
+
+When the head size allows (paged_ops.supports_gqa), a Llama-family model compiles to MappedLlama instead
+(kv_layout "mapped"): per layer one GroupQueryAttention over past/present [B,KV,C,D] that the runtime
+binds to each request's mapped view of the same paged pool (runtime/llm/mapped_kv.py), so the step
+neither gathers nor scatters K/V; Q/K/V and gate/up are packed into one projection each.
 The modules hold the Hugging Face model's own submodules (norms, projections, MLP, rotary), so
 weights and numerics are the model's own; only the attention and cache plumbing are new.
 torch is imported by the caller (this module is only imported on the compile side).
@@ -22,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["PagedGPT2", "PagedLlama", "last_token", "paged_attention"]
+__all__ = ["MappedLlama", "PagedGPT2", "PagedLlama", "last_token", "paged_attention"]
 
 _NEG = torch.finfo(torch.float32).min
 
@@ -89,9 +92,11 @@ def _packed(linears: list[nn.Linear]) -> nn.Linear:
 
 
 class PagedLlama(nn.Module):
-    """Llama / Mistral / Qwen2 (RMSNorm, rotary, SwiGLU, grouped KV heads) over a paged KV pool."""
+    """Llama / Mistral / Qwen2 (RMSNorm, rotary, SwiGLU, grouped KV heads) over a paged KV pool (in-graph gather)."""
 
-    def __init__(self, hf_model: nn.Module, max_context: int | None = None, fused: bool | None = None):
+    kv_layout = "paged"
+
+    def __init__(self, hf_model: nn.Module):
         super().__init__()
         body = hf_model.model
         self.embed = body.embed_tokens
@@ -99,41 +104,14 @@ class PagedLlama(nn.Module):
         self.norm = body.norm
         self.rotary = body.rotary_emb
         self.lm_head = hf_model.lm_head
-        attn = self.layers[0].self_attn
         cfg = hf_model.config
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = attn.head_dim
-        self.scaling = float(attn.scaling)
-        from precast.compiler.paged_ops import supports_gqa
-
-        self.fused = supports_gqa(self.head_dim) if fused is None else fused
-        if self.fused:
-            ctx = int(max_context or cfg.max_position_embeddings)
-            with torch.no_grad():  # the model's own rotary module at every position: [C, D/2] tables
-                cos, sin = self.rotary(torch.zeros(1, dtype=torch.float32), torch.arange(ctx)[None])
-            half = self.head_dim // 2
-            self.register_buffer("cos_cache", cos[0, :, :half].float().contiguous(), persistent=False)
-            self.register_buffer("sin_cache", sin[0, :, :half].float().contiguous(), persistent=False)
-            self.qkv = nn.ModuleList(
-                _packed([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]) for la in self.layers
-            )
-            self.gate_up = nn.ModuleList(_packed([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers)
-            # The head as MatMul on its own [E, V] copy (not Gemm on the embedding table it may be tied to),
-            # so weight-only quantization can take it: at batch 1 it is the largest weight read per token.
-            self.register_buffer("lm_head_t", self.lm_head.weight.detach().t().contiguous(), persistent=False)
-            # Tied: the embedding reads Transpose(lm_head_t) instead of its own [V, E] table, so the artifact
-            # stores the table once (ONNX Runtime folds the Transpose in memory at load; quantize-int4 turns
-            # the pair into MatMulNBits + GatherBlockQuantized over the same 4-bit bytes).
-            self.tied = self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr()
+        self.head_dim = self.layers[0].self_attn.head_dim
 
     def forward(
         self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list
     ):
-        if self.fused:
-            return self._forward_fused(
-                input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches
-            )
         x = self.embed(input_ids)
         b, s, _ = x.shape
         p = block_tables.shape[1] * key_caches[0].shape[2]
@@ -157,25 +135,63 @@ class PagedLlama(nn.Module):
         logits = self.lm_head(last_token(self.norm(x), new_lens))
         return (logits, *[t for kv in zip(new_keys, new_values) for t in kv])
 
-    def _forward_fused(
-        self, input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches
-    ):
-        from precast.compiler.paged_ops import paged_gqa
+    @property
+    def scaling(self) -> float:
+        return float(self.layers[0].self_attn.scaling)
+
+
+class MappedLlama(nn.Module):
+    """Llama / Mistral / Qwen2 over per-request KV views [B,KV,C,D] (kv_layout "mapped", see the docstring)."""
+
+    kv_layout = "mapped"
+
+    def __init__(self, hf_model: nn.Module, max_context: int | None = None):
+        super().__init__()
+        body = hf_model.model
+        self.embed = body.embed_tokens
+        self.layers = body.layers
+        self.norm = body.norm
+        self.lm_head = hf_model.lm_head
+        attn = self.layers[0].self_attn
+        cfg = hf_model.config
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = attn.head_dim
+        self.scaling = float(attn.scaling)
+        ctx = int(max_context or cfg.max_position_embeddings)
+        with torch.no_grad():  # the model's own rotary module at every position: [C, D/2] tables
+            cos, sin = body.rotary_emb(torch.zeros(1, dtype=torch.float32), torch.arange(ctx)[None])
+        half = self.head_dim // 2
+        self.register_buffer("cos_cache", cos[0, :, :half].float().contiguous(), persistent=False)
+        self.register_buffer("sin_cache", sin[0, :, :half].float().contiguous(), persistent=False)
+        self.qkv = nn.ModuleList(
+            _packed([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]) for la in self.layers
+        )
+        self.gate_up = nn.ModuleList(_packed([la.mlp.gate_proj, la.mlp.up_proj]) for la in self.layers)
+        # The head as MatMul on its own [E, V] copy (not Gemm on the embedding table it may be tied to),
+        # so weight-only quantization can take it: at batch 1 it is the largest weight read per token.
+        self.register_buffer("lm_head_t", self.lm_head.weight.detach().t().contiguous(), persistent=False)
+        # Tied: the embedding reads Transpose(lm_head_t) instead of its own [V, E] table, so the artifact
+        # stores the table once (ONNX Runtime folds the Transpose in memory at load; quantize-int4 turns
+        # the pair into MatMulNBits + GatherBlockQuantized over the same 4-bit bytes).
+        self.tied = self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr()
+
+    def forward(self, input_ids, positions, past_lens, new_lens, past_keys: list, past_values: list):
+        from precast.compiler.paged_ops import mapped_gqa
 
         x = nn.functional.embedding(input_ids, self.lm_head_t.t()) if self.tied else self.embed(input_ids)
         s = x.shape[1]
         seqlens_k = (past_lens + (s - 1)).to(torch.int32)  # GroupQueryAttention's lengths (see paged_ops)
         total = (past_lens.max() + s).to(torch.int32)
-        new_keys, new_values = [], []
+        presents = []
         for i, layer in enumerate(self.layers):
-            a, k, v = paged_gqa(
+            a, k, v = mapped_gqa(
                 self.qkv[i](layer.input_layernorm(x)),
                 positions,
                 self.cos_cache,
                 self.sin_cache,
-                key_caches[i],
-                value_caches[i],
-                block_tables,
+                past_keys[i],
+                past_values[i],
                 seqlens_k,
                 total,
                 self.heads,
@@ -185,16 +201,17 @@ class PagedLlama(nn.Module):
             x = x + layer.self_attn.o_proj(a)
             gate, up = self.gate_up[i](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
             x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
-            new_keys.append(k)
-            new_values.append(v)
+            presents += [k, v]
         logits = torch.matmul(last_token(self.norm(x), new_lens), self.lm_head_t)
         if self.lm_head.bias is not None:
             logits = logits + self.lm_head.bias
-        return (logits, *[t for kv in zip(new_keys, new_values) for t in kv])
+        return (logits, *presents)
 
 
 class PagedGPT2(nn.Module):
     """GPT-2 (learned positions, LayerNorm, fused QKV Conv1D, GELU MLP) over a paged KV pool."""
+
+    kv_layout = "paged"
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()

@@ -11,7 +11,7 @@ import numpy as np
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
 from precast.runtime.manifest import check_integrity, read_manifest
 
-__all__ = ["Tolerance", "compare_outputs", "mask_padding", "verify_artifact"]
+__all__ = ["Tolerance", "compare_outputs", "mask_kv_tail", "mask_padding", "verify_artifact"]
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,30 @@ def mask_padding(
         if arr.ndim >= 2 and arr.shape[:2] == keep.shape:
             arr = np.where(keep.reshape(keep.shape + (1,) * (arr.ndim - 2)), arr, np.zeros((), arr.dtype))
         out[name] = arr
+    return out
+
+
+def mask_kv_tail(
+    outputs: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray], rule: Mapping | None
+) -> dict[str, np.ndarray]:
+    """Zero the rows of KV outputs past each request's valid length (a causal LM's ``present`` K/V).
+
+    ``rule``: {"lengths": [input names summed per batch row], "axis": the sequence axis, "outputs": [...]}.
+    Rows past past_lens + new_lens hold whatever the buffer held (ONNX Runtime copies only the valid past),
+    a don't-care the runtime never reads.
+    """
+    out = dict(outputs)
+    if not rule:
+        return out
+    valid = sum(np.asarray(feeds[n], dtype=np.int64) for n in rule["lengths"])
+    axis = int(rule["axis"])
+    for name in rule["outputs"]:
+        if name not in out:
+            continue
+        arr = np.asarray(out[name])
+        rows = np.arange(arr.shape[axis]).reshape([-1 if a == axis else 1 for a in range(arr.ndim)])
+        keep = rows < valid.reshape([-1] + [1] * (arr.ndim - 1))
+        out[name] = np.where(keep, arr, np.zeros((), arr.dtype))
     return out
 
 
@@ -116,9 +140,11 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     feeds = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["inputs"].items()}
     expected = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["expected"].items()}
     tol = Tolerance(**parity.get("tolerance", {}))
-    mask_input = parity.get("padding_mask")
-    actual = mask_padding(model.run(feeds), feeds, mask_input)
-    report = compare_outputs(mask_padding(expected, feeds, mask_input), actual, tol)
+    mask_input, kv_rule = parity.get("padding_mask"), parity.get("kv_valid")
+    actual = mask_kv_tail(mask_padding(model.run(feeds), feeds, mask_input), feeds, kv_rule)
+    report = compare_outputs(
+        mask_kv_tail(mask_padding(expected, feeds, mask_input), feeds, kv_rule), actual, tol
+    )
     return {
         "ok": all(r["ok"] for r in report.values()),
         "target": model.target,

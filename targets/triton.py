@@ -39,7 +39,7 @@ __all__ = ["LLM_STEP_INPUTS", "REPOSITORY_DIR", "Triton"]
 
 REPOSITORY_DIR = "model_repository"
 # The paged decoder step graph's inputs (runtime/llm/model_runner.py): such a model is served as an LLM.
-LLM_STEP_INPUTS = frozenset({"input_ids", "positions", "past_lens", "new_lens", "block_tables"})
+LLM_STEP_INPUTS = frozenset({"input_ids", "positions", "past_lens", "new_lens"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _PYTHON_MODEL = Path(__file__).with_name("_triton_python_model.py")
 
@@ -131,7 +131,8 @@ class Triton(Target):
         if o["ort_level"] != "none" and len(files) == 1:
             OrtCpu._ort_offline_optimize(version_dir / "model.onnx", o["ort_level"])
 
-        batch = shared_batch_dim(inputs, outputs) if o["max_batch_size"] > 0 else None
+        # An LLM step graph is not Triton-batchable (its KV views are bound in place by the engine).
+        batch = shared_batch_dim(inputs, outputs) if o["max_batch_size"] > 0 and mode != "llm" else None
         max_batch = o["max_batch_size"] if batch else 0
         onnx_cfg = self._onnx_config(name, inputs, outputs, batch, max_batch, o)
         (repo / name / "config.pbtxt").write_text(render_config(onnx_cfg), encoding="utf-8")

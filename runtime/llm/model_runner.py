@@ -57,12 +57,12 @@ class LLMSpec:
         except (KeyError, TypeError, ValueError) as e:
             raise ArtifactError(f"{where}: manifest 'llm' block is malformed ({e})") from e
         if (
-            spec.kv_layout != "paged"
+            spec.kv_layout not in ("paged", "mapped")
             or len(spec.kv_inputs) != spec.layers
             or len(spec.kv_outputs) != spec.layers
         ):
             raise ArtifactError(
-                f"{where}: manifest 'llm' block: expected a paged KV layout with {spec.layers} layers"
+                f"{where}: manifest 'llm' block: expected a 'paged' or 'mapped' KV layout with {spec.layers} layers"
             )
         return spec
 
@@ -71,7 +71,19 @@ class LLMSpec:
 
 
 class ModelRunner:
-    """Runs the step graph; owns the KV pools (``key_cache[i]``/``value_cache[i]``: [NB, KV, block_size, D])."""
+    """Runs the step graph; owns the KV pools (``key_cache[i]``/``value_cache[i]``: [NB, KV, block_size, D]).
+
+    ``ModelRunner(session, spec, ...)`` of a ``kv_layout: "mapped"`` spec builds a MappedModelRunner
+    (mapped_runner.py: the pool mapped into per-request views, read and written in place by the graph);
+    this class runs the ``"paged"`` layout, whose graph gathers blocks itself and returns the new K/V.
+    """
+
+    def __new__(cls, session=None, spec: LLMSpec | None = None, *args, **kwargs):
+        if cls is ModelRunner and spec is not None and spec.kv_layout == "mapped":
+            from precast.runtime.llm.mapped_runner import MappedModelRunner
+
+            cls = MappedModelRunner
+        return super().__new__(cls)
 
     def __init__(self, session, spec: LLMSpec, num_blocks: int, path: Path | None = None):
         if num_blocks < 1:

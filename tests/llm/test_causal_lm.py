@@ -129,14 +129,23 @@ def test_manifest_llm_block_and_tokenizer(llama_artifact, tiny_llama_dir):
         2,
         16,
     )
-    assert llm["kv_inputs"][1] == ["key_cache.1", "value_cache.1"] and llm["block_size"] == 16
+    # Head size 16 takes GroupQueryAttention: the mapped layout, blocks of whole 4 KiB pages (64 x 16 x 4 B).
+    assert llm["kv_layout"] == "mapped" and llm["kv_inputs"][1] == ["past_key.1", "past_value.1"]
+    assert llm["kv_outputs"][0] == ["present_key.0", "present_value.0"] and llm["block_size"] == 64
     assert llm["eos_ids"] == [config["eos_token_id"]] and llm["bos_id"] == config["bos_token_id"]
     assert "llm" not in m["source"] and m["parity"]["ok"]
     assert (llama_artifact.output / llm["tokenizer"]).is_file() and llm["tokenizer"] in m["extra_files"]
     names = [i["name"] for i in m["io"]["inputs"]]
-    assert names[:5] == ["input_ids", "positions", "past_lens", "new_lens", "block_tables"]
-    # Verified on a mixed step: one request decoding after 20 cached tokens, one prefilling 5.
-    assert set(m["parity"]["outputs"]) >= {"logits", "new_key.0", "new_value.1"}
+    assert names[:5] == ["input_ids", "positions", "past_lens", "new_lens", "past_key.0"]
+    # Verified on a batched decode step (pasts 20, 3, 37), the presents over each row's valid length.
+    assert set(m["parity"]["outputs"]) >= {"logits", "present_key.0", "present_value.1"}
+    assert m["parity"]["kv_valid"]["lengths"] == ["past_lens", "new_lens"]
+
+
+@pytest.mark.slow
+def test_gpt2_keeps_the_gather_layout(gpt2_artifact):
+    llm = json.loads((gpt2_artifact.output / "manifest.json").read_text())["llm"]
+    assert llm["kv_layout"] == "paged" and llm["kv_inputs"][0] == ["key_cache.0", "value_cache.0"]
 
 
 @pytest.mark.slow
@@ -154,7 +163,7 @@ def test_runner_rejects_bad_steps(llama_artifact):
         ({"new_lens": [3]}, "new_lens"),
         ({"input_ids": [[5, 9999]]}, "token ids"),
         ({"block_tables": [[7]]}, "block_tables"),
-        ({"past_lens": [15]}, "blocks in its table"),
+        ({"past_lens": [63]}, "blocks in its table"),
         ({"past_lens": [1000], "block_tables": [[0] * 70]}, "max context"),
     ]:
         with pytest.raises(InputError, match=needle):
@@ -162,10 +171,10 @@ def test_runner_rejects_bad_steps(llama_artifact):
 
 
 @pytest.mark.slow
-def test_runner_decode_fast_path_writes_the_same_slots(llama_artifact):
-    """The batch-1 decode fast path (one slot, basic indexing) writes what the general scatter writes."""
-    fast = ModelRunner.from_artifact(llama_artifact.output, num_blocks=6)
-    slow = ModelRunner.from_artifact(llama_artifact.output, num_blocks=6)
+def test_runner_decode_fast_path_writes_the_same_slots(gpt2_artifact):
+    """Gather layout: the batch-1 decode fast path (one slot, basic indexing) writes what the general scatter writes."""
+    fast = ModelRunner.from_artifact(gpt2_artifact.output, num_blocks=6)
+    slow = ModelRunner.from_artifact(gpt2_artifact.output, num_blocks=6)
     slow.key_cache[0] = slow.key_cache[0].copy()  # a replaced pool array: the layer-by-layer path
     prompt = {"input_ids": [list(range(3, 20))], "positions": [list(range(17))], "past_lens": [0]}
     for r in (fast, slow):
@@ -213,17 +222,21 @@ class _TorchSession:
         return [out[n] for n in names]
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
-def test_llama_family_paged_math_matches_hf(model_type, tmp_path):
-    """Qwen2 (QKV biases) and Mistral through the same paged decoder: greedy == HF generate()."""
+@pytest.mark.parametrize("model_type,head_dim,layout", [("qwen2", 24, "paged"), ("mistral", 16, "mapped")])
+def test_llama_family_paged_math_matches_hf(model_type, head_dim, layout, tmp_path):
+    """Qwen2 (QKV biases) and Mistral through the decoders: greedy == HF generate(). A head size that
+    GroupQueryAttention cannot take (24) compiles to the in-graph gather layout."""
     from precast.compiler.causal_lm import build_paged_decoder, llm_block
     from precast.runtime.llm import LLMSpec
     from tests.llm.fixtures import build_llama
 
-    folder = build_llama(tmp_path / model_type, seed=1, model_type=model_type, num_hidden_layers=1)
+    folder = build_llama(
+        tmp_path / model_type, seed=1, model_type=model_type, num_hidden_layers=1, head_dim=head_dim
+    )
     config = json.loads((folder / "config.json").read_text())
     _, module = build_paged_decoder(folder, model_type)
     spec = LLMSpec.from_manifest({"llm": llm_block(folder, config, module)})
+    assert spec.kv_layout == layout
     runner = ModelRunner(_TorchSession(module, spec.layers), spec, num_blocks=32)
     prompts = [[5, 9, 33, 7, 100, 41, 2, 8, 19, 300], [77, 3]]
     ours = greedy(runner, prompts, 32, chunk=4)

@@ -12,18 +12,27 @@ TEXTS = [HEAD + "    return", HEAD + '    """Wrap', "import os", "x = [", "class
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_llama_dir, tmp_path_factory):
-    from tests.llm.test_causal_lm import compile_llm
+def llama_dir(tmp_path_factory):
+    """The tiny Llama with head size 64: mapped KV blocks of 16 tokens (one 4 KiB page per head), so the
+    shared prompt prefix fills a whole block and a 7-block pool forces preemption."""
+    from tests.llm.fixtures import build_llama
 
-    return compile_llm(tiny_llama_dir, tmp_path_factory.mktemp("art") / "llama").output
+    return build_llama(tmp_path_factory.mktemp("llm") / "llama-d64", head_dim=64)
 
 
 @pytest.fixture(scope="module")
-def expected(llama, tiny_llama_dir):
+def llama(llama_dir, tmp_path_factory):
+    from tests.llm.test_causal_lm import compile_llm
+
+    return compile_llm(llama_dir, tmp_path_factory.mktemp("art") / "llama").output
+
+
+@pytest.fixture(scope="module")
+def expected(llama, llama_dir):
     from tests.llm.test_causal_lm import hf_greedy
 
     tok = Engine.load(llama, num_blocks=8).tokenizer
-    return {t: hf_greedy(tiny_llama_dir, tok.encode(t), NEW) for t in TEXTS}
+    return {t: hf_greedy(llama_dir, tok.encode(t), NEW) for t in TEXTS}
 
 
 @pytest.mark.slow
@@ -38,6 +47,7 @@ def test_engine_greedy_matches_hf_generate(llama, expected, num_blocks, budget):
     for t, h in zip(TEXTS, handles):
         assert h.result().token_ids == expected[t], t
     m = eng.metrics()
+    assert m.block_size == 16 and eng.runner.kv.mmap_calls > 0  # the mapped layout
     assert m.kv_blocks_used == 0 and m.requests_finished == len(TEXTS)
     if num_blocks == 7:
         assert m.preemptions > 0

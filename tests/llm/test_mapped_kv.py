@@ -1,0 +1,136 @@
+"""The mapped KV pool (block tables as page mappings) and the runner that binds it in place."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from precast.runtime.errors import InputError
+from precast.runtime.llm import ModelRunner
+from precast.runtime.llm.mapped_kv import MappedKV, mapped_kv_supported, page_block_size
+
+pytestmark = pytest.mark.skipif(mapped_kv_supported() is not None, reason=str(mapped_kv_supported()))
+
+
+@pytest.fixture
+def kv():
+    pool = MappedKV(layers=2, kv_heads=2, head_size=64, block_size=16, num_blocks=8, max_context=80, slots=3)
+    yield pool
+    pool.close()
+
+
+def test_page_block_size_fills_whole_pages():
+    assert page_block_size(64) == 16  # 16 x 64 x 4 B = 4 KiB
+    assert page_block_size(128) == 16 and page_block_size(16) == 64 and page_block_size(24) == 128
+    for d in (16, 24, 40, 64, 80, 96, 128):
+        assert (page_block_size(d) * d * 4) % 4096 == 0
+
+
+def test_views_read_and_write_the_mapped_pool_blocks(kv):
+    kv.pool[1, 0, 1, 6] = 3.0  # layer 1, K, head 1, block 6
+    kv.map_table(2, np.array([5, 6]))
+    view = kv.view(1, 0, 2)  # layer 1 K of slot 2: [1, KV, C, D]
+    assert view.shape == (1, 2, 80, 64)
+    assert (view[0, 1, 16:32] == 3.0).all() and not view[0, 1, :16].any() and not view[0, 0, 16:32].any()
+    view[0, 0, 3] = 7.0  # a write through the view lands in block 5 of head 0, offset 3
+    assert (kv.pool[1, 0, 0, 5, 3] == 7.0).all() and np.count_nonzero(kv.pool[1, 0, 0]) == 64
+    assert not view[0, 0, 32:].any()  # past the table: zero pages, no block
+
+
+def test_shared_block_is_one_memory_and_remapping_moves_only_changes(kv):
+    kv.map_table(0, np.array([1, 2, 3]))
+    kv.map_table(1, np.array([1, 2, 7]))  # a shared 2-block prefix, then its own block
+    a, b = kv.view(0, 1, 0), kv.view(0, 1, 1)
+    a[0, :, 20] = 2.5  # block 2 (shared)
+    assert (b[0, :, 20] == 2.5).all()
+    a[0, :, 40] = 1.0  # block 3 (slot 0 only)
+    assert not b[0, :, 40].any()
+    calls = kv.mmap_calls
+    assert kv.map_table(1, np.array([1, 2, 7, 4])) == 2 * 2 * 2  # one new block: one call per layer, K/V, head
+    assert kv.map_table(1, np.array([1, 2, 7, 4])) == 0 and kv.mmap_calls == calls + 8
+    # consecutive blocks at consecutive positions go in one call per (layer, K/V, head)
+    assert kv.map_table(2, np.array([4, 5, 6, 7, 0])) == 2 * 8
+
+
+def test_bad_block_ids_and_page_misfits_are_input_errors(kv):
+    with pytest.raises(InputError, match="outside the pool"):
+        kv.map_table(0, np.array([8]))
+    with pytest.raises(InputError, match="pages"):
+        MappedKV(layers=1, kv_heads=1, head_size=64, block_size=8, num_blocks=2, max_context=16, slots=1)
+
+
+class _NoBinding:
+    """An ORT session without io_binding: the runner's copying path (run, then write the new rows in)."""
+
+    def __init__(self, session):
+        self._s = session
+
+    def run(self, names, feeds):
+        return self._s.run(names, feeds)
+
+
+def _mixed_schedule(runner, seed: int = 0):
+    """Requests join (whole-prompt prefill) and leave while others decode greedily; each request's logits."""
+    rng = np.random.default_rng(seed)
+    bs = runner.spec.block_size
+    free = list(rng.permutation(runner.num_blocks))
+    prompts = {r: list(rng.integers(3, runner.spec.vocab, n)) for r, n in enumerate((40, 9, 70, 25))}
+    joins, leaves = {0: [0, 1], 2: [2], 4: [3]}, {6: [1]}
+    live, done, tables, logs = [], {}, {}, {r: [] for r in prompts}
+    for step in range(9):
+        for r in joins.get(step, []):
+            live.append(r)
+            done[r], tables[r] = 0, []
+        for r in leaves.get(step, []):
+            live.remove(r)  # leaves mid-flight: the others may move slots
+        rows = [(r, prompts[r] if done[r] == 0 else [int(np.argmax(logs[r][-1]))]) for r in live]
+        for r, new in rows:
+            while len(tables[r]) * bs < done[r] + len(new):
+                tables[r].append(int(free.pop()))
+        s = max(len(n) for _, n in rows)
+        ids, pos = np.zeros((len(rows), s), np.int64), np.zeros((len(rows), s), np.int64)
+        bt = np.zeros((len(rows), max(len(tables[r]) for r, _ in rows)), np.int64)
+        for i, (r, new) in enumerate(rows):
+            ids[i, : len(new)] = new
+            pos[i, : len(new)] = np.arange(done[r], done[r] + len(new))
+            bt[i, : len(tables[r])] = tables[r]
+        out = runner.step(ids, pos, [done[r] for r, _ in rows], [len(n) for _, n in rows], bt)
+        for i, (r, new) in enumerate(rows):
+            done[r] += len(new)
+            logs[r].append(out[i])
+    return logs
+
+
+@pytest.mark.slow
+def test_in_place_steps_match_the_copying_path_under_a_changing_batch(llama_artifact_mapped):
+    """IO-bound shared past/present (in place) == run + copy the new rows, while requests join and leave."""
+    from precast.runtime.model import load
+
+    fast = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24)
+    model = load(llama_artifact_mapped, verify=False)
+    slow = ModelRunner(_NoBinding(model._session), fast.spec, 24, slots=8)
+    assert type(fast).__name__ == "MappedModelRunner" and fast.kv_bytes == fast.kv.pool.nbytes
+    a, b = _mixed_schedule(fast), _mixed_schedule(slow)
+    for r in a:
+        assert len(a[r]) == len(b[r]) > 1
+        for x, y in zip(a[r], b[r]):
+            np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(fast.kv.pool, slow.kv.pool)  # the same K/V in the same blocks
+
+
+@pytest.mark.slow
+def test_batched_decode_equals_each_request_alone(llama_artifact_mapped):
+    runner = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24)
+    bs = runner.spec.block_size
+    pasts = [5, 70, 33]
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(3, runner.spec.vocab, p)) for p in pasts]
+    tables = [[0, 1], [2, 3], [4, 5]]
+    for p, t in zip(prompts, tables):
+        runner.step([p], [list(range(len(p)))], [0], [len(p)], [t])
+    ids = [[7], [8], [9]]
+    together = runner.step(ids, [[p] for p in pasts], pasts, [1, 1, 1], tables)
+    for i, (p, t) in enumerate(zip(pasts, tables)):  # rerun alone: same cache rows (rewritten identically)
+        alone = runner.step([ids[i]], [[p]], [p], [1], [t])
+        np.testing.assert_allclose(alone[0], together[i], rtol=1e-5, atol=1e-5)
+    assert max(pasts) + 1 <= 2 * bs
