@@ -45,15 +45,25 @@ class BlockPool:
         return self._refs[block]
 
     # -- allocation ------------------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int] | None:
-        """n fresh blocks (refcount 1, no hash), or None when fewer than n are free."""
+    def allocate(self, n: int, after: int | None = None) -> list[int] | None:
+        """n fresh blocks (refcount 1, no hash), or None when fewer than n are free.
+
+        ``after``: the caller's last block. Its successors are taken first when they are free and hold no
+        cached prefix, so a sequence's blocks tend to be consecutive ids (the mapped KV layout then maps
+        them with one call, and ahead of need).
+        """
         if n < 0:
             raise ValueError(f"allocate: n must be >= 0, got {n}")
         if n > len(self._free):
             return None
         out = []
         for _ in range(n):
-            block, _ = self._free.popitem(last=False)
+            nxt = out[-1] if out else after
+            if nxt is not None and nxt + 1 in self._free and nxt + 1 not in self._hash_of:
+                block = nxt + 1
+                del self._free[block]
+            else:
+                block, _ = self._free.popitem(last=False)
             self._forget_hash(block)  # evict: its old contents are about to be overwritten
             self._refs[block] = 1
             out.append(block)

@@ -202,6 +202,17 @@ class Engine:
     def _run(self, chunks: list[ScheduledChunk]) -> np.ndarray:
         b, s = len(chunks), max(c.num_new for c in chunks)
         tables = [self.kv.block_table(c.request.request_id) for c in chunks]
+        if s == 1:  # decode rows (the common step): build the arrays straight from lists
+            width = max(len(t) for t in tables)
+            starts = [c.start for c in chunks]
+            self.counters.computed_tokens += b
+            return self.runner.step(
+                np.array([[c.request.token_ids[c.start]] for c in chunks], dtype=np.int64),
+                np.array(starts, dtype=np.int64)[:, None],
+                np.array(starts, dtype=np.int64),
+                np.ones(b, dtype=np.int64),
+                np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64),
+            )
         input_ids = np.full((b, s), self.pad_id, dtype=np.int64)
         positions = np.zeros((b, s), dtype=np.int64)
         block_tables = np.zeros((b, max(len(t) for t in tables)), dtype=np.int64)
@@ -240,14 +251,32 @@ class Engine:
         reason = None
         if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
             reason = "stop"
-        elif len(req.output_ids) >= p.max_tokens or len(req.token_ids) >= req.max_total_tokens:
+        elif (
+            len(req.token_ids) - len(req.prompt_ids) >= p.max_tokens
+            or len(req.token_ids) >= req.max_total_tokens
+        ):
             reason = "length"
-        text = self.tokenizer.decode(req.output_ids) if self.tokenizer is not None else None
+        text = self._detokenize(req) if self.tokenizer is not None else None
         if text is not None and p.stop:
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:
                 text, reason = text[: min(hits)], "stop"
         return text, reason
+
+    def _detokenize(self, req: Request) -> str:
+        """The output decoded so far, incrementally (as vLLM and TGI do): decode the tokens since the last
+        complete piece together with the piece before them (so leading-space rules see their context) and
+        append the difference; a trailing unfinished UTF-8 sequence is shown but not committed. Two decodes
+        of a few tokens per step instead of the whole output."""
+        text, prefix, read = req.detok
+        base = len(req.prompt_ids)
+        before = self.tokenizer.decode(req.token_ids[base + prefix : base + read])
+        now = self.tokenizer.decode(req.token_ids[base + prefix :])
+        if now.endswith("\ufffd"):
+            return text + now[len(before) :]
+        text += now[len(before) :]
+        req.detok = (text, read, len(req.token_ids) - base)
+        return text
 
     # -- waiting / background loop ---------------------------------------------------------------
     def _wait_for(self, handle: RequestHandle) -> None:

@@ -77,7 +77,7 @@ class KVCacheManager:
         first, last = start // bs, (start + n - 1) // bs
         shared = [i for i in range(first, min(last + 1, len(table))) if self.pool.refcount(table[i]) > 1]
         grow = max(0, last + 1 - len(table))
-        new = self.pool.allocate(grow + len(shared))
+        new = self.pool.allocate(grow + len(shared), after=table[-1] if table and not shared else None)
         if new is None:
             return None
         copies = []

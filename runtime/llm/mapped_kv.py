@@ -143,15 +143,18 @@ class MappedKV:
         return np.frombuffer(buf, dtype=self.dtype).reshape(rows, self.kv_heads, self.context, self.head_size)
 
     # -- block tables -> page tables --------------------------------------------------------------------
-    def map_table(self, slot: int, table: np.ndarray, start: int = 0) -> int:
-        """Make block positions ``start ..`` of ``slot`` map ``table[start:]``; returns mmap calls made.
+    def map_table(self, slot: int, table, ahead: int = 0) -> int:
+        """Make block positions 0 .. len(table)-1 of ``slot`` map ``table``; returns mmap calls made.
 
         Only positions whose block changed are remapped, and runs of consecutive pool blocks go in one
-        call per (layer, K/V, head).
+        call per (layer, K/V, head). ``ahead``: a run that ends the table also maps up to that many next
+        blocks at the next positions (the blocks a sequence is likely to get next, see
+        BlockPool.allocate): nothing reads or writes a view past its table, and a guess that turns out
+        wrong is remapped when the table gets there.
         """
         table = np.asarray(table, dtype=np.int64)
-        cur = self.mapped[slot, : len(table)]
-        changed = np.flatnonzero(cur[start:] != table[start:]) + start
+        n_tab = len(table)
+        changed = np.flatnonzero(self.mapped[slot, :n_tab] != table)
         if changed.size == 0:
             return 0
         calls = 0
@@ -161,9 +164,13 @@ class MappedKV:
             n = 1
             while i + n < changed.size and changed[i + n] == j0 + n and table[j0 + n] == table[j0] + n:
                 n += 1
-            calls += self._map_run(slot, j0, int(table[j0]), n)
+            first = int(table[j0])
+            extra = 0
+            if j0 + n == n_tab:  # the table's tail: map the likely next blocks too
+                extra = max(0, min(ahead, self.blocks_per_slot - n_tab, self.num_blocks - first - n))
+            calls += self._map_run(slot, j0, first, n + extra)
+            self.mapped[slot, j0 : j0 + n + extra] = np.arange(first, first + n + extra)
             i += n
-        self.mapped[slot, changed] = table[changed]
         return calls
 
     def _map_run(self, slot: int, pos: int, block: int, n: int) -> int:

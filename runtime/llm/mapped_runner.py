@@ -26,6 +26,21 @@ from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
 
 __all__ = ["MappedModelRunner"]
 
+_AHEAD = 8  # blocks mapped past a table's end, on the guess that the sequence gets them next
+
+
+class _Binding:
+    """One IO binding: KV views of slots slot .. slot+rows-1 (past = present), logits buffer, input arrays."""
+
+    def __init__(self, io, logits: np.ndarray, decode: dict[str, np.ndarray]):
+        self.io, self.logits, self.decode = io, logits, decode
+        self.inputs: dict[str, np.ndarray] | None = None  # the arrays bound now (kept alive here)
+
+    def bind_inputs(self, arrays: dict[str, np.ndarray]) -> None:
+        for name, arr in arrays.items():
+            self.io.bind_cpu_input(name, arr)
+        self.inputs = arrays
+
 
 class MappedModelRunner(ModelRunner):
     """ModelRunner over a MappedKV pool (same step() contract; ``key_cache[i]`` views [NB, KV, bs, D])."""
@@ -56,7 +71,7 @@ class MappedModelRunner(ModelRunner):
         self.key_cache = [pool[i, 0].transpose(1, 0, 2, 3) for i in range(spec.layers)]
         self.value_cache = [pool[i, 1].transpose(1, 0, 2, 3) for i in range(spec.layers)]
         self._owner: dict[int, int] = {}  # block holding a request's last written token -> its slot
-        self._bindings: dict[tuple[int, int], tuple] = {}  # (first slot, rows) -> (io binding, logits buffer)
+        self._bindings: dict[tuple[int, int], _Binding] = {}  # (first slot, rows) -> its IO binding
         self._io = hasattr(session, "io_binding")
 
     @property
@@ -73,41 +88,43 @@ class MappedModelRunner(ModelRunner):
         b = ids.shape[0]
         if b > self.kv.slots:
             raise InputError(f"a step of {b} requests exceeds the runner's {self.kv.slots} slots")
-        decode = np.flatnonzero(new == 1)
-        prefill = np.flatnonzero(new > 1)
-        slot_of = self._assign(past, new, tables, decode, prefill)
+        past_l, new_l = past.tolist(), new.tolist()  # Python ints: cheaper than numpy scalars at small B
+        decode = [r for r in range(b) if new_l[r] == 1]
+        prefill = [r for r in range(b) if new_l[r] > 1]
+        slot_of = self._assign(past_l, new_l, tables, decode, prefill)
+        if len(decode) == b:  # the steady state: one batched decode run, no prefill
+            order = sorted(range(b), key=slot_of.__getitem__)  # slots 0 .. b-1
+            if order == list(range(b)):
+                return self._run(0, ids[:, :1], pos[:, :1], past, new)
+            logits = np.empty((b, self.spec.vocab), dtype=np.float32)
+            logits[order] = self._run(0, ids[order, :1], pos[order, :1], past[order], new[order])
+            return logits
         logits = np.empty((b, self.spec.vocab), dtype=np.float32)
-        if decode.size:
-            order = decode[np.argsort(slot_of[decode])]  # slots 0 .. n-1
+        if decode:
+            order = sorted(decode, key=slot_of.__getitem__)
             logits[order] = self._run(0, ids[order, :1], pos[order, :1], past[order], new[order])
         for r in prefill:
-            n = int(new[r])
+            n = new_l[r]
             logits[r] = self._run(
-                int(slot_of[r]), ids[r : r + 1, :n], pos[r : r + 1, :n], past[r : r + 1], new[r : r + 1]
+                slot_of[r], ids[r : r + 1, :n], pos[r : r + 1, :n], past[r : r + 1], new[r : r + 1]
             )[0]
         return logits
 
-    def _assign(self, past, new, tables, decode, prefill) -> np.ndarray:
+    def _assign(self, past: list, new: list, tables: np.ndarray, decode: list, prefill: list) -> list[int]:
         """Slot of every row (decode rows in 0 .. len(decode)-1, prefill rows after), views mapped to tables."""
         bs = self.spec.block_size
-        slot_of = np.full(len(past), -1, dtype=np.int64)
+        slot_of = [-1] * len(past)
         nd = len(decode)
         taken = set()
-
-        def prefer(r: int) -> int | None:
-            if past[r] == 0:
-                return None
-            return self._owner.get(int(tables[r, (int(past[r]) - 1) // bs]))
-
         for rows, lo, hi in ((decode, 0, nd), (prefill, nd, self.kv.slots)):
             rest = []
             for r in rows:
-                s = prefer(int(r))
+                s = self._owner.get(int(tables[r, (past[r] - 1) // bs])) if past[r] else None
                 if s is not None and lo <= s < hi and s not in taken:
                     slot_of[r] = s
                     taken.add(s)
                 else:
-                    rest.append(int(r))
+                    rest.append(r)
             free = (s for s in range(lo, hi) if s not in taken)
             for r in rest:
                 s = next(free, None)
@@ -117,29 +134,29 @@ class MappedModelRunner(ModelRunner):
                     )
                 slot_of[r] = s
                 taken.add(s)
-        for r in range(len(past)):
-            end = int(past[r] + new[r])
-            s = int(slot_of[r])
-            self.kv.map_table(s, tables[r, : self.spec.blocks_for(end)])
+        for r, s in enumerate(slot_of):
+            end = past[r] + new[r]
+            self.kv.map_table(s, tables[r, : -(-end // bs)], ahead=_AHEAD)
             self._owner[int(tables[r, (end - 1) // bs])] = s
         return slot_of
 
     def _run(self, slot: int, ids, pos, past, new) -> np.ndarray:
         feeds = {"input_ids": ids, "positions": pos, "past_lens": past, "new_lens": new}
-        rows = ids.shape[0]
         if not self._io:  # a session without IO binding (a stand-in): run, then copy the new rows in
             return self._run_copying(slot, feeds)
-        key = (slot, rows)
-        bound = self._bindings.get(key)
-        if bound is None:
-            bound = self._bind(slot, rows)
-        io, logits = bound
-        for name, arr in feeds.items():
-            io.bind_cpu_input(name, np.ascontiguousarray(arr))
-        self._session.run_with_iobinding(io)
-        return logits.copy()
+        rows, s = ids.shape
+        bound = self._bindings.get((slot, rows)) or self._bind(slot, rows)
+        if s == 1:  # decode: the binding's own input buffers, filled in place (bound once)
+            if bound.inputs is not bound.decode:
+                bound.bind_inputs(bound.decode)
+            for name, arr in feeds.items():
+                bound.decode[name][...] = arr
+        else:  # ORT's binding does not own a numpy input: keep the arrays alive while they are bound
+            bound.bind_inputs({k: np.ascontiguousarray(v, dtype=np.int64) for k, v in feeds.items()})
+        self._session.run_with_iobinding(bound.io)
+        return bound.logits.copy()
 
-    def _bind(self, slot: int, rows: int):
+    def _bind(self, slot: int, rows: int) -> _Binding:
         if len(self._bindings) >= 256:
             self._bindings.clear()
         io = self._session.io_binding()
@@ -151,8 +168,14 @@ class MappedModelRunner(ModelRunner):
                 io.bind_output(pair_out[kind], "cpu", 0, np.float32, shape, addr)  # same buffer: in place
         logits = np.empty((rows, self.spec.vocab), dtype=np.float32)
         io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        self._bindings[(slot, rows)] = (io, logits)
-        return io, logits
+        decode = {
+            "input_ids": np.zeros((rows, 1), np.int64),
+            "positions": np.zeros((rows, 1), np.int64),
+            "past_lens": np.zeros(rows, np.int64),
+            "new_lens": np.ones(rows, np.int64),
+        }
+        bound = self._bindings[(slot, rows)] = _Binding(io, logits, decode)
+        return bound
 
     def _run_copying(self, slot: int, feeds: dict) -> np.ndarray:
         rows = feeds["input_ids"].shape[0]

@@ -148,22 +148,21 @@ class ModelRunner:
             raise InputError(f"block_tables must be [B, MAXB] with B={b}; got {tables.shape}")
         if b == 0 or s == 0:
             raise InputError(f"empty step: input_ids has shape {ids.shape}")
-        if new.min() < 1 or new.max() > s:
-            raise InputError(f"new_lens must be within [1, S={s}]; got {new.tolist()}")
-        if past.min() < 0:
-            raise InputError(f"past_lens must be >= 0; got {past.tolist()}")
-        end = past + new
-        longest = int(end.max())  # one reduction per check: this runs every decode step
-        if longest > self.spec.max_context:
-            i = int(np.argmax(end > self.spec.max_context))
-            raise InputError(
-                f"request {i}: {int(end[i])} tokens exceed the model's max context {self.spec.max_context}"
-            )
-        if longest > tables.shape[1] * self.spec.block_size:
-            i = int(np.argmax(end > tables.shape[1] * self.spec.block_size))
-            raise InputError(
-                f"request {i}: {int(end[i])} tokens need more than the {tables.shape[1]} blocks in its table"
-            )
+        past_l, new_l = past.tolist(), new.tolist()  # Python ints: cheaper than reductions at small B
+        if min(new_l) < 1 or max(new_l) > s:
+            raise InputError(f"new_lens must be within [1, S={s}]; got {new_l}")
+        if min(past_l) < 0:
+            raise InputError(f"past_lens must be >= 0; got {past_l}")
+        end = [p + n for p, n in zip(past_l, new_l)]
+        for i, e in enumerate(end):
+            if e > self.spec.max_context:
+                raise InputError(
+                    f"request {i}: {e} tokens exceed the model's max context {self.spec.max_context}"
+                )
+            if e > tables.shape[1] * self.spec.block_size:
+                raise InputError(
+                    f"request {i}: {e} tokens need more than the {tables.shape[1]} blocks in its table"
+                )
         if tables.size and (tables.min() < 0 or tables.max() >= self.num_blocks):
             raise InputError(f"block_tables hold ids outside [0, {self.num_blocks})")
         if ids.min() < 0 or ids.max() >= self.spec.vocab:

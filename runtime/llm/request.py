@@ -34,6 +34,8 @@ class Request:
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hits on first admission
     rng: np.random.Generator | None = None
+    # Incremental detokenization (engine-owned): output text so far, and the output offsets it was decoded at
+    detok: tuple = ("", 0, 0)
 
     def __post_init__(self):
         if not self.token_ids:

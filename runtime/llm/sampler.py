@@ -94,6 +94,8 @@ def sample(
 ) -> int:
     """Pick the next token of one request. history = prompt + generated ids (for the repetition penalty)."""
     if params.greedy:
+        if params.repetition_penalty == 1.0:
+            return int(np.asarray(logits).argmax())
         x = _apply_repetition_penalty(np.asarray(logits), history, params.repetition_penalty)
         return int(np.argmax(x))
     p = filtered_probs(logits, params, history)
