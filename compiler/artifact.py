@@ -63,7 +63,7 @@ def save_tensors(arrays: Mapping[str, np.ndarray], folder: Path, rel_prefix: str
     index = {}
     for i, (name, arr) in enumerate(arrays.items()):
         fname = _safe_name(name, i)
-        np.save(folder / fname, np.ascontiguousarray(arr), allow_pickle=False)
+        np.save(folder / fname, np.asarray(arr, order="C"), allow_pickle=False)  # keeps 0-d arrays 0-d
         index[name] = f"{rel_prefix}/{fname}"
     return index
 

@@ -47,7 +47,7 @@ def hash_feeds(feeds: Mapping[str, np.ndarray] | None) -> str | None:
         return None
     h = hashlib.sha256()
     for name in sorted(feeds):
-        arr = np.ascontiguousarray(feeds[name])
+        arr = np.asarray(feeds[name], order="C")
         h.update(f"{name}\0{arr.dtype.str}\0{list(arr.shape)}\0".encode())
         h.update(arr.tobytes())
     return h.hexdigest()

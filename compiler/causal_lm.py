@@ -19,6 +19,7 @@ from precast.compiler.source import Source, hash_files
 from precast.compiler.torch_export import dynamo_export
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
 from precast.runtime.llm.mapped_kv import page_block_size
+from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, gqa_lengths
 
 __all__ = [
     "BLOCK_SIZE",
@@ -156,7 +157,9 @@ def _kv_output_names(i: int, mapped: bool) -> tuple[str, str]:
 
 
 def _input_names(layers: int, mapped: bool = False) -> list[str]:
-    names = ["input_ids", "positions", "past_lens", "new_lens"] + ([] if mapped else ["block_tables"])
+    names = ["input_ids", "positions"] + (
+        list(MAPPED_STEP_INPUTS) if mapped else ["past_lens", "new_lens", "block_tables"]
+    )
     pairs = [_kv_input_names(i, mapped) for i in range(layers)]
     return names + [k for k, _ in pairs] + [v for _, v in pairs]
 
@@ -166,40 +169,52 @@ def _output_names(layers: int, mapped: bool = False) -> list[str]:
 
 
 def kv_valid_rule(spec: dict) -> dict | None:
-    """Parity masking for the mapped layout: present rows past past_lens + new_lens are unspecified."""
+    """Parity masking for the mapped layout: present rows from seqlens_k + 1 (= past + new) on are unspecified."""
     if spec["kv_layout"] != "mapped":
         return None
     return {
-        "lengths": ["past_lens", "new_lens"],
+        "lengths": ["seqlens_k"],
+        "offset": 1,
         "axis": 2,
         "outputs": [n for p in spec["kv_outputs"] for n in p],
     }
 
 
 def sample_step(
-    spec: dict, seed: int = 0, batch: int = 2, new: int = 5, past: int = 20
+    spec: dict,
+    seed: int = 0,
+    batch: int = 2,
+    new: int = 5,
+    past: int = 20,
+    pasts: tuple[int, ...] | None = None,
 ) -> dict[str, np.ndarray]:
-    """One mixed step: request 0 decodes 1 token after ``past`` cached ones, request 1 prefills ``new`` tokens.
+    """One step's feeds: request 0 decodes 1 token after ``past`` cached ones, the others prefill ``new``
+    tokens; or, with ``pasts``, a batched decode (one new token per request after ``pasts[b]`` cached).
 
-    The pool holds random K/V (as if earlier steps wrote it); block tables point at shuffled blocks.
+    The KV inputs hold random K/V (as if earlier steps wrote them); block tables point at shuffled blocks.
     """
     rng = np.random.default_rng(seed)
     bs, kv, d = spec["block_size"], spec["kv_heads"], spec["head_size"]
+    if pasts is not None:
+        batch, new, past = len(pasts), 1, max(pasts)
+        past_lens, new_lens = np.array(pasts, dtype=np.int64), np.ones(batch, dtype=np.int64)
+    else:
+        past_lens = np.array([past] + [0] * (batch - 1), dtype=np.int64)
+        new_lens = np.array([1] + [new] * (batch - 1), dtype=np.int64)
     maxb = -(-(past + new) // bs)
     nb = batch * maxb + 3
     tables = rng.permutation(nb)[: batch * maxb].reshape(batch, maxb).astype(np.int64)
-    past_lens = np.array([past] + [0] * (batch - 1), dtype=np.int64)
-    new_lens = np.array([1] + [new] * (batch - 1), dtype=np.int64)
     ids = rng.integers(0, spec["vocab"], size=(batch, new)).astype(np.int64)
     pos = past_lens[:, None] + np.arange(new, dtype=np.int64)[None, :]
     pad = np.arange(new)[None, :] >= new_lens[:, None]
     ids[pad], pos[pad] = spec["pad_id"], 0
-    feeds = {"input_ids": ids, "positions": pos, "past_lens": past_lens, "new_lens": new_lens}
+    feeds = {"input_ids": ids, "positions": pos}
     mapped = spec["kv_layout"] == "mapped"
     if mapped:  # each request's view [B,KV,C,D]: C a little past the longest request, as a real view would be
+        feeds.update(gqa_lengths(past_lens, new_lens, new))
         shape = (batch, kv, past + new + 3, d)
     else:
-        feeds["block_tables"] = tables
+        feeds.update(past_lens=past_lens, new_lens=new_lens, block_tables=tables)
         shape = (nb, kv, bs, d)
     for i in range(spec["layers"]):
         for name in _kv_input_names(i, mapped):
@@ -211,10 +226,7 @@ def sample_step(
 def decode_step(spec: dict, seed: int = 0, pasts: tuple[int, ...] = (20, 3, 37)) -> dict[str, np.ndarray]:
     """A batched decode step (one new token per request after ``pasts`` cached ones), for graphs whose
     prefill runs one request at a time (``batched_prefill`` false): what their batches look like."""
-    feeds = sample_step(spec, seed, batch=len(pasts), new=1, past=max(pasts))
-    feeds["past_lens"] = np.array(pasts, dtype=np.int64)
-    feeds["positions"] = feeds["past_lens"][:, None].copy()
-    return feeds
+    return sample_step(spec, seed, pasts=pasts)
 
 
 def _call(module, feeds: dict, layers: int):
@@ -223,7 +235,7 @@ def _call(module, feeds: dict, layers: int):
     with torch.no_grad():
         return module(
             *_module_args(
-                module, {k: torch.from_numpy(np.ascontiguousarray(v)) for k, v in feeds.items()}, layers
+                module, {k: torch.from_numpy(np.asarray(v, order="C")) for k, v in feeds.items()}, layers
             )
         )
 
@@ -233,8 +245,10 @@ def _module_args(module, t: dict, layers: int) -> tuple:
     mapped = module.kv_layout == "mapped"
     pairs = [_kv_input_names(i, mapped) for i in range(layers)]
     keys, values = [t[k] for k, _ in pairs], [t[v] for _, v in pairs]
+    if mapped:
+        return (t["input_ids"], t["positions"], *(t[n] for n in MAPPED_STEP_INPUTS), keys, values)
     head = (t["input_ids"], t["positions"], t["past_lens"], t["new_lens"])
-    return (*head, keys, values) if mapped else (*head, t["block_tables"], keys, values)
+    return (*head, t["block_tables"], keys, values)
 
 
 def step_reference(module, layers: int):
@@ -260,12 +274,12 @@ def export_step(module, spec: dict):
         from precast.compiler.paged_ops import TRANSLATIONS as translations
     args = _module_args(module, {k: torch.from_numpy(v) for k, v in feeds.items()}, layers)
     b, s = Dim("batch"), Dim("sequence")
-    head = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b})
-    if mapped:
+    if mapped:  # seqlens_k [B], total_sequence_length [] (a scalar), last_index [B, 1]
         view = {0: b, 2: Dim("context")}
-        dynamic = (*head, [view] * layers, [view] * layers)
+        dynamic = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, None, {0: b}, [view] * layers, [view] * layers)
     else:
         nb = {0: Dim("num_blocks")}
+        head = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b})
         dynamic = (*head, {0: b, 1: Dim("max_blocks")}, [nb] * layers, [nb] * layers)
     return dynamo_export(
         module,

@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.errors import InputError, UsageError
+from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, gqa_lengths
 from precast.runtime.manifest import TensorSpec
 
 __all__ = [
@@ -30,13 +31,15 @@ __all__ = [
     "text_accuracy",
 ]
 
-STEP_INPUTS = ("input_ids", "positions", "past_lens", "new_lens")
+STEP_INPUTS = ("input_ids", "positions")
 TEXT_METRICS_KEY = "logits@text"  # the budget's name for metrics measured on text (not on the sample step)
 
 
 def is_step_graph(inputs: Sequence[TensorSpec]) -> bool:
     names = {s.name for s in inputs}
-    return all(n in names for n in STEP_INPUTS) and ("key_cache.0" in names or "past_key.0" in names)
+    paged = {"past_lens", "new_lens", "key_cache.0"} <= names  # kv_layout "paged" (in-graph gather)
+    mapped = {*MAPPED_STEP_INPUTS, "past_key.0"} <= names  # kv_layout "mapped" (views bound in place)
+    return all(n in names for n in STEP_INPUTS) and (paged or mapped)
 
 
 def _tokenizer(folder) -> object:
@@ -85,14 +88,16 @@ def step_calibration_feeds(
     for g in range(0, rows, batch):
         x = chunks[g : g + batch]
         b = x.shape[0]
-        f = {
-            "input_ids": x,
-            "positions": np.broadcast_to(np.arange(seq, dtype=np.int64), x.shape).copy(),
-            "past_lens": np.zeros(b, np.int64),
-            "new_lens": np.full(b, seq, np.int64),
-        }
-        if not mapped:
-            f["block_tables"] = np.arange(b * maxb, dtype=np.int64).reshape(b, maxb)
+        f = {"input_ids": x, "positions": np.broadcast_to(np.arange(seq, dtype=np.int64), x.shape).copy()}
+        past, new = np.zeros(b, np.int64), np.full(b, seq, np.int64)
+        if mapped:
+            f.update(gqa_lengths(past, new, seq))
+        else:
+            f.update(
+                past_lens=past,
+                new_lens=new,
+                block_tables=np.arange(b * maxb, dtype=np.int64).reshape(b, maxb),
+            )
         for name in kv_names:
             shape = by_name[name].shape
             kv_shape = (b, shape[1], seq, shape[3]) if mapped else (b * maxb, *shape[1:])

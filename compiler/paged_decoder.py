@@ -176,13 +176,15 @@ class MappedLlama(nn.Module):
         # the pair into MatMulNBits + GatherBlockQuantized over the same 4-bit bytes).
         self.tied = self.lm_head.weight.data_ptr() == self.embed.weight.data_ptr()
 
-    def forward(self, input_ids, positions, past_lens, new_lens, past_keys: list, past_values: list):
-        from precast.compiler.paged_ops import mapped_gqa
+    def forward(
+        self, input_ids, positions, seqlens_k, total_sequence_length, last_index, past_keys, past_values
+    ):
+        """GroupQueryAttention's own lengths come in as inputs (the runtime computes them: no graph nodes):
+        seqlens_k [B] int32 = past_lens + S - 1, total_sequence_length [] int32 = max(past_lens) + S, and
+        last_index [B,1] int64 = new_lens - 1 (the row whose logits the step returns)."""
+        from precast.compiler.paged_ops import last_token, mapped_gqa
 
         x = nn.functional.embedding(input_ids, self.lm_head_t.t()) if self.tied else self.embed(input_ids)
-        s = x.shape[1]
-        seqlens_k = (past_lens + (s - 1)).to(torch.int32)  # GroupQueryAttention's lengths (see paged_ops)
-        total = (past_lens.max() + s).to(torch.int32)
         presents = []
         for i, layer in enumerate(self.layers):
             a, k, v = mapped_gqa(
@@ -193,7 +195,7 @@ class MappedLlama(nn.Module):
                 past_keys[i],
                 past_values[i],
                 seqlens_k,
-                total,
+                total_sequence_length,
                 self.heads,
                 self.kv_heads,
                 self.scaling,
@@ -202,7 +204,7 @@ class MappedLlama(nn.Module):
             gate, up = self.gate_up[i](layer.post_attention_layernorm(x)).chunk(2, dim=-1)
             x = x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
             presents += [k, v]
-        logits = torch.matmul(last_token(self.norm(x), new_lens), self.lm_head_t)
+        logits = torch.matmul(last_token(self.norm(x), last_index), self.lm_head_t)
         if self.lm_head.bias is not None:
             logits = logits + self.lm_head.bias
         return (logits, *presents)

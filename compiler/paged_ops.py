@@ -8,6 +8,8 @@ uses instead of decomposing it:
         ==>  GroupQueryAttention(packed qkv, past_key, past_value, seqlens_k, total, cos, sin, positions,
                                  do_rotary=1)                                               (1 node per layer)
 
+    precast::last_token(hidden [B,S,E], index [B,1] int64) -> [B,E]   ==>  GatherND(batch_dims=1)   (1 node)
+
 present = past with the new tokens' K (after rotary) / V written at rows past_lens[b] .. past_lens[b]+S-1;
 rows past those are unspecified (ONNX Runtime copies only the valid past when past and present are distinct
 buffers). The runtime binds past and present to the SAME buffer (a request's mapped view of the paged
@@ -26,8 +28,9 @@ from __future__ import annotations
 import onnxscript
 import torch
 from onnx.defs import OpSchema
+from onnxscript import opset18 as op
 
-__all__ = ["TRANSLATIONS", "mapped_gqa", "supports_gqa"]
+__all__ = ["TRANSLATIONS", "last_token", "mapped_gqa", "supports_gqa"]
 
 _MSFT = onnxscript.values.Opset("com.microsoft", 1)
 _NEG = torch.finfo(torch.float32).min
@@ -166,4 +169,26 @@ def _mapped_gqa_onnx(
     )
 
 
-TRANSLATIONS = {torch.ops.precast.mapped_gqa.default: _mapped_gqa_onnx}
+# --- precast::last_token --------------------------------------------------------------------------
+
+
+@torch.library.custom_op("precast::last_token", mutates_args=())
+def last_token(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """hidden [B,S,E] at row index[b, 0] of each batch row -> [B,E] (each request's last real new token)."""
+    b, _, e = hidden.shape
+    return torch.gather(hidden, 1, index.view(b, 1, 1).expand(b, 1, e)).squeeze(1)
+
+
+@last_token.register_fake
+def _(hidden, index):
+    return hidden.new_empty((hidden.shape[0], hidden.shape[2]))
+
+
+def _last_token_onnx(hidden, index):
+    return op.GatherND(hidden, index, batch_dims=1)
+
+
+TRANSLATIONS = {
+    torch.ops.precast.mapped_gqa.default: _mapped_gqa_onnx,
+    torch.ops.precast.last_token.default: _last_token_onnx,
+}

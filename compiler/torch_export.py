@@ -120,7 +120,7 @@ def torch_reference(module, input_names: Sequence[str], output_names: Sequence[s
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         with torch.no_grad():
-            tensors = {n: torch.from_numpy(np.ascontiguousarray(feeds[n])) for n in input_names}
+            tensors = {n: torch.from_numpy(np.asarray(feeds[n], order="C")) for n in input_names}
             out = module(**tensors) if keyword else module(*tensors.values())
         if hasattr(out, "to_tuple"):
             out = out.to_tuple()

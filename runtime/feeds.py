@@ -51,5 +51,5 @@ def check_feeds(feeds: Mapping[str, object], specs: Sequence[TensorSpec]) -> dic
                             f"input '{name}': dim {axis} ('{want}') is {got} but input '{other}' has '{want}'={value0}"
                         )
                     bound.setdefault(want, (got, name))
-        out[name] = np.ascontiguousarray(arr)
+        out[name] = np.asarray(arr, order="C")  # C order, 0-d stays 0-d (ascontiguousarray makes it 1-d)
     return out

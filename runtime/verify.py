@@ -50,14 +50,15 @@ def mask_kv_tail(
 ) -> dict[str, np.ndarray]:
     """Zero the rows of KV outputs past each request's valid length (a causal LM's ``present`` K/V).
 
-    ``rule``: {"lengths": [input names summed per batch row], "axis": the sequence axis, "outputs": [...]}.
+    ``rule``: {"lengths": [input names summed per batch row], "offset": added to that sum (default 0),
+    "axis": the sequence axis, "outputs": [...]}.
     Rows past past_lens + new_lens hold whatever the buffer held (ONNX Runtime copies only the valid past),
     a don't-care the runtime never reads.
     """
     out = dict(outputs)
     if not rule:
         return out
-    valid = sum(np.asarray(feeds[n], dtype=np.int64) for n in rule["lengths"])
+    valid = sum(np.asarray(feeds[n], dtype=np.int64) for n in rule["lengths"]) + int(rule.get("offset", 0))
     axis = int(rule["axis"])
     for name in rule["outputs"]:
         if name not in out:

@@ -35,11 +35,9 @@ from precast.targets.triton_config import (
     tensor_configs,
 )
 
-__all__ = ["LLM_STEP_INPUTS", "REPOSITORY_DIR", "Triton"]
+__all__ = ["REPOSITORY_DIR", "Triton"]
 
 REPOSITORY_DIR = "model_repository"
-# The paged decoder step graph's inputs (runtime/llm/model_runner.py): such a model is served as an LLM.
-LLM_STEP_INPUTS = frozenset({"input_ids", "positions", "past_lens", "new_lens"})
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 _PYTHON_MODEL = Path(__file__).with_name("_triton_python_model.py")
 
@@ -122,7 +120,9 @@ class Triton(Target):
         inputs, outputs = io_signature(model)
         mode = o["mode"]
         if mode == "auto":
-            mode = "llm" if LLM_STEP_INPUTS <= {s.name for s in inputs} else "tensor"
+            from precast.compiler.llm_text import is_step_graph  # a causal-lm step graph is served as an LLM
+
+            mode = "llm" if is_step_graph(inputs) else "tensor"
         name, py_name = o["model_name"], o["model_name"] + "_precast"
         repo = out_dir / REPOSITORY_DIR
         version_dir = repo / name / str(o["version"])

@@ -24,7 +24,23 @@ from precast.runtime.errors import InputError
 from precast.runtime.llm.mapped_kv import MappedKV, page_block_size
 from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
 
-__all__ = ["MappedModelRunner"]
+__all__ = ["MAPPED_STEP_INPUTS", "MappedModelRunner", "gqa_lengths"]
+
+# The mapped step graph's inputs besides input_ids/positions and the KV views: GroupQueryAttention's own
+# lengths (so the graph spends no nodes deriving them) and the row whose logits the step returns.
+MAPPED_STEP_INPUTS = ("seqlens_k", "total_sequence_length", "last_index")
+
+
+def gqa_lengths(past_lens, new_lens, s: int) -> dict[str, np.ndarray]:
+    """past_lens/new_lens [B] of a step with S new-token columns -> the mapped graph's length inputs."""
+    past = np.asarray(past_lens, dtype=np.int64)
+    new = np.asarray(new_lens, dtype=np.int64)
+    return {
+        "seqlens_k": (past + (s - 1)).astype(np.int32),  # row b attends to [0, past_b + s] for query s
+        "total_sequence_length": np.array(int(past.max()) + s, dtype=np.int32),
+        "last_index": (new - 1)[:, None],
+    }
+
 
 _AHEAD = 8  # blocks mapped past a table's end, on the guess that the sequence gets them next
 
@@ -141,18 +157,27 @@ class MappedModelRunner(ModelRunner):
         return slot_of
 
     def _run(self, slot: int, ids, pos, past, new) -> np.ndarray:
-        feeds = {"input_ids": ids, "positions": pos, "past_lens": past, "new_lens": new}
-        if not self._io:  # a session without IO binding (a stand-in): run, then copy the new rows in
-            return self._run_copying(slot, feeds)
         rows, s = ids.shape
+        if not self._io:  # a session without IO binding (a stand-in): run, then copy the new rows in
+            feeds = {"input_ids": ids, "positions": pos, **gqa_lengths(past, new, s)}
+            return self._run_copying(slot, feeds, past, new)
         bound = self._bindings.get((slot, rows)) or self._bind(slot, rows)
         if s == 1:  # decode: the binding's own input buffers, filled in place (bound once)
-            if bound.inputs is not bound.decode:
-                bound.bind_inputs(bound.decode)
-            for name, arr in feeds.items():
-                bound.decode[name][...] = arr
+            d = bound.decode
+            if bound.inputs is not d:
+                bound.bind_inputs(d)
+            d["input_ids"][...] = ids
+            d["positions"][...] = pos
+            d["seqlens_k"][...] = past
+            d["total_sequence_length"][...] = past.max() + 1
         else:  # ORT's binding does not own a numpy input: keep the arrays alive while they are bound
-            bound.bind_inputs({k: np.ascontiguousarray(v, dtype=np.int64) for k, v in feeds.items()})
+            bound.bind_inputs(
+                {
+                    "input_ids": np.ascontiguousarray(ids),
+                    "positions": np.ascontiguousarray(pos),
+                    **gqa_lengths(past, new, s),
+                }
+            )
         self._session.run_with_iobinding(bound.io)
         return bound.logits.copy()
 
@@ -168,16 +193,17 @@ class MappedModelRunner(ModelRunner):
                 io.bind_output(pair_out[kind], "cpu", 0, np.float32, shape, addr)  # same buffer: in place
         logits = np.empty((rows, self.spec.vocab), dtype=np.float32)
         io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
-        decode = {
+        decode = {  # S = 1: seqlens_k = past_lens, last_index = 0
             "input_ids": np.zeros((rows, 1), np.int64),
             "positions": np.zeros((rows, 1), np.int64),
-            "past_lens": np.zeros(rows, np.int64),
-            "new_lens": np.ones(rows, np.int64),
+            "seqlens_k": np.zeros(rows, np.int32),
+            "total_sequence_length": np.zeros((), np.int32),
+            "last_index": np.zeros((rows, 1), np.int64),
         }
         bound = self._bindings[(slot, rows)] = _Binding(io, logits, decode)
         return bound
 
-    def _run_copying(self, slot: int, feeds: dict) -> np.ndarray:
+    def _run_copying(self, slot: int, feeds: dict, past, new) -> np.ndarray:
         rows = feeds["input_ids"].shape[0]
         views = {}
         for i, pair in enumerate(self.spec.kv_inputs):
@@ -185,7 +211,6 @@ class MappedModelRunner(ModelRunner):
                 views[pair[kind]] = self.kv.view(i, kind, slot, rows)
         names = ["logits"] + [n for pair in self.spec.kv_outputs for n in pair]
         out = dict(zip(names, self._session.run(names, {**feeds, **views})))
-        past, new = feeds["past_lens"], feeds["new_lens"]
         for pair_in, pair_out in zip(self.spec.kv_inputs, self.spec.kv_outputs):
             for kind in (0, 1):
                 view, present = views[pair_in[kind]], out[pair_out[kind]]

@@ -136,10 +136,18 @@ def test_manifest_llm_block_and_tokenizer(llama_artifact, tiny_llama_dir):
     assert "llm" not in m["source"] and m["parity"]["ok"]
     assert (llama_artifact.output / llm["tokenizer"]).is_file() and llm["tokenizer"] in m["extra_files"]
     names = [i["name"] for i in m["io"]["inputs"]]
-    assert names[:5] == ["input_ids", "positions", "past_lens", "new_lens", "past_key.0"]
+    # GroupQueryAttention's own lengths are inputs: no graph nodes derive them
+    assert names[:6] == [
+        "input_ids",
+        "positions",
+        "seqlens_k",
+        "total_sequence_length",
+        "last_index",
+        "past_key.0",
+    ]
     # Verified on a batched decode step (pasts 20, 3, 37), the presents over each row's valid length.
     assert set(m["parity"]["outputs"]) >= {"logits", "present_key.0", "present_value.1"}
-    assert m["parity"]["kv_valid"]["lengths"] == ["past_lens", "new_lens"]
+    assert m["parity"]["kv_valid"]["lengths"] == ["seqlens_k"] and m["parity"]["kv_valid"]["offset"] == 1
 
 
 @pytest.mark.slow

@@ -46,10 +46,32 @@ def test_shared_block_is_one_memory_and_remapping_moves_only_changes(kv):
     a[0, :, 40] = 1.0  # block 3 (slot 0 only)
     assert not b[0, :, 40].any()
     calls = kv.mmap_calls
-    assert kv.map_table(1, np.array([1, 2, 7, 4])) == 2 * 2 * 2  # one new block: one call per layer, K/V, head
+    # one new block: one call per (layer, K/V, head)
+    assert kv.map_table(1, np.array([1, 2, 7, 4])) == 2 * 2 * 2
     assert kv.map_table(1, np.array([1, 2, 7, 4])) == 0 and kv.mmap_calls == calls + 8
     # consecutive blocks at consecutive positions go in one call per (layer, K/V, head)
     assert kv.map_table(2, np.array([4, 5, 6, 7, 0])) == 2 * 8
+
+
+def test_lookahead_maps_the_next_blocks_and_a_wrong_guess_is_remapped(kv):
+    kv.map_table(0, np.array([2, 3]), ahead=3)  # also maps blocks 4, 5, 6 at positions 2, 3, 4
+    assert kv.mapped[0, :5].tolist() == [2, 3, 4, 5, 6]
+    assert kv.map_table(0, np.array([2, 3, 4]), ahead=3) == 0  # the guess was right: no call
+    kv.pool[0, 1, 1, 0] = 5.0
+    assert kv.map_table(0, np.array([2, 3, 4, 0]), ahead=3) > 0  # wrong guess: block 0 replaces 5
+    assert (kv.view(0, 1, 0)[0, 1, 48:64] == 5.0).all()
+
+
+def test_block_pool_hands_out_a_sequences_next_block():
+    from precast.runtime.llm.block_pool import BlockPool
+
+    pool = BlockPool(8, 16)
+    a, b = pool.allocate(2), pool.allocate(1)
+    assert a == [0, 1] and b == [2]
+    pool.free([2])
+    assert pool.allocate(1, after=a[-1]) == [2]  # free and the successor of a's last block
+    assert pool.allocate(2, after=5) == [6, 7] and pool.allocate(1, after=7) == [3]  # else the LRU head
+    pool.check()
 
 
 def test_bad_block_ids_and_page_misfits_are_input_errors(kv):
