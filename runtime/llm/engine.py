@@ -43,6 +43,8 @@ class Engine:
     ):
         spec = runner.spec
         self.runner = runner
+        # The engine builds valid steps itself: a runner's unchecked entry point skips re-validating them.
+        self._runner_step = getattr(runner, "step_unchecked", runner.step)
         self.tokenizer = tokenizer
         self.block_size = int(spec.block_size)
         self.max_context = int(spec.max_context)
@@ -206,7 +208,7 @@ class Engine:
             width = max(len(t) for t in tables)
             starts = [c.start for c in chunks]
             self.counters.computed_tokens += b
-            return self.runner.step(
+            return self._runner_step(
                 np.array([[c.request.token_ids[c.start]] for c in chunks], dtype=np.int64),
                 np.array(starts, dtype=np.int64)[:, None],
                 np.array(starts, dtype=np.int64),
@@ -223,7 +225,7 @@ class Engine:
         past_lens = np.array([c.start for c in chunks], dtype=np.int64)
         new_lens = np.array([c.num_new for c in chunks], dtype=np.int64)
         self.counters.computed_tokens += int(new_lens.sum())
-        return self.runner.step(input_ids, positions, past_lens, new_lens, block_tables)
+        return self._runner_step(input_ids, positions, past_lens, new_lens, block_tables)
 
     def _advance(self, chunk: ScheduledChunk, logits: np.ndarray) -> int:
         req = chunk.request
@@ -256,7 +258,7 @@ class Engine:
             or len(req.token_ids) >= req.max_total_tokens
         ):
             reason = "length"
-        text = self._detokenize(req) if self.tokenizer is not None else None
+        text = self._detokenize(req) if self.tokenizer is not None and p.detokenize else None
         if text is not None and p.stop:
             hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
             if hits:

@@ -87,6 +87,7 @@ class MappedModelRunner(ModelRunner):
         self.key_cache = [pool[i, 0].transpose(1, 0, 2, 3) for i in range(spec.layers)]
         self.value_cache = [pool[i, 1].transpose(1, 0, 2, 3) for i in range(spec.layers)]
         self._owner: dict[int, int] = {}  # block holding a request's last written token -> its slot
+        self._mapped = [[] for _ in range(slots)]  # kv.mapped as Python lists (the per-step check)
         self._bindings: dict[tuple[int, int], _Binding] = {}  # (first slot, rows) -> its IO binding
         self._io = hasattr(session, "io_binding")
 
@@ -100,7 +101,14 @@ class MappedModelRunner(ModelRunner):
 
     # -- step ---------------------------------------------------------------------------------------------
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
-        ids, pos, past, new, tables = self._check(input_ids, positions, past_lens, new_lens, block_tables)
+        return self._step(*self._check(input_ids, positions, past_lens, new_lens, block_tables)).copy()
+
+    def step_unchecked(self, ids, pos, past, new, tables) -> np.ndarray:
+        """``step`` for a trusted caller (the engine): int64 numpy inputs already valid, no checks; the logits
+        may be the runner's own buffer, valid until the next step."""
+        return self._step(ids, pos, past, new, tables)
+
+    def _step(self, ids, pos, past, new, tables) -> np.ndarray:
         b = ids.shape[0]
         if b > self.kv.slots:
             raise InputError(f"a step of {b} requests exceeds the runner's {self.kv.slots} slots")
@@ -152,8 +160,11 @@ class MappedModelRunner(ModelRunner):
                 taken.add(s)
         for r, s in enumerate(slot_of):
             end = past[r] + new[r]
-            self.kv.map_table(s, tables[r, : -(-end // bs)], ahead=_AHEAD)
-            self._owner[int(tables[r, (end - 1) // bs])] = s
+            table = tables[r, : -(-end // bs)].tolist()
+            if table != self._mapped[s][: len(table)]:  # (a Python list compare: the common no-change case)
+                self.kv.map_table(s, table, ahead=_AHEAD)
+                self._mapped[s] = self.kv.mapped[s].tolist()
+            self._owner[table[-1]] = s
         return slot_of
 
     def _run(self, slot: int, ids, pos, past, new) -> np.ndarray:
@@ -179,7 +190,7 @@ class MappedModelRunner(ModelRunner):
                 }
             )
         self._session.run_with_iobinding(bound.io)
-        return bound.logits.copy()
+        return bound.logits
 
     def _bind(self, slot: int, rows: int) -> _Binding:
         if len(self._bindings) >= 256:

@@ -169,6 +169,10 @@ class ModelRunner:
             raise InputError(f"input_ids hold token ids outside [0, {self.spec.vocab})")
         return arrays
 
+    def step_unchecked(self, ids, pos, past, new, tables) -> np.ndarray:
+        """``step`` for a trusted caller (the engine): inputs already valid int64 arrays."""
+        return self.step(ids, pos, past, new, tables)
+
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
         """Run one step; write the new tokens' K/V into the pools; return logits [B, V] of each last real token."""
         ids, pos, past, new, tables = self._check(input_ids, positions, past_lens, new_lens, block_tables)

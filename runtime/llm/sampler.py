@@ -28,6 +28,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    detokenize: bool = True  # False: token ids only (no text, no stop strings), less work per token
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -50,6 +51,8 @@ class SamplingParams:
             raise LLMRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if any(not s for s in self.stop):
             raise LLMRequestError("stop strings must be non-empty")
+        if self.stop and not self.detokenize:
+            raise LLMRequestError("stop strings need detokenize=True (they match the text)")
 
     @property
     def greedy(self) -> bool:

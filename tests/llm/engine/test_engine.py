@@ -229,6 +229,16 @@ def test_streaming_iterator_callback_and_stop_strings():
     assert out.finish_reason == "stop" and streamed == out.text == ref[: ref.find(stop)]
 
 
+def test_token_ids_only_requests_skip_the_text():
+    tok = CharTokenizer()
+    eng = _engine(tokenizer=tok)
+    plain = eng.generate(["hello"], GREEDY)[0]
+    ids_only = eng.generate(["hello"], SamplingParams(max_tokens=12, detokenize=False))[0]
+    assert ids_only.token_ids == plain.token_ids and plain.text and ids_only.text == ""
+    with pytest.raises(LLMRequestError, match="detokenize"):
+        eng.submit("hello", SamplingParams(stop=("x",), detokenize=False))
+
+
 def test_metrics_counters():
     eng = _engine()
     outs = eng.generate(_prompts(3, seed=2), GREEDY)
