@@ -45,6 +45,7 @@ class Engine:
         self.runner = runner
         # The engine builds valid steps itself: a runner's unchecked entry point skips re-validating them.
         self._runner_step = getattr(runner, "step_unchecked", runner.step)
+        self._decode_rows = getattr(runner, "decode_unchecked", None)  # decode rows from lists (steady state)
         self.tokenizer = tokenizer
         self.block_size = int(spec.block_size)
         self.max_context = int(spec.max_context)
@@ -178,6 +179,9 @@ class Engine:
     def step(self) -> int:
         """One scheduler step (possibly several runner calls). Returns the number of tokens sampled."""
         with self._cond:
+            fast = self._steady_decode()
+            if fast is not None:
+                return fast
             out = self.scheduler.schedule()
             self.counters.steps += 1
             self.counters.preemptions += len(out.preempted)
@@ -191,6 +195,37 @@ class Engine:
             self.counters.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
             self._cond.notify_all()
             return produced
+
+    def _steady_decode(self) -> int | None:
+        """The steady state, without the scheduler's general path: nobody waiting, every running request
+        decoding one token into room left in its own last block (no allocation, no copy-on-write, no
+        preemption possible). Exactly what schedule() would return then; None when any condition fails."""
+        sch = self.scheduler
+        running = sch.running
+        if sch.waiting or not running or len(running) > sch.config.max_num_batched_tokens:
+            return None
+        bs, refcount, tables = self.block_size, self.pool.refcount, []
+        for r in running:
+            t = self.kv.block_table(r.request_id)
+            j = r.num_computed // bs
+            if r.num_pending != 1 or j >= len(t) or refcount(t[j]) != 1:
+                return None
+            tables.append(t)
+        sch.step_count += 1
+        self.counters.steps += 1
+        reqs = list(running)  # _advance may remove finished requests from running
+        if self._decode_rows is not None:
+            self.counters.computed_tokens += len(reqs)
+            logits = self._decode_rows(
+                [r.token_ids[-1] for r in reqs], [r.num_computed for r in reqs], tables
+            )
+        else:
+            logits = self._run([ScheduledChunk(r, r.num_computed, 1) for r in reqs])
+        produced = sum(
+            self._advance(ScheduledChunk(r, r.num_computed, 1), row) for r, row in zip(reqs, logits)
+        )
+        self._cond.notify_all()
+        return produced
 
     def run_until_done(self) -> None:
         while self.has_unfinished():
@@ -244,7 +279,7 @@ class Engine:
             req.status, req.finish_reason = Status.FINISHED, reason
             self.scheduler.remove(req)
             self.counters.requests_finished += 1
-        holdback = max((len(s) for s in req.params.stop), default=1) - 1
+        holdback = max(map(len, req.params.stop)) - 1 if req.params.stop else 0
         handle._push(tok, text, holdback)
         return 1
 

@@ -87,7 +87,8 @@ class RequestHandle:
                 end -= 1
         delta = self.text[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
-        ev = TokenEvent(token_id, delta, len(self.token_ids) - 1, self.finish_reason)
+        r = self.request  # (index without slicing the output list every token)
+        ev = TokenEvent(token_id, delta, len(r.token_ids) - len(r.prompt_ids) - 1, r.finish_reason)
         self._events.append(ev)
         if self.on_token is not None:
             self.on_token(ev)

@@ -72,9 +72,11 @@ class KVCacheManager:
 
     def allocate_slots(self, rid: str, start: int, n: int) -> list[tuple[int, int]] | None:
         table = self._tables.setdefault(rid, [])
-        self._hashes.setdefault(rid, [])
         bs = self.block_size
         first, last = start // bs, (start + n - 1) // bs
+        if first == last < len(table) and self.pool.refcount(table[first]) == 1:
+            return []  # the common decode step: room left in the request's own last block
+        self._hashes.setdefault(rid, [])
         shared = [i for i in range(first, min(last + 1, len(table))) if self.pool.refcount(table[i]) > 1]
         grow = max(0, last + 1 - len(table))
         new = self.pool.allocate(grow + len(shared), after=table[-1] if table and not shared else None)

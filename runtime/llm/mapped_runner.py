@@ -115,7 +115,7 @@ class MappedModelRunner(ModelRunner):
         past_l, new_l = past.tolist(), new.tolist()  # Python ints: cheaper than numpy scalars at small B
         decode = [r for r in range(b) if new_l[r] == 1]
         prefill = [r for r in range(b) if new_l[r] > 1]
-        slot_of = self._assign(past_l, new_l, tables, decode, prefill)
+        slot_of = self._assign(past_l, new_l, tables.tolist(), decode, prefill)
         if len(decode) == b:  # the steady state: one batched decode run, no prefill
             order = sorted(range(b), key=slot_of.__getitem__)  # slots 0 .. b-1
             if order == list(range(b)):
@@ -134,7 +134,40 @@ class MappedModelRunner(ModelRunner):
             )[0]
         return logits
 
-    def _assign(self, past: list, new: list, tables: np.ndarray, decode: list, prefill: list) -> list[int]:
+    def decode_unchecked(
+        self, tokens: list[int], positions: list[int], tables: list[list[int]]
+    ) -> np.ndarray:
+        """A step of decode rows only, from Python lists (the engine's steady state): token b at position
+        positions[b] of the request with block table tables[b]. Trusted input; logits valid until the next step."""
+        b = len(tokens)
+        if b > self.kv.slots:
+            raise InputError(f"a step of {b} requests exceeds the runner's {self.kv.slots} slots")
+        slot_of = self._assign(positions, [1] * b, tables, list(range(b)), [])
+        if not self._io:
+            arr = np.array(positions, dtype=np.int64)
+            return self._step(
+                np.array(tokens)[:, None], arr[:, None], arr, np.ones(b, np.int64), np.array(tables)
+            )
+        bound = self._bindings.get((0, b)) or self._bind(0, b)
+        d = bound.decode
+        if bound.inputs is not d:
+            bound.bind_inputs(d)
+        order = sorted(range(b), key=slot_of.__getitem__)  # row of slot 0, 1, ...
+        identity = order == list(range(b))
+        if not identity:
+            tokens, positions = [tokens[r] for r in order], [positions[r] for r in order]
+        d["input_ids"][:, 0] = tokens
+        d["positions"][:, 0] = positions
+        d["seqlens_k"][:] = positions
+        d["total_sequence_length"][...] = max(positions) + 1
+        self._session.run_with_iobinding(bound.io)
+        if identity:
+            return bound.logits
+        logits = np.empty_like(bound.logits)
+        logits[order] = bound.logits
+        return logits
+
+    def _assign(self, past: list, new: list, tables: list, decode: list, prefill: list) -> list[int]:
         """Slot of every row (decode rows in 0 .. len(decode)-1, prefill rows after), views mapped to tables."""
         bs = self.spec.block_size
         slot_of = [-1] * len(past)
@@ -143,7 +176,7 @@ class MappedModelRunner(ModelRunner):
         for rows, lo, hi in ((decode, 0, nd), (prefill, nd, self.kv.slots)):
             rest = []
             for r in rows:
-                s = self._owner.get(int(tables[r, (past[r] - 1) // bs])) if past[r] else None
+                s = self._owner.get(tables[r][(past[r] - 1) // bs]) if past[r] else None
                 if s is not None and lo <= s < hi and s not in taken:
                     slot_of[r] = s
                     taken.add(s)
@@ -160,7 +193,7 @@ class MappedModelRunner(ModelRunner):
                 taken.add(s)
         for r, s in enumerate(slot_of):
             end = past[r] + new[r]
-            table = tables[r, : -(-end // bs)].tolist()
+            table = tables[r][: -(-end // bs)]
             if table != self._mapped[s][: len(table)]:  # (a Python list compare: the common no-change case)
                 self.kv.map_table(s, table, ahead=_AHEAD)
                 self._mapped[s] = self.kv.mapped[s].tolist()
