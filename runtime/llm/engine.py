@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -57,7 +58,8 @@ class Engine:
         self.kv = KVCacheManager(self.pool, enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config)
         self.counters = EngineCounters()
-        self._handles: dict[str, RequestHandle] = {}
+        self._handles: dict[str, RequestHandle] = {}  # unfinished requests (a finished one is the caller's)
+        self._finished_ids: OrderedDict[str, None] = OrderedDict()  # recent finished ids (cancel -> False)
         self._ids = itertools.count()
         self._cond = threading.Condition(threading.RLock())
         self._thread: threading.Thread | None = None
@@ -151,14 +153,15 @@ class Engine:
         """Cancel a request (its blocks are freed now). False if it had already finished."""
         with self._cond:
             handle = self._handles.get(request_id)
-            if handle is None:
+            if handle is None or handle.finished:
+                if request_id in self._finished_ids or handle is not None:
+                    return False
                 raise LLMRequestError(f"unknown request id '{request_id}'")
-            if handle.finished:
-                return False
             req = handle.request
             self.scheduler.remove(req)
             req.status, req.finish_reason = Status.FINISHED, "cancelled"
             handle.cancelled = True
+            self._forget(request_id)
             self.counters.requests_cancelled += 1
             self._cond.notify_all()
             return True
@@ -195,6 +198,13 @@ class Engine:
             self.counters.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
             self._cond.notify_all()
             return produced
+
+    def _forget(self, request_id: str) -> None:
+        """A finished request leaves the engine (a long-running server must not keep every handle)."""
+        self._handles.pop(request_id, None)
+        self._finished_ids[request_id] = None
+        if len(self._finished_ids) > 4096:
+            self._finished_ids.popitem(last=False)
 
     def _steady_decode(self) -> int | None:
         """The steady state, without the scheduler's general path: nobody waiting, every running request
@@ -279,6 +289,7 @@ class Engine:
             req.status, req.finish_reason = Status.FINISHED, reason
             self.scheduler.remove(req)
             self.counters.requests_finished += 1
+            self._forget(req.request_id)
         holdback = max(map(len, req.params.stop)) - 1 if req.params.stop else 0
         handle._push(tok, text, holdback)
         return 1

@@ -156,3 +156,27 @@ def test_batched_decode_equals_each_request_alone(llama_artifact_mapped):
         alone = runner.step([ids[i]], [[p]], [p], [1], [t])
         np.testing.assert_allclose(alone[0], together[i], rtol=1e-5, atol=1e-5)
     assert max(pasts) + 1 <= 2 * bs
+
+
+def _rss_bytes() -> int:
+    import os
+
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def test_slot_views_are_address_space_not_memory():
+    """64 slots x 32k context of views (17 GB of address space) cost the pool's blocks, not their size."""
+    before = _rss_bytes()
+    kv = MappedKV(
+        layers=4, kv_heads=4, head_size=64, block_size=16, num_blocks=8, max_context=32768, slots=64
+    )
+    try:
+        assert 4 * 2 * kv.view_bytes >= 16 * 2**30 and kv.nbytes == 4 * 2 * 4 * 8 * 16 * 64 * 4
+        for slot in (0, 63):
+            kv.map_table(slot, np.arange(8))
+            kv.view(3, 1, slot)[0, :, :128] = 1.0  # write every block through the views
+        assert kv.pool[3, 1].min() == 1.0 and not kv.pool[3, 0].any()
+        assert _rss_bytes() - before < 32 * 2**20
+    finally:
+        kv.close()

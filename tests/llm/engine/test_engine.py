@@ -148,6 +148,7 @@ def test_cancel_frees_blocks_and_others_continue():
         list(a)
     assert b.result().token_ids == reference_greedy([4, 5, 6], 12)
     assert eng.cancel(b.request_id) is False  # already finished
+    assert not eng._handles  # finished and cancelled requests are not kept (a server runs for months)
     with pytest.raises(LLMRequestError, match="nope"):
         eng.cancel("nope")
     _assert_no_leak(eng)
