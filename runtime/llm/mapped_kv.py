@@ -33,7 +33,7 @@ import weakref
 
 import numpy as np
 
-from precast.runtime.errors import InputError, PrecastError
+from precast.runtime.errors import InputError, PrecastError, TargetUnavailableError
 
 __all__ = ["MappedKV", "mapped_kv_supported", "page_block_size"]
 
@@ -102,7 +102,7 @@ class MappedKV:
     ):
         why = mapped_kv_supported()
         if why:
-            raise PrecastError(why)
+            raise TargetUnavailableError(why)
         self.dtype = np.dtype(dtype)
         self.layers, self.kv_heads, self.head_size = layers, kv_heads, head_size
         self.block_size, self.num_blocks, self.slots = block_size, num_blocks, slots
