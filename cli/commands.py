@@ -65,6 +65,14 @@ def _config_defaults(path: str | None) -> dict:
     "--dim", "dims", multiple=True, help="Sample size of a symbolic dim for export/verification, NAME=INT."
 )
 @click.option("--task", default=None, help="Task for Hugging Face folders (default feature-extraction).")
+@click.option(
+    "--kv-layout",
+    type=click.Choice(["auto", "mapped", "paged"]),
+    default="auto",
+    show_default=True,
+    help="causal-lm KV cache: mapped (views of the paged pool, read in place; Linux runtime) or paged "
+    "(in-graph gather, any model/host); auto picks mapped when the model allows it.",
+)
 @click.option("--sample-inputs", type=click.Path(), default=None, help=".npz/.json of feeds to verify with.")
 @click.option("--atol", type=float, default=None, help="Absolute tolerance for parity.")
 @click.option("--rtol", type=float, default=None, help="Relative tolerance for parity.")
@@ -109,6 +117,7 @@ def compile_cmd(
     inputs,
     dims,
     task,
+    kv_layout,
     sample_inputs,
     atol,
     rtol,
@@ -147,6 +156,7 @@ def compile_cmd(
         target_options=_kv_pairs(target_options, "--target-option"),
         print_ir_after=frozenset(print_ir_after),
         task=task,
+        kv_layout=None if kv_layout == "auto" else kv_layout,
         cache_dir=cache_dir or None,
         accuracy_budget=accuracy_budget,
     )

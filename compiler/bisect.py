@@ -53,7 +53,9 @@ def bisect_model(
     source = (
         model
         if isinstance(model, Source)
-        else load_source(model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims)
+        else load_source(
+            model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims, kv_layout=opts.kv_layout
+        )
     )
     inputs, _ = io_signature(source.model)
     if opts.sample_inputs is not None:

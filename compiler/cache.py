@@ -105,6 +105,7 @@ def compile_key_parts(source, targets, pipelines, tolerances, feeds, opts) -> di
         else hashlib.sha256(opts.calibration_text.encode()).hexdigest(),
         "accuracy_budget": getattr(opts, "accuracy_budget", None),
         "task": opts.task,
+        "kv_layout": getattr(opts, "kv_layout", None),
         "inputs": [s.to_json() for s in opts.inputs],
         "dims": dict(sorted(opts.dims.items())),
         "toolchain": versions,

@@ -116,8 +116,17 @@ def llm_block(folder: Path, config: dict, module) -> dict:
     }
 
 
-def build_paged_decoder(folder: Path, model_type: str):
-    """Load the HF model (local files, safetensors, fp32, eager) and wrap it in its paged decoder."""
+KV_LAYOUTS = ("mapped", "paged")
+
+
+def build_paged_decoder(folder: Path, model_type: str, kv_layout: str | None = None):
+    """Load the HF model (local files, safetensors, fp32, eager) and wrap it in its paged decoder.
+
+    ``kv_layout``: 'mapped' (GroupQueryAttention over per-request views of the pool; Llama family, head size a
+    multiple of 16, Linux runtime), 'paged' (the graph gathers blocks itself; any model), None: mapped when
+    the model allows it."""
+    if kv_layout is not None and kv_layout not in KV_LAYOUTS:
+        raise UsageError(f"unknown KV layout '{kv_layout}' (choose from: {', '.join(KV_LAYOUTS)})")
     try:
         import torch  # noqa: F401
         import transformers
@@ -141,8 +150,16 @@ def build_paged_decoder(folder: Path, model_type: str):
             f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})"
         ) from e
     if model_type == "gpt2":
+        if kv_layout == "mapped":
+            raise UsageError(f"{folder}: --kv-layout mapped needs a Llama-family model; GPT-2 takes 'paged'")
         return hf, PagedGPT2(hf).eval()
-    if supports_gqa(hf.model.layers[0].self_attn.head_dim):  # one GroupQueryAttention per layer, in place
+    head = hf.model.layers[0].self_attn.head_dim
+    if kv_layout == "mapped" and not supports_gqa(head):
+        raise UsageError(
+            f"{folder}: --kv-layout mapped needs a head size that is a multiple of 16 (GroupQueryAttention); "
+            f"this model's is {head}"
+        )
+    if kv_layout != "paged" and supports_gqa(head):  # one GroupQueryAttention per layer, in place
         ctx = _context(json.loads((folder / "config.json").read_text()))
         return hf, MappedLlama(hf, max_context=ctx).eval()
     return hf, PagedLlama(hf).eval()
@@ -291,7 +308,9 @@ def export_step(module, spec: dict):
     )
 
 
-def load_causal_lm(folder: Path, config: dict, dims: dict[str, int] | None = None) -> Source:
+def load_causal_lm(
+    folder: Path, config: dict, dims: dict[str, int] | None = None, kv_layout: str | None = None
+) -> Source:
     model_type = _check_architecture(folder, config)
     if not sorted(folder.glob("*.safetensors")):
         raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")
@@ -299,7 +318,7 @@ def load_causal_lm(folder: Path, config: dict, dims: dict[str, int] | None = Non
         raise ModelLoadError(
             f"{folder}: no tokenizer.json (the artifact ships the tokenizer; save one with `tokenizers`)"
         )
-    _hf, module = build_paged_decoder(folder, model_type)
+    _hf, module = build_paged_decoder(folder, model_type, kv_layout)
     spec = llm_block(folder, config, module)
     model = export_step(module, spec)
     got = [v.name for v in model.graph.outputs]

@@ -58,6 +58,7 @@ class CompileOptions:
     target_options: dict[str, str] = field(default_factory=dict)
     print_ir_after: frozenset[str] = frozenset()
     task: str | None = None
+    kv_layout: str | None = None  # causal-lm: 'mapped' | 'paged' (None: the model's best)
     seed: int = 0
     bisect: bool = True
     calibration_feeds: list[dict[str, np.ndarray]] | None = None
@@ -190,7 +191,9 @@ def compile_model(
     source = (
         model
         if isinstance(model, Source)
-        else load_source(model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims)
+        else load_source(
+            model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims, kv_layout=opts.kv_layout
+        )
     )
     timings["load"] = time.perf_counter() - t0
     if "llm" in source.info:  # a causal LM's top1/ppl_delta budget needs text: say so before any work

@@ -15,14 +15,14 @@ from precast.runtime.manifest import TensorSpec
 
 __all__ = ["load_hf_folder", "ENCODER_TYPES", "TASK_LOADERS"]
 
-# Other tasks (e.g. causal-lm) register a loader(folder, config, dims) -> Source here.
+# Other tasks (e.g. causal-lm) register a loader(folder, config, dims, **options) -> Source here.
 TASK_LOADERS: dict = {}
 
 
-def _causal_lm(folder, config, dims):
+def _causal_lm(folder, config, dims, kv_layout=None):
     from precast.compiler.causal_lm import load_causal_lm
 
-    return load_causal_lm(folder, config, dims)
+    return load_causal_lm(folder, config, dims, kv_layout=kv_layout)
 
 
 TASK_LOADERS["causal-lm"] = _causal_lm
@@ -70,7 +70,9 @@ def _text_sample_feeds(folder: Path, names: list[str]) -> dict | None:
     return {n: arrays[n] for n in names}
 
 
-def load_hf_folder(folder: Path, task: str | None = None, dims: dict[str, int] | None = None) -> Source:
+def load_hf_folder(
+    folder: Path, task: str | None = None, dims: dict[str, int] | None = None, kv_layout: str | None = None
+) -> Source:
     config = _read_config(folder)
     model_type = config.get("model_type", "?")
     task = task or "feature-extraction"
@@ -78,7 +80,7 @@ def load_hf_folder(folder: Path, task: str | None = None, dims: dict[str, int] |
         if task not in TASK_LOADERS:
             known = ", ".join(["feature-extraction", *sorted(TASK_LOADERS)])
             raise UsageError(f"unknown task '{task}' (supported: {known})")
-        return TASK_LOADERS[task](folder, config, dims)
+        return TASK_LOADERS[task](folder, config, dims, **({"kv_layout": kv_layout} if kv_layout else {}))
     if model_type not in ENCODER_TYPES:
         raise ModelLoadError(
             f"{folder}: model_type '{model_type}' is not a supported encoder for task feature-extraction "

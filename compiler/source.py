@@ -77,14 +77,19 @@ def load_source(
     inputs: list[TensorSpec] | None = None,
     task: str | None = None,
     dims: dict[str, int] | None = None,
+    kv_layout: str | None = None,
 ) -> Source:
-    """Dispatch on what ``spec`` names: an .onnx file, a folder with config.json, or ``module:callable``."""
+    """Dispatch on what ``spec`` names: an .onnx file, a folder with config.json, or ``module:callable``.
+
+    ``kv_layout`` ('mapped' | 'paged', None = the model's best) applies to ``task='causal-lm'`` only."""
+    if kv_layout is not None and task != "causal-lm":
+        raise UsageError(f"--kv-layout {kv_layout} applies to --task causal-lm only")
     path = Path(spec)
     if path.is_dir():
         if (path / "config.json").is_file():
             from precast.compiler.hf_source import load_hf_folder
 
-            return load_hf_folder(path, task=task, dims=dims)
+            return load_hf_folder(path, task=task, dims=dims, kv_layout=kv_layout)
         onnx_files = sorted(path.glob("*.onnx"))
         if len(onnx_files) == 1:
             return load_onnx(onnx_files[0])

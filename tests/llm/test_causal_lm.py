@@ -250,3 +250,34 @@ def test_llama_family_paged_math_matches_hf(model_type, head_dim, layout, tmp_pa
     ours = greedy(runner, prompts, 32, chunk=4)
     for prompt, got in zip(prompts, ours):
         assert got == hf_greedy(folder, prompt, 32)
+
+
+@pytest.mark.slow
+def test_kv_layout_option_forces_the_gather_layout_and_rejects_misfits(
+    tiny_llama_dir, tiny_gpt2_dir, cli, tmp_path
+):
+    """--kv-layout paged on a Llama: the in-graph gather layout (any host), same greedy tokens as mapped."""
+    out = tmp_path / "paged"
+    res = cli(
+        "compile", str(tiny_llama_dir), "--task", "causal-lm", "--kv-layout", "paged", "-o", str(out), "-q"
+    )
+    assert res.code == 0, res.err
+    llm = json.loads((out / "manifest.json").read_text())["llm"]
+    assert llm["kv_layout"] == "paged" and llm["kv_inputs"][0] == ["key_cache.0", "value_cache.0"]
+    prompt = [[5, 9, 33, 7, 100, 41]]
+    paged = greedy(ModelRunner.from_artifact(out, num_blocks=16), prompt, 12)
+    mapped_art = compile_llm(tiny_llama_dir, tmp_path / "mapped").output
+    assert paged == greedy(ModelRunner.from_artifact(mapped_art, num_blocks=16), prompt, 12)
+    bad = cli(
+        "compile",
+        str(tiny_gpt2_dir),
+        "--task",
+        "causal-lm",
+        "--kv-layout",
+        "mapped",
+        "-o",
+        str(tmp_path / "x"),
+    )
+    assert bad.code == 1 and "GPT-2 takes 'paged'" in bad.err and "Traceback" not in bad.err
+    bad = cli("compile", str(tiny_llama_dir), "--kv-layout", "paged", "-o", str(tmp_path / "y"))
+    assert bad.code == 1 and "--task causal-lm only" in bad.err
