@@ -91,10 +91,8 @@ def _packed(linears: list[nn.Linear]) -> nn.Linear:
     return packed
 
 
-class PagedLlama(nn.Module):
-    """Llama / Mistral / Qwen2 (RMSNorm, rotary, SwiGLU, grouped KV heads) over a paged KV pool (in-graph gather)."""
-
-    kv_layout = "paged"
+class _LlamaBody(nn.Module):
+    """The Hugging Face Llama-family model's own modules and head counts, shared by both decoders."""
 
     def __init__(self, hf_model: nn.Module):
         super().__init__()
@@ -102,12 +100,21 @@ class PagedLlama(nn.Module):
         self.embed = body.embed_tokens
         self.layers = body.layers
         self.norm = body.norm
-        self.rotary = body.rotary_emb
         self.lm_head = hf_model.lm_head
         cfg = hf_model.config
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = self.layers[0].self_attn.head_dim
+
+
+class PagedLlama(_LlamaBody):
+    """Llama / Mistral / Qwen2 (RMSNorm, rotary, SwiGLU, grouped KV heads) over a paged KV pool (in-graph gather)."""
+
+    kv_layout = "paged"
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__(hf_model)
+        self.rotary = hf_model.model.rotary_emb
 
     def forward(
         self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list
@@ -140,24 +147,15 @@ class PagedLlama(nn.Module):
         return float(self.layers[0].self_attn.scaling)
 
 
-class MappedLlama(nn.Module):
+class MappedLlama(_LlamaBody):
     """Llama / Mistral / Qwen2 over per-request KV views [B,KV,C,D] (kv_layout "mapped", see the docstring)."""
 
     kv_layout = "mapped"
 
     def __init__(self, hf_model: nn.Module, max_context: int | None = None):
-        super().__init__()
-        body = hf_model.model
-        self.embed = body.embed_tokens
-        self.layers = body.layers
-        self.norm = body.norm
-        self.lm_head = hf_model.lm_head
-        attn = self.layers[0].self_attn
-        cfg = hf_model.config
-        self.heads = cfg.num_attention_heads
-        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
-        self.head_dim = attn.head_dim
-        self.scaling = float(attn.scaling)
+        super().__init__(hf_model)
+        body, cfg = hf_model.model, hf_model.config
+        self.scaling = float(self.layers[0].self_attn.scaling)
         ctx = int(max_context or cfg.max_position_embeddings)
         with torch.no_grad():  # the model's own rotary module at every position: [C, D/2] tables
             cos, sin = body.rotary_emb(torch.zeros(1, dtype=torch.float32), torch.arange(ctx)[None])
