@@ -223,17 +223,15 @@ class Engine:
             tables.append(t)
         sch.step_count += 1
         self.counters.steps += 1
-        reqs = list(running)  # _advance may remove finished requests from running
+        chunks = [ScheduledChunk(r, r.num_computed, 1) for r in running]  # (_advance may shrink running)
         if self._decode_rows is not None:
-            self.counters.computed_tokens += len(reqs)
+            self.counters.computed_tokens += len(chunks)
             logits = self._decode_rows(
-                [r.token_ids[-1] for r in reqs], [r.num_computed for r in reqs], tables
+                [c.request.token_ids[-1] for c in chunks], [c.start for c in chunks], tables
             )
         else:
-            logits = self._run([ScheduledChunk(r, r.num_computed, 1) for r in reqs])
-        produced = sum(
-            self._advance(ScheduledChunk(r, r.num_computed, 1), row) for r, row in zip(reqs, logits)
-        )
+            logits = self._run(chunks)
+        produced = sum(self._advance(c, row) for c, row in zip(chunks, logits))
         self._cond.notify_all()
         return produced
 
@@ -249,17 +247,6 @@ class Engine:
     def _run(self, chunks: list[ScheduledChunk]) -> np.ndarray:
         b, s = len(chunks), max(c.num_new for c in chunks)
         tables = [self.kv.block_table(c.request.request_id) for c in chunks]
-        if s == 1:  # decode rows (the common step): build the arrays straight from lists
-            width = max(len(t) for t in tables)
-            starts = [c.start for c in chunks]
-            self.counters.computed_tokens += b
-            return self._runner_step(
-                np.array([[c.request.token_ids[c.start]] for c in chunks], dtype=np.int64),
-                np.array(starts, dtype=np.int64)[:, None],
-                np.array(starts, dtype=np.int64),
-                np.ones(b, dtype=np.int64),
-                np.array([t + [0] * (width - len(t)) for t in tables], dtype=np.int64),
-            )
         input_ids = np.full((b, s), self.pad_id, dtype=np.int64)
         positions = np.zeros((b, s), dtype=np.int64)
         block_tables = np.zeros((b, max(len(t) for t in tables)), dtype=np.int64)

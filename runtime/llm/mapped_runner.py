@@ -116,17 +116,15 @@ class MappedModelRunner(ModelRunner):
         decode = [r for r in range(b) if new_l[r] == 1]
         prefill = [r for r in range(b) if new_l[r] > 1]
         slot_of = self._assign(past_l, new_l, tables.tolist(), decode, prefill)
-        if len(decode) == b:  # the steady state: one batched decode run, no prefill
-            order = sorted(range(b), key=slot_of.__getitem__)  # slots 0 .. b-1
-            if order == list(range(b)):
-                return self._run(0, ids[:, :1], pos[:, :1], past, new)
-            logits = np.empty((b, self.spec.vocab), dtype=np.float32)
-            logits[order] = self._run(0, ids[order, :1], pos[order, :1], past[order], new[order])
-            return logits
+        if decode:
+            rows = self._decode(
+                [slot_of[r] for r in decode], ids[decode, 0].tolist(), [past_l[r] for r in decode]
+            )
+            if len(decode) == b:  # the steady state: one batched decode run, no prefill
+                return rows
         logits = np.empty((b, self.spec.vocab), dtype=np.float32)
         if decode:
-            order = sorted(decode, key=slot_of.__getitem__)
-            logits[order] = self._run(0, ids[order, :1], pos[order, :1], past[order], new[order])
+            logits[decode] = rows
         for r in prefill:
             n = new_l[r]
             logits[r] = self._run(
@@ -143,28 +141,33 @@ class MappedModelRunner(ModelRunner):
         if b > self.kv.slots:
             raise InputError(f"a step of {b} requests exceeds the runner's {self.kv.slots} slots")
         slot_of = self._assign(positions, [1] * b, tables, list(range(b)), [])
-        if not self._io:
-            arr = np.array(positions, dtype=np.int64)
-            return self._step(
-                np.array(tokens)[:, None], arr[:, None], arr, np.ones(b, np.int64), np.array(tables)
-            )
-        bound = self._bindings.get((0, b)) or self._bind(0, b)
-        d = bound.decode
-        if bound.inputs is not d:
-            bound.bind_inputs(d)
-        order = sorted(range(b), key=slot_of.__getitem__)  # row of slot 0, 1, ...
-        identity = order == list(range(b))
+        return self._decode(slot_of, tokens, positions)
+
+    def _decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> np.ndarray:
+        """One batched decode run of the rows in ``slots`` (exactly 0 .. n-1, any order); logits in row order."""
+        n = len(tokens)
+        order = sorted(range(n), key=slots.__getitem__)  # the row in slot 0, 1, ...
+        identity = order == list(range(n))
         if not identity:
             tokens, positions = [tokens[r] for r in order], [positions[r] for r in order]
-        d["input_ids"][:, 0] = tokens
-        d["positions"][:, 0] = positions
-        d["seqlens_k"][:] = positions
-        d["total_sequence_length"][...] = max(positions) + 1
-        self._session.run_with_iobinding(bound.io)
+        if self._io:
+            bound = self._bindings.get((0, n)) or self._bind(0, n)
+            d = bound.decode  # the binding's own input buffers, filled in place (bound once)
+            if bound.inputs is not d:
+                bound.bind_inputs(d)
+            d["input_ids"][:, 0] = tokens
+            d["positions"][:, 0] = positions
+            d["seqlens_k"][:] = positions  # S = 1: seqlens_k = past_lens
+            d["total_sequence_length"][...] = max(positions) + 1
+            self._session.run_with_iobinding(bound.io)
+            out = bound.logits
+        else:
+            past, ones = np.array(positions, dtype=np.int64), np.ones(n, dtype=np.int64)
+            out = self._run(0, np.array(tokens, dtype=np.int64)[:, None], past[:, None], past, ones)
         if identity:
-            return bound.logits
-        logits = np.empty_like(bound.logits)
-        logits[order] = bound.logits
+            return out
+        logits = np.empty_like(out)
+        logits[order] = out
         return logits
 
     def _assign(self, past: list, new: list, tables: list, decode: list, prefill: list) -> list[int]:
@@ -206,22 +209,15 @@ class MappedModelRunner(ModelRunner):
             feeds = {"input_ids": ids, "positions": pos, **gqa_lengths(past, new, s)}
             return self._run_copying(slot, feeds, past, new)
         bound = self._bindings.get((slot, rows)) or self._bind(slot, rows)
-        if s == 1:  # decode: the binding's own input buffers, filled in place (bound once)
-            d = bound.decode
-            if bound.inputs is not d:
-                bound.bind_inputs(d)
-            d["input_ids"][...] = ids
-            d["positions"][...] = pos
-            d["seqlens_k"][...] = past
-            d["total_sequence_length"][...] = past.max() + 1
-        else:  # ORT's binding does not own a numpy input: keep the arrays alive while they are bound
-            bound.bind_inputs(
-                {
-                    "input_ids": np.ascontiguousarray(ids),
-                    "positions": np.ascontiguousarray(pos),
-                    **gqa_lengths(past, new, s),
-                }
-            )
+        # (a prefill row; decode runs through _decode) ORT's binding does not own a numpy input: keep the
+        # arrays alive while they are bound
+        bound.bind_inputs(
+            {
+                "input_ids": np.ascontiguousarray(ids),
+                "positions": np.ascontiguousarray(pos),
+                **gqa_lengths(past, new, s),
+            }
+        )
         self._session.run_with_iobinding(bound.io)
         return bound.logits
 
