@@ -324,6 +324,7 @@ def load_causal_lm(
     got = [v.name for v in model.graph.outputs]
     if got != _output_names(spec["layers"], spec["kv_layout"] == "mapped"):
         raise ExportError(f"{folder}: exported outputs {got[:3]}... do not match the step contract")
+    kv_rule = kv_valid_rule(spec)
     hashed = [
         p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".safetensors", ".txt")
     ]
@@ -341,7 +342,7 @@ def load_causal_lm(
             "task": "causal-lm",
             "vocab_size": spec["vocab"],
             "llm": spec,
-            **({"kv_valid": kv_valid_rule(spec)} if kv_valid_rule(spec) else {}),
+            **({"kv_valid": kv_rule} if kv_rule else {}),
         },
         sample_feeds=sample_step(spec) if spec["batched_prefill"] else decode_step(spec),
     )

@@ -39,7 +39,7 @@ from precast.runtime.errors import InputError, ParityError, PrecastError, Unsupp
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
 from precast.runtime.model import preference_order
-from precast.runtime.verify import mask_kv_tail, mask_padding
+from precast.runtime.verify import mask_dont_cares
 from precast.targets.base import Target, get_target
 
 __all__ = ["CompileOptions", "CompileResult", "compile_model", "toolchain_versions", "bisect_parity"]
@@ -340,8 +340,8 @@ def _build_one(
     except InputError as e:
         raise UsageError(f"compiled model rejects the sample inputs: {e}") from e
     mask_input, kv_rule = source.info.get("padding_mask"), source.info.get("kv_valid")
-    expected_cmp = mask_kv_tail(mask_padding(expected, feeds, mask_input), feeds, kv_rule)  # don't-cares
-    actual = mask_kv_tail(mask_padding(actual, feeds, mask_input), feeds, kv_rule)
+    expected_cmp = mask_dont_cares(expected, feeds, source.info)  # padded positions, unspecified KV rows
+    actual = mask_dont_cares(actual, feeds, source.info)
     report = compare_outputs(expected_cmp, actual, tol)
     bounds = budget_bounds(specs, opts.accuracy_budget, target.precision)
     text_metrics = None

@@ -11,7 +11,14 @@ import numpy as np
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
 from precast.runtime.manifest import check_integrity, read_manifest
 
-__all__ = ["Tolerance", "compare_outputs", "mask_kv_tail", "mask_padding", "verify_artifact"]
+__all__ = [
+    "Tolerance",
+    "compare_outputs",
+    "mask_dont_cares",
+    "mask_kv_tail",
+    "mask_padding",
+    "verify_artifact",
+]
 
 
 @dataclass(frozen=True)
@@ -68,6 +75,14 @@ def mask_kv_tail(
         keep = rows < valid.reshape([-1] + [1] * (arr.ndim - 1))
         out[name] = np.where(keep, arr, np.zeros((), arr.dtype))
     return out
+
+
+def mask_dont_cares(
+    outputs: Mapping[str, np.ndarray], feeds: Mapping[str, np.ndarray], rules: Mapping
+) -> dict[str, np.ndarray]:
+    """Both masks, as ``rules`` names them (a parity block or a source's info: "padding_mask", "kv_valid")."""
+    masked = mask_padding(outputs, feeds, rules.get("padding_mask"))
+    return mask_kv_tail(masked, feeds, rules.get("kv_valid"))
 
 
 def compare_outputs(
@@ -141,11 +156,8 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     feeds = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["inputs"].items()}
     expected = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["expected"].items()}
     tol = Tolerance(**parity.get("tolerance", {}))
-    mask_input, kv_rule = parity.get("padding_mask"), parity.get("kv_valid")
-    actual = mask_kv_tail(mask_padding(model.run(feeds), feeds, mask_input), feeds, kv_rule)
-    report = compare_outputs(
-        mask_kv_tail(mask_padding(expected, feeds, mask_input), feeds, kv_rule), actual, tol
-    )
+    actual = mask_dont_cares(model.run(feeds), feeds, parity)
+    report = compare_outputs(mask_dont_cares(expected, feeds, parity), actual, tol)
     return {
         "ok": all(r["ok"] for r in report.values()),
         "target": model.target,
