@@ -25,6 +25,7 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from precast.compiler.calibration import FeedsReader
 from precast.runtime.ep_plugin import plugin_available, plugin_session_options
 from precast.runtime.errors import PassFailedError, TargetUnavailableError, UsageError
 from precast.targets.base import Availability, Target, register_target
@@ -152,7 +153,7 @@ class OrtQnn(Target):
         batches, how = self._calibration(proto)
         src, dst = tmpdir / "fp32.onnx", tmpdir / "qdq.onnx"
         onnx.save(proto, src)
-        reader = _FeedsReader(batches)
+        reader = FeedsReader(batches)
         try:
             with _quiet():
                 config = get_qnn_qdq_config(
@@ -218,19 +219,3 @@ def _fix_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.Mo
         make_input_shape_fixed(proto.graph, name, shape)
     fix_output_shapes(proto)
     return onnx.shape_inference.infer_shapes(proto)
-
-
-class _FeedsReader:
-    """ONNX Runtime's CalibrationDataReader duck type over a list of feeds."""
-
-    def __init__(self, feeds: list[dict[str, np.ndarray]]):
-        self._feeds, self._pos = feeds, 0
-
-    def get_next(self) -> dict[str, np.ndarray] | None:
-        if self._pos >= len(self._feeds):
-            return None
-        self._pos += 1
-        return self._feeds[self._pos - 1]
-
-    def rewind(self) -> None:
-        self._pos = 0
