@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from precast.compiler.driver import CompileOptions, _tolerance, bisect_parity
+from precast.compiler.driver import CompileOptions, _tolerance, bisect_parity, source_of
 from precast.compiler.parity import io_signature, make_sample_feeds, ort_run_model
 from precast.compiler.pipeline import parse_pipeline
-from precast.compiler.source import Source, load_source
+from precast.compiler.source import Source
 from precast.runtime.feeds import check_feeds
 from precast.targets.base import get_target
 
@@ -50,13 +50,7 @@ def bisect_model(
     target_cls = get_target(target)
     specs = parse_pipeline(opts.passes or "default", default=target_cls.default_pipeline)
     say(f"loading {model if isinstance(model, str) else model.name}")
-    source = (
-        model
-        if isinstance(model, Source)
-        else load_source(
-            model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims, kv_layout=opts.kv_layout
-        )
-    )
+    source = source_of(model, opts)
     inputs, _ = io_signature(source.model)
     if opts.sample_inputs is not None:
         feeds = check_feeds(opts.sample_inputs, inputs)

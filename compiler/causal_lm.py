@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.compiler.source import Source, hash_files
+from precast.compiler.source import Source
 from precast.compiler.torch_export import dynamo_export
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
 from precast.runtime.llm.mapped_kv import page_block_size
@@ -325,15 +325,14 @@ def load_causal_lm(
     if got != _output_names(spec["layers"], spec["kv_layout"] == "mapped"):
         raise ExportError(f"{folder}: exported outputs {got[:3]}... do not match the step contract")
     kv_rule = kv_valid_rule(spec)
-    hashed = [
-        p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".safetensors", ".txt")
-    ]
-    ship = {f"tokenizer/{n}": folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()}
+    from precast.compiler.hf_source import folder_hash_and_ship
+
+    sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)
     return Source(
         "hf",
         folder.name,
         model,
-        hash_files(hashed, folder),
+        sha,
         reference=step_reference(module, spec["layers"]),
         reference_name="torch (paged decoder over the transformers model)",
         ship_files=ship,

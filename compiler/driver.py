@@ -158,6 +158,15 @@ def bisect_parity(
     return None
 
 
+def source_of(model: str | Source, opts: CompileOptions) -> Source:
+    """``model`` as given (a Source) or loaded with ``opts``'s inputs, task, dims and KV layout."""
+    if isinstance(model, Source):
+        return model
+    return load_source(
+        model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims, kv_layout=opts.kv_layout
+    )
+
+
 def compile_model(
     model: str | Source, output: str | Path, opts: CompileOptions, progress: Progress | None = None
 ) -> CompileResult:
@@ -188,13 +197,7 @@ def compile_model(
     }
 
     say(f"loading {model if isinstance(model, str) else model.name}")
-    source = (
-        model
-        if isinstance(model, Source)
-        else load_source(
-            model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims, kv_layout=opts.kv_layout
-        )
-    )
+    source = source_of(model, opts)
     timings["load"] = time.perf_counter() - t0
     if "llm" in source.info:  # a causal LM's top1/ppl_delta budget needs text: say so before any work
         from precast.compiler.llm_text import check_text_budget

@@ -32,6 +32,15 @@ ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "cam
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
+def folder_hash_and_ship(folder: Path, ship_names) -> tuple[str, dict[str, Path]]:
+    """A Hugging Face folder's source hash (its .json/.safetensors/.txt files) and the tokenizer files to ship."""
+    hashed = [
+        p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".safetensors", ".txt")
+    ]
+    ship = {f"tokenizer/{n}": folder / n for n in ship_names if (folder / n).is_file()}
+    return hash_files(hashed, folder), ship
+
+
 def _read_config(folder: Path) -> dict:
     try:
         return json.loads((folder / "config.json").read_text())
@@ -116,15 +125,12 @@ def load_hf_folder(
     model = export_module(module, inputs, outputs, dims)
     if [v.name for v in model.graph.outputs] != outputs:
         raise ExportError(f"{folder}: exported outputs {[v.name for v in model.graph.outputs]} != {outputs}")
-    hashed = [
-        p for p in sorted(folder.iterdir()) if p.is_file() and (p.suffix in (".json", ".safetensors", ".txt"))
-    ]
-    ship = {f"tokenizer/{n}": folder / n for n in _TOKENIZER_FILES if (folder / n).is_file()}
+    sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)
     return Source(
         "hf",
         folder.name,
         model,
-        hash_files(hashed, folder),
+        sha,
         reference=torch_reference(module, names, outputs),
         reference_name="torch (transformers eager)",
         ship_files=ship,
