@@ -6,6 +6,7 @@ import re
 from pathlib import Path
 
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
+from precast.runtime.hugepages import collapse_new_memory
 
 __all__ = ["create_session", "ort_session_options", "OPT_LEVELS", "explain_ort_error"]
 
@@ -60,9 +61,12 @@ def create_session(root: Path, manifest: dict, threads: int | None = None):
             f"artifact {root} needs execution provider {missing[0]}, which this onnxruntime lacks "
             f"(available: {', '.join(sorted(available))})"
         )
-    so = ort_session_options(target.get("session", {}), threads)
+    settings = target.get("session", {})
+    so = ort_session_options(settings, threads)
     try:
-        return ort.InferenceSession(str(model_file), sess_options=so, providers=providers)
+        # weights and prepacked copies on 2 MiB pages: fewer TLB walks per token (runtime/hugepages.py)
+        with collapse_new_memory(settings):
+            return ort.InferenceSession(str(model_file), sess_options=so, providers=providers)
     except Exception as e:  # ORT raises its own exception types; keep the first line
         node, op, first = explain_ort_error(e)
         culprit = f" (node '{node}', op {op})" if node else (f" (op {op})" if op else "")

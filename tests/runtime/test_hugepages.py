@@ -1,0 +1,85 @@
+"""Weights on transparent huge pages after a load (runtime/hugepages.py)."""
+
+import mmap
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from precast.runtime import hugepages
+from precast.runtime.backends import create_session
+
+MB = 1 << 20
+
+
+def _private(n: int) -> mmap.mmap:
+    return mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (malloc's kind of memory)
+
+
+def _thp_usable() -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode
+
+
+def test_subtract_keeps_only_new_address_ranges():
+    old = [(100, 200), (300, 400)]
+    new = [(0, 50), (100, 250), (280, 420), (500, 600)]
+    assert hugepages._subtract(new, old) == [(0, 50), (200, 250), (280, 300), (400, 420), (500, 600)]
+    assert hugepages._subtract([(100, 200)], old) == []
+
+
+def test_disabled_by_env_or_setting(monkeypatch):
+    monkeypatch.setenv("PRECAST_HUGE_PAGES", "0")
+    assert not hugepages.enabled()
+    monkeypatch.delenv("PRECAST_HUGE_PAGES")
+    assert not hugepages.enabled({"huge_pages": False})
+    report: dict = {}
+    with hugepages.collapse_new_memory({"huge_pages": False}, report):
+        buf = _private(16 * MB)
+    buf.close()
+    assert report == {}
+
+
+@pytest.mark.skipif(not _thp_usable(), reason="needs Linux with transparent huge pages not 'never'")
+def test_memory_allocated_inside_is_advised_and_collapsed():
+    report: dict = {}
+    before = hugepages.huge_page_bytes()
+    with hugepages.collapse_new_memory(None, report):
+        buf = _private(32 * MB)  # anonymous, 4 KiB pages, touched below (as loaded weights are)
+        buf.write(b"\1" * (32 * MB))
+    try:
+        assert report["advised"] >= 28 * MB  # the 2 MiB-aligned part of the new range
+        # MADV_COLLAPSE needs Linux 6.1+ (MADV_HUGEPAGE alone still helps pages faulted later)
+        if report["collapsed"]:
+            assert hugepages.huge_page_bytes() - before >= 16 * MB
+        assert buf[:4] == b"\1\1\1\1" and buf[-1:] == b"\1"  # contents unchanged
+    finally:
+        buf.close()
+
+
+@pytest.mark.skipif(not _thp_usable(), reason="needs Linux with transparent huge pages not 'never'")
+def test_an_onnxruntime_session_gets_its_weights_on_huge_pages(tmp_path):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2048, 2048), dtype=np.float32)  # 16 MB: well past the 8 MB floor
+    graph = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"])],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 2048])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2048])],
+        [numpy_helper.from_array(w, "w")],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), tmp_path / "model.onnx")
+    manifest = {"target": {"backend": "onnxruntime", "model": "model.onnx", "session": {}}}
+    before = hugepages.huge_page_bytes()
+    session = create_session(tmp_path, manifest, threads=1)
+    assert hugepages.huge_page_bytes() - before >= 8 * MB
+    x = rng.standard_normal((1, 2048), dtype=np.float32)
+    np.testing.assert_allclose(session.run(None, {"x": x})[0], x @ w, rtol=1e-4, atol=1e-3)
