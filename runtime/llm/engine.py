@@ -47,6 +47,9 @@ class Engine:
         # The engine builds valid steps itself: a runner's unchecked entry point skips re-validating them.
         self._runner_step = getattr(runner, "step_unchecked", runner.step)
         self._decode_rows = getattr(runner, "decode_unchecked", None)  # decode rows from lists (steady state)
+        self._decode_again = getattr(runner, "decode_again", None)  # the same rows again, mapping as is
+        self._plan: _Plan | None = None
+        self._prefix_caching = bool(enable_prefix_caching)
         self.tokenizer = tokenizer
         self.block_size = int(spec.block_size)
         self.max_context = int(spec.max_context)
@@ -209,31 +212,54 @@ class Engine:
     def _steady_decode(self) -> int | None:
         """The steady state, without the scheduler's general path: nobody waiting, every running request
         decoding one token into room left in its own last block (no allocation, no copy-on-write, no
-        preemption possible). Exactly what schedule() would return then; None when any condition fails."""
+        preemption possible). Exactly what schedule() would return then; None when any condition fails.
+
+        The checks hold for a whole *plan*: while the same requests keep running, no other step ran and
+        none of them leaves its verified block, later steps reuse the plan (and the runner reuses its slot
+        mapping as is: decode_again) instead of re-deriving both every token."""
         sch = self.scheduler
         running = sch.running
-        if sch.waiting or not running or len(running) > sch.config.max_num_batched_tokens:
+        if sch.waiting or not running:
             return None
-        bs, refcount, tables = self.block_size, self.pool.refcount, []
+        plan = self._plan
+        fresh = plan is None or plan.step != sch.step_count or plan.budget <= 0 or plan.reqs != running
+        if fresh:
+            plan = self._plan = self._make_plan(running)
+            if plan is None:
+                return None
+        sch.step_count += 1
+        self.counters.steps += 1
+        self.counters.computed_tokens += len(plan.reqs)
+        tokens = [r.token_ids[-1] for r in plan.reqs]
+        positions = [r.num_computed for r in plan.reqs]
+        if self._decode_rows is None:  # a runner without list entry points: the general batch builder
+            logits = self._run([ScheduledChunk(r, r.num_computed, 1) for r in plan.reqs])
+        elif fresh or self._decode_again is None:
+            logits = self._decode_rows(tokens, positions, plan.tables)
+        else:
+            logits = self._decode_again(tokens, positions)
+        plan.step, plan.budget = sch.step_count, plan.budget - 1
+        produced = 0
+        for req, row in zip(plan.reqs, logits):  # (_emit may shrink running, never plan.reqs)
+            req.num_computed += 1
+            if self._prefix_caching and req.num_computed % self.block_size == 0:
+                self.kv.commit(req.request_id, req.token_ids, req.num_computed)  # a block just filled
+            produced += self._emit(req, row)
+        self._cond.notify_all()
+        return produced
+
+    def _make_plan(self, running: list[Request]) -> _Plan | None:
+        if len(running) > self.scheduler.config.max_num_batched_tokens:
+            return None
+        bs, refcount, tables, budget = self.block_size, self.pool.refcount, [], 1 << 30
         for r in running:
             t = self.kv.block_table(r.request_id)
             j = r.num_computed // bs
             if r.num_pending != 1 or j >= len(t) or refcount(t[j]) != 1:
                 return None
             tables.append(t)
-        sch.step_count += 1
-        self.counters.steps += 1
-        chunks = [ScheduledChunk(r, r.num_computed, 1) for r in running]  # (_advance may shrink running)
-        if self._decode_rows is not None:
-            self.counters.computed_tokens += len(chunks)
-            logits = self._decode_rows(
-                [c.request.token_ids[-1] for c in chunks], [c.start for c in chunks], tables
-            )
-        else:
-            logits = self._run(chunks)
-        produced = sum(self._advance(c, row) for c, row in zip(chunks, logits))
-        self._cond.notify_all()
-        return produced
+            budget = min(budget, (j + 1) * bs - r.num_computed)  # steps until r leaves its verified block
+        return _Plan(list(running), tables, budget, self.scheduler.step_count)
 
     def run_until_done(self) -> None:
         while self.has_unfinished():
@@ -265,8 +291,16 @@ class Engine:
         self.kv.commit(req.request_id, req.token_ids, req.num_computed)
         if req.num_computed < len(req.token_ids):
             return 0  # a prefill chunk: nothing to sample yet
+        return self._emit(req, logits)
+
+    def _emit(self, req: Request, logits: np.ndarray) -> int:
+        """Sample the request's next token from its logits row, check stop conditions, stream it."""
         handle = self._handles[req.request_id]
-        tok = sample(logits, req.params, req.token_ids, req.rng)
+        p = req.params
+        if p.temperature == 0.0 and p.repetition_penalty == 1.0:
+            tok = int(logits.argmax())  # (greedy: sample() would do the same, one call less per token)
+        else:
+            tok = sample(logits, p, req.token_ids, req.rng)
         req.token_ids.append(tok)
         self.counters.generation_tokens += 1
         text, reason = self._check_stop(req, tok)
@@ -277,7 +311,7 @@ class Engine:
             self.scheduler.remove(req)
             self.counters.requests_finished += 1
             self._forget(req.request_id)
-        holdback = max(map(len, req.params.stop)) - 1 if req.params.stop else 0
+        holdback = max(map(len, p.stop)) - 1 if p.stop else 0
         handle._push(tok, text, holdback)
         return 1
 
@@ -360,6 +394,16 @@ class Engine:
                 kv_blocks_free=self.pool.num_free,
                 block_size=self.block_size,
             )
+
+
+class _Plan:
+    """Steady-state decode rows (see Engine._steady_decode): valid while ``step`` is the scheduler's step
+    count, ``reqs`` is still the running list and ``budget`` (steps before a request leaves its block) > 0."""
+
+    __slots__ = ("reqs", "tables", "budget", "step")
+
+    def __init__(self, reqs: list[Request], tables: list[list[int]], budget: int, step: int):
+        self.reqs, self.tables, self.budget, self.step = reqs, tables, budget, step
 
 
 def _group_by_length(chunks: list[ScheduledChunk], max_waste: float = 0.25) -> list[list[ScheduledChunk]]:

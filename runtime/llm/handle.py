@@ -10,7 +10,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from precast.runtime.errors import RequestCancelledError
 from precast.runtime.llm.request import Request
@@ -21,8 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["Completion", "RequestHandle", "TokenEvent"]
 
 
-@dataclass(frozen=True)
-class TokenEvent:
+class TokenEvent(NamedTuple):  # (a NamedTuple: built once per token per request, 3x cheaper than a dataclass)
     token_id: int
     text: str  # new text this token made visible ('' while a stop string or a UTF-8 sequence is pending)
     index: int  # 0-based index among the output tokens

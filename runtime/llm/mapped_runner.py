@@ -90,6 +90,7 @@ class MappedModelRunner(ModelRunner):
         self._mapped = [[] for _ in range(slots)]  # kv.mapped as Python lists (the per-step check)
         self._bindings: dict[tuple[int, int], _Binding] = {}  # (first slot, rows) -> its IO binding
         self._io = hasattr(session, "io_binding")
+        self._again: list[int] | None = None  # slots of the last decode_unchecked rows (for decode_again)
 
     @property
     def kv_bytes(self) -> int:
@@ -109,6 +110,7 @@ class MappedModelRunner(ModelRunner):
         return self._step(ids, pos, past, new, tables)
 
     def _step(self, ids, pos, past, new, tables) -> np.ndarray:
+        self._again = None
         b = ids.shape[0]
         if b > self.kv.slots:
             raise InputError(f"a step of {b} requests exceeds the runner's {self.kv.slots} slots")
@@ -141,14 +143,23 @@ class MappedModelRunner(ModelRunner):
         if b > self.kv.slots:
             raise InputError(f"a step of {b} requests exceeds the runner's {self.kv.slots} slots")
         slot_of = self._assign(positions, [1] * b, tables, list(range(b)), [])
+        self._again = slot_of
         return self._decode(slot_of, tokens, positions)
+
+    def decode_again(self, tokens: list[int], positions: list[int]) -> np.ndarray:
+        """decode_unchecked for the same requests as the last call, each one token further, with no step in
+        between and no table changed (the engine's steady state within a block): the slots and their
+        mappings are reused as they are, without re-deriving or re-checking them."""
+        if self._again is None:
+            raise RuntimeError("decode_again: the previous step was not a decode_unchecked of these rows")
+        return self._decode(self._again, tokens, positions)
 
     def _decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> np.ndarray:
         """One batched decode run of the rows in ``slots`` (exactly 0 .. n-1, any order); logits in row order."""
         n = len(tokens)
-        order = sorted(range(n), key=slots.__getitem__)  # the row in slot 0, 1, ...
-        identity = order == list(range(n))
+        identity = slots == list(range(n))
         if not identity:
+            order = sorted(range(n), key=slots.__getitem__)  # the row in slot 0, 1, ...
             tokens, positions = [tokens[r] for r in order], [positions[r] for r in order]
         if self._io:
             bound = self._bindings.get((0, n)) or self._bind(0, n)

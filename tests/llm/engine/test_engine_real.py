@@ -39,6 +39,7 @@ def expected(llama, llama_dir):
 @pytest.mark.parametrize("num_blocks,budget", [(64, 64), (7, 24)])  # roomy; tight pool -> chunked + preempted
 def test_engine_greedy_matches_hf_generate(llama, expected, num_blocks, budget):
     eng = Engine.load(llama, num_blocks=num_blocks, config=SchedulerConfig(max_num_batched_tokens=budget))
+    again = _count_decode_again(eng)
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
     handles = [eng.submit(TEXTS[0], params)]
     eng.step()  # the first prompt's full blocks are now cached for the second
@@ -48,11 +49,43 @@ def test_engine_greedy_matches_hf_generate(llama, expected, num_blocks, budget):
         assert h.result().token_ids == expected[t], t
     m = eng.metrics()
     assert m.block_size == 16 and eng.runner.kv.mmap_calls > 0  # the mapped layout
+    assert again  # steady-state steps reused their plan and slot mapping
     assert m.kv_blocks_used == 0 and m.requests_finished == len(TEXTS)
     if num_blocks == 7:
         assert m.preemptions > 0
     else:
         assert m.prefix_hit_tokens >= 16  # the two "def wrap" prompts share a block
+
+
+def _count_decode_again(eng) -> list:
+    calls: list = []
+    inner = eng._decode_again
+    eng._decode_again = lambda *a: calls.append(1) or inner(*a)
+    return calls
+
+
+@pytest.mark.slow
+def test_steady_plans_survive_arrivals_cancels_and_finishes(llama, expected):
+    # Requests arrive mid-generation, one is cancelled mid-plan, others finish at different lengths: each
+    # change must end the steady plan (slots re-derived), and the survivors still match HF generate.
+    eng = Engine.load(llama, num_blocks=64)
+    again = _count_decode_again(eng)
+    lengths = [NEW, 5, NEW, 11, NEW]
+    handles = [eng.submit(TEXTS[0], SamplingParams(max_tokens=lengths[0], ignore_eos=True))]
+    for _ in range(7):
+        eng.step()
+    victim = eng.submit("to be cancelled", SamplingParams(max_tokens=NEW, ignore_eos=True))
+    for t, n in zip(TEXTS[1:3], lengths[1:3]):
+        handles.append(eng.submit(t, SamplingParams(max_tokens=n, ignore_eos=True)))
+    for _ in range(6):
+        eng.step()
+    assert eng.cancel(victim.request_id)
+    for t, n in zip(TEXTS[3:], lengths[3:]):
+        handles.append(eng.submit(t, SamplingParams(max_tokens=n, ignore_eos=True)))
+    eng.run_until_done()
+    for t, n, h in zip(TEXTS, lengths, handles):
+        assert h.result().token_ids == expected[t][:n], t
+    assert again and eng.metrics().kv_blocks_used == 0
 
 
 @pytest.mark.slow
