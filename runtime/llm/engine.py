@@ -255,7 +255,12 @@ class Engine:
         for r in running:
             t = self.kv.block_table(r.request_id)
             j = r.num_computed // bs
-            if r.num_pending != 1 or j >= len(t) or refcount(t[j]) != 1:
+            if r.num_pending != 1:
+                return None
+            if j == len(t):  # r starts a new block: take it here (as schedule() would), if one is free
+                if self.kv.allocate_slots(r.request_id, r.num_computed, 1) != []:
+                    return None  # no room (the general path preempts) or a copy to make (it copies)
+            elif j > len(t) or refcount(t[j]) != 1:
                 return None
             tables.append(t)
             budget = min(budget, (j + 1) * bs - r.num_computed)  # steps until r leaves its verified block

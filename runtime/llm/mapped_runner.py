@@ -166,10 +166,15 @@ class MappedModelRunner(ModelRunner):
             d = bound.decode  # the binding's own input buffers, filled in place (bound once)
             if bound.inputs is not d:
                 bound.bind_inputs(d)
-            d["input_ids"][:, 0] = tokens
-            d["positions"][:, 0] = positions
-            d["seqlens_k"][:] = positions  # S = 1: seqlens_k = past_lens
-            d["total_sequence_length"][...] = max(positions) + 1
+            if n == 1:  # (element writes: a third of the cost of list-to-array slice writes)
+                d["input_ids"][0, 0] = tokens[0]
+                d["positions"][0, 0] = d["seqlens_k"][0] = positions[0]  # S = 1: seqlens_k = past_lens
+                d["total_sequence_length"][()] = positions[0] + 1
+            else:
+                d["input_ids"][:, 0] = tokens
+                d["positions"][:, 0] = positions
+                d["seqlens_k"][:] = positions
+                d["total_sequence_length"][()] = max(positions) + 1
             self._session.run_with_iobinding(bound.io)
             out = bound.logits
         else:
