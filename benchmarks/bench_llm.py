@@ -9,8 +9,10 @@ Rows (2 threads each; medians of interleaved rounds; greedy, EOS ignored):
                genai: Generator.generate_next_token after a 128-token prompt; HF: forward with a DynamicCache)
   gen b1       prompt 128 + 128 new tokens: time to first token, decode tokens/s. Steady state: per round each
                engine runs 1 unmeasured + 3 measured generations (median of the 3); precast asks for token ids
-               only, as genai's loop returns ids. The paired line under the table is precast / genai within
-               each round (adjacent in time on a shared, drifting machine), median and range over rounds.
+               only, as genai's loop returns ids. The paired lines under the table: precast / genai within
+               each round, median and range over rounds; then --pairs back-to-back generation pairs of the
+               two (order alternating: the finest pairing on a shared, drifting machine), median ratio with
+               a bootstrap 95% interval.
   gen b8       8 such requests at once: aggregate tokens/s (precast: continuous batching over the paged
                cache; genai: a static batch of 8; HF: generate() on a batch of 8)
 "of limit": decode tokens/s / (measured copy bandwidth / weight bytes read per token).
@@ -269,6 +271,25 @@ def interleave(variants: dict, fn, rounds: int) -> dict[str, list]:
     return out
 
 
+def paired_decode(a, b, prompt: list[int], n: int, label: str) -> str:
+    """Decode b1 speed of a over b from n back-to-back pairs of generations (order alternating), the finest
+    pairing a drifting shared host allows: median ratio, bootstrap 95% interval, how often a was faster."""
+    for _ in range(2):
+        a.generate([prompt]), b.generate([prompt])
+    ratios = []
+    for i in range(n):
+        first, second = (a, b) if i % 2 else (b, a)
+        r = {id(first): first.generate([prompt]), id(second): second.generate([prompt])}
+        (wa, ta), (wb, tb) = r[id(a)], r[id(b)]
+        ratios.append((wb - tb) / (wa - ta))
+    rng = np.random.default_rng(0)
+    boot = sorted(float(np.median(rng.choice(ratios, len(ratios)))) for _ in range(2000))
+    return (
+        f"decode b1 {label}, {n} alternating pairs: median {statistics.median(ratios):.3f}x "
+        f"(95% CI {boot[50]:.3f}-{boot[1949]:.3f}; faster in {sum(x > 1 for x in ratios)}/{n})"
+    )
+
+
 def timed(f) -> float:
     t0 = time.perf_counter()
     f()
@@ -279,6 +300,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each generation row")
     ap.add_argument("--steps", type=int, default=30, help="interleaved decode steps per engine")
+    ap.add_argument(
+        "--pairs", type=int, default=30, help="alternating precast/genai b1 generations per precision"
+    )
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--work", default="/tmp/precast-bench-llm")
     ap.add_argument("--no-int4", action="store_true")
@@ -314,6 +338,11 @@ def main() -> None:
         return runs[1]
 
     gen1 = interleave(engines, steady, args.rounds)
+    pairs = {}
+    for prec in ("fp32", "int4"):
+        a, b = engines.get(f"precast-{prec}"), engines.get(f"genai-{prec}")
+        if a and b and args.pairs:
+            pairs[prec] = paired_decode(a, b, prompts[0], args.pairs, f"precast-{prec} / genai-{prec}")
     gen8 = interleave(engines, lambda e: e.generate(prompts), args.rounds)
 
     copy = None
@@ -366,6 +395,8 @@ def main() -> None:
                 f"decode b1 precast-{prec} / genai-{prec}, paired by round: median {statistics.median(ratios):.3f}x "
                 f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}, {len(ratios)} rounds)"
             )
+    for line in pairs.values():
+        print(line)
     if copy is not None:
         step_ms, copy_ms, blocks = copy
         print(
