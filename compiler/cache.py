@@ -1,7 +1,7 @@
 """The compile cache: an unchanged model compiled with unchanged options and toolchain is a copy.
 
     key = sha256(source hash, canonical pipeline per target, target names + options, tolerances,
-                 sample/calibration feeds, toolchain versions)
+                 sample/calibration feeds, toolchain versions, a hash of precast's own code)
     <cache dir>/<key>/            a whole artifact, exactly as published
     <cache dir>/<key>.json        a small note: what went into the key (for humans debugging misses)
 
@@ -12,6 +12,7 @@ an entry; the last writer of identical content wins.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,8 @@ __all__ = [
     "CACHE_ENV",
     "cache_key",
     "check_artifact_tree",
+    "code_hash",
+    "hash_sources",
     "compile_key_parts",
     "hash_feeds",
     "lookup",
@@ -59,6 +62,30 @@ def cache_key(parts: Mapping[str, Any]) -> str:
         {"key_version": KEY_VERSION, **parts}, sort_keys=True, separators=(",", ":"), default=str
     )
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+# precast's own packages whose code decides an artifact's bytes (the version alone does not move between
+# releases, so a cache would hand out artifacts built by older code).
+_CODE_PACKAGES = ("precast.compiler", "precast.passes", "precast.targets", "precast.runtime")
+
+
+@functools.lru_cache(maxsize=1)
+def code_hash() -> str:
+    """sha256 over precast's Python sources (the packages that build artifacts), once per process."""
+    import importlib
+
+    return hash_sources(str(Path(importlib.import_module(m).__file__).parent) for m in _CODE_PACKAGES)
+
+
+def hash_sources(roots) -> str:
+    """sha256 over the .py files below each root: relative path (under the root's name) and bytes."""
+    h = hashlib.sha256()
+    for root in roots:
+        base = Path(root)
+        for f in sorted(base.rglob("*.py")):
+            h.update(f"{base.name}/{f.relative_to(base).as_posix()}\0".encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
 
 
 def compile_key_parts(source, targets, pipelines, tolerances, feeds, opts) -> dict[str, Any]:
@@ -109,6 +136,7 @@ def compile_key_parts(source, targets, pipelines, tolerances, feeds, opts) -> di
         "inputs": [s.to_json() for s in opts.inputs],
         "dims": dict(sorted(opts.dims.items())),
         "toolchain": versions,
+        "code": code_hash(),
     }
 
 

@@ -105,3 +105,24 @@ def test_cli_cache_dir_and_env_var(model_file, tmp_path, capsys, monkeypatch):
     assert json.loads(report.read_text())["cache"] == "hit"
     code, _, err = run_cli(capsys, "compile", model_file, "-o", tmp_path / "c", "--quiet")
     assert code == 0 and err == ""
+
+
+def test_precast_code_is_part_of_the_key(model_file, tmp_path, monkeypatch):
+    # The version string does not move between releases: a change to precast's own code must miss.
+    import precast.compiler.cache as cache_mod
+    from precast.compiler.cache import hash_sources
+
+    cache = str(tmp_path / "cache")
+    assert compile_model(str(model_file), tmp_path / "a", CompileOptions(cache_dir=cache)).cache == "miss"
+    assert compile_model(str(model_file), tmp_path / "b", CompileOptions(cache_dir=cache)).cache == "hit"
+    monkeypatch.setattr(cache_mod, "code_hash", lambda: "0" * 64)  # as if a pass had been edited
+    assert compile_model(str(model_file), tmp_path / "c", CompileOptions(cache_dir=cache)).cache == "miss"
+
+    pkg = tmp_path / "passes"
+    pkg.mkdir()
+    (pkg / "fuse.py").write_text("X = 1\n")
+    before = hash_sources([pkg])
+    (pkg / "fuse.py").write_text("X = 2\n")
+    assert hash_sources([pkg]) != before
+    (pkg / "fuse.py").write_text("X = 1\n")
+    assert hash_sources([pkg]) == before
