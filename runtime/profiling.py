@@ -72,6 +72,7 @@ def profile_artifact(
     import onnxruntime as ort
 
     from precast.runtime.backends import ort_session_options
+    from precast.runtime.hugepages import collapse_new_memory
     from precast.runtime.model import load
 
     if runs < 1:
@@ -88,11 +89,12 @@ def profile_artifact(
         so = ort_session_options(target.get("session", {}), threads)
         so.enable_profiling = True
         so.profile_file_prefix = str(Path(tmp) / "profile")
-        sess = ort.InferenceSession(
-            str(root / target.get("model", "model.onnx")),
-            sess_options=so,
-            providers=list(target.get("providers", ["CPUExecutionProvider"])),
-        )
+        with collapse_new_memory(target.get("session", {})):  # the same memory as a loaded model's
+            sess = ort.InferenceSession(
+                str(root / target.get("model", "model.onnx")),
+                sess_options=so,
+                providers=list(target.get("providers", ["CPUExecutionProvider"])),
+            )
         names = [o.name for o in model.outputs]
         for _ in range(warmup):
             sess.run(names, arrays)
