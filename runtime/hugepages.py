@@ -12,6 +12,10 @@ Measured on bench_llm's Llama (hidden 512, 8 layers, 2 threads), same process, i
 not: fp32 step graph 1.17-1.30x faster, engine decode 1.05-1.07x; INT4 1.02-1.06x (its weights are 6x fewer
 pages). Collapsing copies the memory once: ~0.3 s per 250 MB at load, no memory added.
 
+Only address ranges that appear during the load are touched (never memory the process had before). In a
+long-lived process that freed large blocks earlier, malloc may place the weights there instead; those stay
+on 4 KiB pages: slower, never wrong. Processes that load their model at start (servers, the CLI) get it all.
+
 Off with PRECAST_HUGE_PAGES=0, or ``"huge_pages": false`` in the manifest target's session settings.
 """
 
