@@ -320,6 +320,9 @@ def main() -> None:
             engines[name] = Genai(path, args.threads)
     if not args.no_hf:
         engines["hf-fp32"] = HF(paths["folder"], args.threads)
+    from precast.runtime.hugepages import huge_page_bytes
+
+    huge = huge_page_bytes()  # precast's engines load first: their weights (runtime/hugepages.py)
     bw = copy_bandwidth()
     load0 = os.getloadavg()
 
@@ -364,6 +367,9 @@ def main() -> None:
     )
     print(
         f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end (2 cores); copy bandwidth {bw / 1e9:.1f} GB/s"
+    )
+    print(
+        f"precast weights on transparent huge pages: {huge / 2**20:.0f} MB (genai and HF load theirs as usual)"
     )
     hdr = (
         f"{'engine':<14} {'weights MB':>10} {'step b1 ms':>10} {'vs ' + base:>16} {'TTFT b1 ms':>10} "
