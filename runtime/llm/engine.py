@@ -302,10 +302,7 @@ class Engine:
         """Sample the request's next token from its logits row, check stop conditions, stream it."""
         handle = self._handles[req.request_id]
         p = req.params
-        if p.temperature == 0.0 and p.repetition_penalty == 1.0:
-            tok = int(logits.argmax())  # (greedy: sample() would do the same, one call less per token)
-        else:
-            tok = sample(logits, p, req.token_ids, req.rng)
+        tok = sample(logits, p, req.token_ids, req.rng)
         req.token_ids.append(tok)
         self.counters.generation_tokens += 1
         text, reason = self._check_stop(req, tok)

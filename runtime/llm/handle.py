@@ -77,13 +77,6 @@ class RequestHandle:
         """Record one new output token; visible_text = the decoded output so far (None: no tokenizer)."""
         if self.t_first_token is None:
             self.t_first_token = time.perf_counter()
-        r = self.request
-        if visible_text is None and not self.text:  # token ids only (no tokenizer, or detokenize=False)
-            ev = TokenEvent(token_id, "", len(r.token_ids) - len(r.prompt_ids) - 1, r.finish_reason)
-            self._events.append(ev)
-            if self.on_token is not None:
-                self.on_token(ev)
-            return
         if visible_text is not None:
             self.text = visible_text
         end = len(self.text)
@@ -93,6 +86,7 @@ class RequestHandle:
                 end -= 1
         delta = self.text[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
+        r = self.request  # (index without slicing the output list every token)
         ev = TokenEvent(token_id, delta, len(r.token_ids) - len(r.prompt_ids) - 1, r.finish_reason)
         self._events.append(ev)
         if self.on_token is not None:
