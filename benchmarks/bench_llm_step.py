@@ -141,9 +141,8 @@ def main() -> None:
         "new_lens": np.array([1]),
         "block_tables": tables,
     }
-    if (
-        spec.kv_layout == "mapped"
-    ):  # the graph alone: the runner's IO binding (views bound in place), run as is
+    if spec.kv_layout == "mapped":
+        # the graph alone: the runner's IO binding (views bound in place), run as is
         runner.step(**step)
         bound = runner._bindings[(0, 1)]
 

@@ -165,8 +165,9 @@ class MappedLlama(_LlamaBody):
         self.qkv = nn.ModuleList(
             _packed([la.self_attn.q_proj, la.self_attn.k_proj, la.self_attn.v_proj]) for la in self.layers
         )
-        # gate and up stay two projections: packing them too would need a Split after the one MatMul,
-        # which costs more per decode step than the extra MatMul dispatch (profiled: ~12 us per Split).
+        # gate and up stay two projections (forward): packing them too would need a Split after the one
+        # MatMul, which costs more per decode step than the extra MatMul dispatch (profiled: ~12 us per Split).
+
         # The head as MatMul on its own [E, V] copy (not Gemm on the embedding table it may be tied to),
         # so weight-only quantization can take it: at batch 1 it is the largest weight read per token.
         self.register_buffer("lm_head_t", self.lm_head.weight.detach().t().contiguous(), persistent=False)

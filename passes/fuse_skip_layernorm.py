@@ -24,8 +24,8 @@ class FuseSkipLayerNorm(RewritePass):
     The sum stays available as SkipLayerNormalization's 4th output when the residual stream needs it.
     Shapes must be [B, S, D] with per-feature gamma/beta/bias (checked by the rules).
     Optional outputs nothing reads (the mean / inverse std-dev statistics the rules leave on every fused
-    node, an unread sum) are dropped: ONNX Runtime then does not compute and write them. That is 25% of
-    the op's time at batch-1 decode (8 us of 34 per call, hidden 512).
+    node, an unread sum) are dropped: ONNX Runtime then does not compute and write them. That was about a
+    quarter of the op's time at batch-1 decode (profiled, hidden 512: 139 -> 103 us per step, 16 nodes).
     """
 
     @dataclass(frozen=True)
