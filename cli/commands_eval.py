@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from precast.cli.main import cli
-from precast.cli.output import emit_json, err_console
+from precast.cli.output import check_output_path, emit_json, err_console
 
 
 @cli.command("eval")
@@ -26,7 +26,7 @@ from precast.cli.output import emit_json, err_console
 @click.option("--stride", type=int, default=None, help="Tokens between window starts (default: the window).")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of the text.")
 @click.option("--batch", default=16, show_default=True, type=int, help="Windows scored together per step.")
-@click.option("--threads", default=None, type=int, help="Intra-op threads of the session.")
+@click.option("--threads", default=None, type=click.IntRange(1, 256), help="Intra-op threads of the session.")
 @click.option("--report", type=click.Path(), default=None, help="Write the result as JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def eval_cmd(artifact, text_file, window, stride, max_tokens, batch, threads, report, as_json):
@@ -34,10 +34,15 @@ def eval_cmd(artifact, text_file, window, stride, max_tokens, batch, threads, re
     from precast.runtime.errors import InputError, UsageError
     from precast.runtime.llm.perplexity import perplexity_of_text
 
+    if report:
+        check_output_path(report, "--report")  # before minutes of scoring
     path = Path(text_file)
     if not path.is_file():
         raise UsageError(f"--perplexity: text file not found: {path}")
-    text = path.read_text(encoding="utf-8", errors="replace")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise InputError(f"--perplexity: {path} is not UTF-8 text (bad byte at offset {e.start})") from e
     if not text.strip():
         raise InputError(f"--perplexity: {path} is empty")
     result = perplexity_of_text(artifact, text, window, stride, max_tokens, batch, threads)

@@ -25,7 +25,7 @@ from precast.cli.output import emit_json, err_console
 @click.option("--stop", "stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stream", is_flag=True, help="Print tokens as they come.")
 @click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: runner's).")
-@click.option("--threads", default=None, type=int, help="Intra-op threads of the session.")
+@click.option("--threads", default=None, type=click.IntRange(1, 256), help="Intra-op threads of the session.")
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and metrics as JSON.")
 def generate_cmd(
     artifact,
@@ -58,6 +58,14 @@ def generate_cmd(
     runner_kwargs = {"threads": threads} if threads is not None else {}
     engine = Engine.load(artifact, num_blocks=num_blocks, **runner_kwargs)
     handle = engine.submit(prompt, params)
+    req, cap = handle.request, handle.request.max_total_tokens
+    if req.num_prompt + max_tokens > cap:  # the engine stops there (finish "length"), for the server too
+        limit = "the context length" if cap == engine.max_context else "the KV pool (--num-blocks)"
+        err_console.print(
+            f"note: --max-tokens {max_tokens} capped at {cap - req.num_prompt}: {limit} is {cap} tokens "
+            f"and the prompt has {req.num_prompt}",
+            markup=False,
+        )
     if stream and not as_json:
         for ev in handle:
             sys.stdout.write(ev.text)

@@ -10,7 +10,7 @@ from precast.cli.main import cli
 @cli.command("serve")
 @click.argument("artifact", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
-@click.option("--port", default=8000, show_default=True, type=int, help="Port to bind.")
+@click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to bind.")
 @click.option("--model-name", default=None, help="Name in the API (default: the artifact folder's name).")
 @click.option(
     "--max-batch-size",
@@ -47,7 +47,7 @@ from precast.cli.main import cli
     envvar="PRECAST_ADMIN_TOKEN",
     help="Token for /admin/* (required to use them when bound beyond loopback).",
 )
-@click.option("--threads", default=None, type=click.IntRange(1), help="ONNX Runtime intra-op threads.")
+@click.option("--threads", default=None, type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads.")
 @click.option(
     "--instances",
     default=1,

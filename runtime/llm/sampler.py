@@ -49,6 +49,9 @@ class SamplingParams:
             raise LLMRequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (self.repetition_penalty > 0 and np.isfinite(self.repetition_penalty)):
             raise LLMRequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
+        seed = self.seed
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
+            raise LLMRequestError(f"seed must be a non-negative integer, got {seed!r}")
         if any(not s for s in self.stop):
             raise LLMRequestError("stop strings must be non-empty")
         if self.stop and not self.detokenize:

@@ -5,6 +5,9 @@ Imported lazily: nothing here loads fastapi until a server is created.
 
 from __future__ import annotations
 
+import errno
+import socket
+
 from precast.runtime.server.config import ServerConfig
 
 __all__ = ["ServerConfig", "create_app", "serve"]
@@ -23,16 +26,33 @@ def serve(config: ServerConfig) -> None:
     _require_serve_extra()
     import uvicorn
 
-    app = create_app(config)
-    uv = uvicorn.Config(
-        app,
-        host=config.host,
-        port=config.port,
-        log_level=config.log_level,
-        timeout_graceful_shutdown=int(max(1, config.drain_timeout)),
-        lifespan="on",
-    )
-    uvicorn.Server(uv).run()
+    with _bind(config.host, config.port) as sock:  # before the model loads: a taken port fails at once
+        app = create_app(config)
+        uv = uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=int(max(1, config.drain_timeout)),
+            lifespan="on",
+        )
+        uvicorn.Server(uv).run(sockets=[sock])
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """The server's socket, bound here (as uvicorn would) so a bad address is one line, not a traceback."""
+    from precast.runtime.errors import UsageError
+
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise UsageError(f"port {port} is already in use on {host}") from e
+        raise UsageError(f"cannot bind {host}:{port}: {e.strerror or e}") from e
+    return sock
 
 
 def _require_serve_extra() -> None:

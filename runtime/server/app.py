@@ -22,7 +22,7 @@ from fastapi.responses import JSONResponse, Response
 from precast.runtime.errors import InputError, PrecastError
 from precast.runtime.server.batcher import BatchConfig, Batcher, QueueFullError
 from precast.runtime.server.config import ServerConfig, is_loopback
-from precast.runtime.server.embeddings import mean_pool_normalize, parse_inputs, tokenize
+from precast.runtime.server.embeddings import check_dimensions, mean_pool_normalize, parse_inputs, tokenize
 from precast.runtime.server.host import ModelHost, ReloadBusyError, ReloadError
 from precast.runtime.server.kserve import decode_request, encode_response, model_metadata, requested_outputs
 from precast.runtime.server.metrics import ServerMetrics
@@ -246,6 +246,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
             fmt = body.get("encoding_format", "float")
             if fmt not in ("float", "base64"):
                 raise InputError(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
+            check_dimensions(body, spec.dim)
             feeds, n_tokens = tokenize(spec, texts)
             pad = (
                 None if spec.static else {"input_ids": spec.pad_id, "attention_mask": 0, "token_type_ids": 0}
@@ -260,6 +261,11 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
         except PrecastError as e:
             return openai_error(400, str(e))
         vectors = mean_pool_normalize(outputs[spec.output], feeds["attention_mask"])
+        if spec.dim is None:  # a symbolic width: 'dimensions' is checked against the result
+            try:
+                check_dimensions(body, vectors.shape[1])
+            except InputError as e:
+                return openai_error(400, str(e))
         data = []
         for i, v in enumerate(vectors):
             emb = (

@@ -14,7 +14,14 @@ import numpy as np
 
 from precast.runtime.errors import ArtifactError, InputError
 
-__all__ = ["EncoderSpec", "encoder_spec", "mean_pool_normalize", "parse_inputs", "tokenize"]
+__all__ = [
+    "EncoderSpec",
+    "check_dimensions",
+    "encoder_spec",
+    "mean_pool_normalize",
+    "parse_inputs",
+    "tokenize",
+]
 
 TOKENIZER_FILE = "tokenizer/tokenizer.json"
 
@@ -27,6 +34,7 @@ class EncoderSpec:
     max_length: int
     pad_id: int
     static: bool = False  # the model has a fixed sequence length: pad every request to max_length
+    dim: int | None = None  # embedding size, when the hidden state's last axis is static
 
 
 def encoder_spec(model) -> EncoderSpec | None:
@@ -69,8 +77,10 @@ def encoder_spec(model) -> EncoderSpec | None:
     pad = tok.padding or {}
     tok.no_padding()
     tok.no_truncation()
+    width = hidden[0].shape[-1] if hidden[0].shape else None
+    dim = width if isinstance(width, int) else None
     return EncoderSpec(
-        tok, hidden[0].name, "token_type_ids" in names, max_length, int(pad.get("pad_id", 0)), static
+        tok, hidden[0].name, "token_type_ids" in names, max_length, int(pad.get("pad_id", 0)), static, dim
     )
 
 
@@ -103,6 +113,20 @@ def parse_inputs(body: dict) -> list[str]:
     if any(not v for v in value):
         raise InputError("'input' contains an empty string")
     return value
+
+
+def check_dimensions(body: dict, dim: int | None) -> None:
+    """OpenAI's 'dimensions' asks for shortened vectors: only the model's own size is accepted.
+    dim None (size not known before a run) checks the type only."""
+    value = body.get("dimensions")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InputError(f"'dimensions' must be a positive integer, got {value!r}")
+    if dim is not None and value != dim:
+        raise InputError(
+            f"'dimensions' must be {dim} (this model's embedding size; shortening is not supported), got {value}"
+        )
 
 
 def mean_pool_normalize(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -1,9 +1,9 @@
 """OpenAI-compatible /v1/completions and /v1/chat/completions (JSON or server-sent events) for LLM artifacts.
 
-Supported request fields: model, prompt | messages, max_tokens (max_completion_tokens), temperature, top_p,
-top_k, seed, stop, repetition_penalty, ignore_eos, stream, stream_options.include_usage, n == 1, priority (also the
-``X-Priority`` header). Anything else OpenAI defines is ignored. A client that disconnects cancels its
-request in the engine, which frees its KV blocks.
+Supported request fields: model, prompt | messages (roles system, user, assistant), max_tokens
+(max_completion_tokens), temperature, top_p, top_k, seed, stop, repetition_penalty, ignore_eos, stream,
+stream_options.include_usage, n == 1, priority (also the ``X-Priority`` header). Anything else OpenAI defines
+is ignored. A client that disconnects cancels its request in the engine, which frees its KV blocks.
 """
 
 from __future__ import annotations
@@ -38,8 +38,10 @@ def sampling_params(body: dict):
     n = body.get("n", 1)
     if n != 1:
         raise LLMRequestError(f"'n' must be 1 (one choice per request), got {n!r}")
-    stop = body.get("stop") or ()
-    if isinstance(stop, str):
+    stop = body.get("stop")
+    if stop is None:
+        stop = ()
+    elif isinstance(stop, str):  # "" is kept: validate() rejects it, as the CLI's --stop ''
         stop = (stop,)
     if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
         raise LLMRequestError("'stop' must be a string or a list of strings")

@@ -20,10 +20,12 @@ from pathlib import Path
 from precast.runtime.errors import LLMRequestError
 from precast.runtime.manifest import TensorSpec, read_manifest
 
-__all__ = ["DEFAULT_CHAT_TEMPLATE", "PRIORITIES", "LLMService", "TokenStream", "parse_priority"]
+__all__ = ["CHAT_ROLES", "DEFAULT_CHAT_TEMPLATE", "PRIORITIES", "LLMService", "TokenStream", "parse_priority"]
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DEFAULT_PRIORITY = PRIORITIES["normal"]
+# Tool messages need tool calls, which the chat routes do not support.
+CHAT_ROLES = ("system", "user", "assistant")
 
 DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -132,6 +134,10 @@ class LLMService:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise LLMRequestError(f"messages[{i}] must be an object with a 'role' and 'content'")
+            if m["role"] not in CHAT_ROLES:
+                raise LLMRequestError(
+                    f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}"
+                )
             content = m.get("content")
             if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
                 parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]

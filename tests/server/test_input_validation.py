@@ -1,0 +1,84 @@
+"""Bad OpenAI-style requests get a 400 with a JSON body naming the field, never a 500 (fake engine, no torch)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from precast.runtime.server import ServerConfig
+from tests.fake_llm import fake_engine
+
+fastapi_testclient = pytest.importorskip("fastapi.testclient")
+
+
+class _Host:
+    """What ServerState needs from a ModelHost: the served LLM, and close()."""
+
+    def __init__(self, llm):
+        self.current = SimpleNamespace(model=None, llm=llm, encoder=None, version=1)
+        self.last_reload = {}
+
+    def close(self):
+        self.current.llm.retire()
+
+
+@pytest.fixture
+def llm_client(tmp_path):
+    from precast.runtime.server.app import ServerState, create_app
+    from precast.runtime.server.llm_service import LLMService
+
+    config = ServerConfig(tmp_path, model_name="tiny")
+    state = ServerState(config, host=_Host(LLMService(fake_engine(max_context=128), tmp_path, {"llm": {}})))
+    with fastapi_testclient.TestClient(create_app(config, state), raise_server_exceptions=False) as c:
+        yield c
+
+
+def _bad(r, culprit: str) -> None:
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert culprit in err["message"] and err["type"] == "invalid_request_error", err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_negative_seed(llm_client, stream):
+    body = {"prompt": "def", "seed": -1, "max_tokens": 4, "stream": stream}
+    _bad(llm_client.post("/v1/completions", json=body), "seed")
+    body["seed"] = 7
+    assert llm_client.post("/v1/completions", json=body).status_code == 200
+
+
+def test_empty_stop_string(llm_client):
+    for stop in ("", ["x", ""]):
+        _bad(llm_client.post("/v1/completions", json={"prompt": "def", "stop": stop}), "stop")
+    r = llm_client.post("/v1/completions", json={"prompt": "def", "stop": [], "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_unknown_chat_role(llm_client):
+    msgs = [{"role": "user", "content": "hi"}, {"role": "bogus", "content": "hi"}]
+    r = llm_client.post("/v1/chat/completions", json={"messages": msgs})
+    _bad(r, "messages[1].role")
+    assert "'bogus'" in r.json()["error"]["message"]
+    msgs[1]["role"] = "assistant"
+    r = llm_client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2})
+    assert r.status_code == 200, r.text
+
+
+def test_max_tokens_beyond_the_context_stops_there_as_the_cli_does(llm_client):
+    r = llm_client.post("/v1/completions", json={"prompt": "def", "max_tokens": 100000, "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 125, "total_tokens": 128}
+
+
+def test_embeddings_dimensions_must_be_the_model_size(tiny_encoder):  # noqa: F811
+    from precast.runtime.server.app import create_app
+
+    config = ServerConfig(tiny_encoder, model_name="enc", max_queue_delay_ms=0)
+    with fastapi_testclient.TestClient(create_app(config), raise_server_exceptions=False) as c:
+        for dims in (5, 0, "6", True):
+            _bad(c.post("/v1/embeddings", json={"input": "fox", "dimensions": dims}), "'dimensions'")
+        r = c.post("/v1/embeddings", json={"input": "fox", "dimensions": 6})
+        assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 6, r.text
