@@ -12,7 +12,7 @@ from rich.table import Table
 
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
-from precast.cli.output import Progress, emit_json, err_console, out_console
+from precast.cli.output import Progress, check_output_path, emit_json, err_console, out_console
 from precast.runtime.errors import UsageError
 
 _KV = "KEY=VALUE"
@@ -41,7 +41,13 @@ def _config_defaults(path: str | None) -> dict:
         data = tomllib.loads(cfg.read_text())
     except tomllib.TOMLDecodeError as e:
         raise UsageError(f"{cfg}: invalid TOML ({e})") from e
-    section = data.get("compile", {})
+    section = data.get("compile")
+    if section is None:
+        if path:  # named explicitly, so it was meant to configure the compile
+            raise UsageError(f"{cfg}: no [compile] table")
+        return {}
+    if not isinstance(section, dict):
+        raise UsageError(f"{cfg}: 'compile' must be a table ([compile])")
     allowed = {"passes", "targets", "atol", "rtol", "min_cosine"}
     unknown = set(section) - allowed
     if unknown:
@@ -49,6 +55,12 @@ def _config_defaults(path: str | None) -> dict:
             f"{cfg}: unknown key '{sorted(unknown)[0]}' in [compile] (allowed: {', '.join(sorted(allowed))})"
         )
     return section
+
+
+def _listed(value):
+    """A TOML list as a tuple; anything else as is, for CompileOptions to reject (tuple() of a string would
+    split it into letters)."""
+    return tuple(value) if isinstance(value, list) else value
 
 
 @cli.command("compile")
@@ -139,13 +151,19 @@ def compile_cmd(
     from precast.runtime.errors import ParityError, PrecastError
 
     cfg = _config_defaults(config)
+    check_output_path(output, "-o", directory=True)
+    for option, path in (("--report", report), ("--junit", junit)):
+        if path:
+            check_output_path(path, option)
+    if cache_dir:
+        check_output_path(cache_dir, "--cache-dir", directory=True)
     dim_values = {}
     for k, v in _kv_pairs(dims, "--dim").items():
         if not v.isdigit() or int(v) < 1:
             raise UsageError(f"bad --dim '{k}={v}': the size must be a positive integer")
         dim_values[k] = int(v)
     opts = CompileOptions(
-        targets=tuple(targets) or tuple(cfg.get("targets", ["ort-cpu"])),
+        targets=tuple(targets) or _listed(cfg.get("targets", ["ort-cpu"])),
         passes=passes if passes is not None else cfg.get("passes"),
         inputs=[parse_input_spec(s) for s in inputs],
         dims=dim_values,
@@ -230,6 +248,9 @@ def _print_parity(manifest: dict, title: str = "parity", console=err_console) ->
     budget = manifest["parity"].get("budget")
     if budget:
         state = "[green]ok[/green]" if budget["ok"] else "[red]EXCEEDED[/red]"
+        unmeasured = budget.get("not_measured")
+        if unmeasured:
+            state += escape(f" (not measured here: {', '.join(unmeasured)})")
         console.print(f"accuracy budget {escape(budget['budget'])}: {state}")
         text = budget.get("metrics", {}).get("logits@text")  # causal LMs: measured on the calibration text
         if text:
@@ -332,6 +353,8 @@ def verify(artifact, as_json, pubkey, junit, quiet):
     from precast.runtime.errors import ParityError, PrecastError
     from precast.runtime.verify import verify_artifact
 
+    if junit:
+        check_output_path(junit, "--junit")
     try:
         if Path(artifact).is_file():
             from precast.runtime.archive import unpack_to_temp
@@ -346,6 +369,10 @@ def verify(artifact, as_json, pubkey, junit, quiet):
             from precast.cli.junit import verify_junit
 
             verify_junit(junit, error=e)
+        if as_json:  # CI parses stdout: a failure is a report too
+            emit_json(
+                {"ok": False, "error": str(e), "error_type": type(e).__name__, "exit_code": e.exit_code}
+            )
         raise
     reports = report if "ok" not in report else {report["target"]: report}
     if junit:
@@ -379,12 +406,19 @@ def verify(artifact, as_json, pubkey, junit, quiet):
 @click.option("-i", "--input", "input_file", required=True, type=click.Path(), help="Feeds: .npz or .json.")
 @click.option("-o", "--output", "output_file", type=click.Path(), default=None, help="Save outputs to .npz.")
 @click.option("--prefer", default=None, help="Target to prefer in a multi-target artifact.")
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: the artifact's setting).")
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="Intra-op threads (default: the artifact's setting).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print outputs as JSON lists.")
 def run(artifact, input_file, output_file, prefer, threads, as_json):
     """Run an artifact on feeds from a file and print (or save) the outputs."""
     from precast.runtime import load
 
+    if output_file:
+        check_output_path(output_file, "-o")
     model = load(artifact, threads=threads, prefer=prefer)
     for name, why in model.skipped.items():
         err_console.print(escape(f"skipped target {name}: {why}"))
@@ -393,7 +427,8 @@ def run(artifact, input_file, output_file, prefer, threads, as_json):
     feeds = read_feeds(input_file, model.inputs)
     outputs = model.run(feeds)
     if output_file:
-        np.savez(output_file, **outputs)
+        with open(output_file, "wb") as f:  # a file handle: np.savez would append ".npz" to other names
+            np.savez(f, **outputs)
     if as_json:
         emit_json({k: v.tolist() for k, v in outputs.items()})
         return

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
-from precast.cli.output import Progress, emit_json, err_console, out_console
+from precast.cli.output import Progress, check_output_path, emit_json, err_console, out_console
 from precast.runtime.errors import ParityError, UsageError
 
 
@@ -59,6 +59,8 @@ def bisect(
         rtol=rtol,
         min_cosine=min_cosine,
     )
+    if report:
+        check_output_path(report, "--report")
     result = bisect_model(model, opts, target=target, progress=Progress(quiet or as_json))
     payload = result.to_json()
     if report:
@@ -91,8 +93,13 @@ def bisect(
 @click.option("-q", "--quiet", is_flag=True)
 def pack(artifact, output, sign_key, with_build_info, as_json, quiet):
     """Pack an artifact directory into one deterministic tar file (checked first; optionally signed)."""
+    import tarfile
+
     from precast.compiler.pack import pack_artifact
 
+    check_output_path(output, "-o")
+    if Path(output).is_file() and not tarfile.is_tarfile(output):
+        raise UsageError(f"-o {output}: exists and is not a packed artifact; refusing to overwrite it")
     info = pack_artifact(artifact, output, sign_key=sign_key, build_info=with_build_info)
     if as_json:
         emit_json(info)
@@ -117,6 +124,7 @@ def unpack(packed, output, pubkey, quiet):
     """Unpack a packed artifact safely: no links/devices/unlisted files/size bombs; every sha256 checked."""
     from precast.runtime.archive import unpack_artifact
 
+    check_output_path(output, "-o", directory=True)
     manifest = unpack_artifact(packed, output, pubkey=pubkey)
     if not quiet:
         sig = ", signature ok" if pubkey else ""
@@ -136,6 +144,8 @@ def keygen(private, public):
     from precast.runtime.signing import generate_keypair
 
     public = public or f"{private}.pub"
+    check_output_path(private, "-o")
+    check_output_path(public, "--pub")
     generate_keypair(private, public)
     err_console.print(f"wrote private key {escape(private)} (keep it secret) and public key {escape(public)}")
 
@@ -158,16 +168,24 @@ def keygen(private, public):
     default=None,
     help="Save the Chrome trace (chrome://tracing, Perfetto) here.",
 )
-@click.option("--threads", type=int, default=None, help="Intra-op threads (default: the artifact's setting).")
+@click.option(
+    "--threads",
+    type=click.IntRange(1, 256),
+    default=None,
+    help="Intra-op threads (default: the artifact's setting).",
+)
+@click.option("--prefer", default=None, help="Target to profile in a multi-target artifact.")
 @click.option("--json", "as_json", is_flag=True)
-def profile(artifact, input_file, runs, top, trace, threads, as_json):
+def profile(artifact, input_file, runs, top, trace, threads, prefer, as_json):
     """Profile an artifact with ONNX Runtime's profiler; print the top operator types by total time."""
     from precast.runtime.profiling import profile_artifact
 
     if top < 1:
         raise UsageError(f"--top must be at least 1, got {top}")
+    if trace:
+        check_output_path(trace, "--trace")
     feeds = read_feeds(input_file) if input_file else None
-    result = profile_artifact(artifact, feeds, runs=runs, trace=trace, threads=threads)
+    result = profile_artifact(artifact, feeds, runs=runs, trace=trace, threads=threads, prefer=prefer)
     if as_json:
         emit_json(result)
         return

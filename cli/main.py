@@ -48,8 +48,13 @@ def _register() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    args = sys.argv[1:] if argv is None else argv
-    debug = "--debug" in args
+    args = list(sys.argv[1:] if argv is None else argv)
+    # --debug works anywhere on the line (README lists it beside the compile options), not only before the
+    # subcommand; what follows a bare "--" is left alone.
+    end = args.index("--") if "--" in args else len(args)
+    debug = "--debug" in args[:end]
+    if debug:
+        args = ["--debug"] + [a for a in args[:end] if a != "--debug"] + args[end:]
     _register()
     try:
         rv = cli.main(args=args, prog_name="precast", standalone_mode=False)
@@ -69,12 +74,25 @@ def main(argv: list[str] | None = None) -> None:
     except KeyboardInterrupt:
         click.echo("error: interrupted", err=True)
         sys.exit(130)
-    except Exception as e:  # a bug in precast, not a user mistake
+    except OSError as e:
+        if e.filename is None:  # not about a path the user named: handled as a bug below
+            _internal(e, debug)
         if debug:
             traceback.print_exc()
-        first = str(e).splitlines()[0] if str(e) else ""
+        click.echo(f"error: cannot use '{e.filename}': {e.strerror or e}", err=True)
+        sys.exit(EXIT_USAGE)
+    except Exception as e:  # a bug in precast, not a user mistake
+        _internal(e, debug)
+    sys.exit(rv if isinstance(rv, int) else 0)
+
+
+def _internal(e: BaseException, debug: bool) -> None:
+    first = str(e).splitlines()[0] if str(e) else ""
+    if debug:
+        traceback.print_exc()
+        click.echo(f"internal error: {type(e).__name__}: {first}", err=True)
+    else:
         click.echo(
             f"internal error: {type(e).__name__}: {first} (re-run with --debug for the traceback)", err=True
         )
-        sys.exit(EXIT_INTERNAL)
-    sys.exit(rv if isinstance(rv, int) else 0)
+    sys.exit(EXIT_INTERNAL)

@@ -308,6 +308,22 @@ def export_step(module, spec: dict):
     )
 
 
+def _check_tokenizer(path: Path, vocab_size: int) -> None:
+    """The shipped tokenizer must load, and its ids must fit the model's vocabulary: a broken one would only
+    show on the deployment host."""
+    from precast.runtime.errors import ArtifactError
+    from precast.runtime.llm.tokenizer import TextTokenizer
+
+    try:
+        tok = TextTokenizer.from_file(path)
+    except ArtifactError as e:
+        raise ModelLoadError(str(e)) from e
+    if vocab_size and tok.vocab_size > vocab_size:
+        raise ModelLoadError(
+            f"{path}: the tokenizer has {tok.vocab_size} tokens but the model's vocab_size is {vocab_size}"
+        )
+
+
 def load_causal_lm(
     folder: Path, config: dict, dims: dict[str, int] | None = None, kv_layout: str | None = None
 ) -> Source:
@@ -318,6 +334,7 @@ def load_causal_lm(
         raise ModelLoadError(
             f"{folder}: no tokenizer.json (the artifact ships the tokenizer; save one with `tokenizers`)"
         )
+    _check_tokenizer(folder / "tokenizer.json", int(config.get("vocab_size") or 0))
     _hf, module = build_paged_decoder(folder, model_type, kv_layout)
     spec = llm_block(folder, config, module)
     model = export_step(module, spec)

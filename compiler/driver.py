@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import platform
 import shutil
 import time
@@ -32,7 +33,7 @@ from precast.compiler.pipeline import (
     format_pipeline,
     parse_pipeline,
 )
-from precast.compiler.registry import PassContext
+from precast.compiler.registry import PassContext, get_pass
 from precast.compiler.source import Source, load_source
 from precast.runtime.backends import explain_ort_error
 from precast.runtime.errors import InputError, ParityError, PrecastError, UnsupportedOpError, UsageError
@@ -67,6 +68,20 @@ class CompileOptions:
         None  # 'cosine>=0.99,top1>=0.95'; quantized pipelines default to cosine>=0.99
     )
     cache_dir: str | None = None  # compile cache (compiler/cache.py); the CLI also reads PRECAST_CACHE_DIR
+
+    def __post_init__(self) -> None:
+        # Options also come from precast.toml, so types are checked here, not only by click.
+        if isinstance(self.targets, str) or not all(isinstance(t, str) for t in self.targets):
+            raise UsageError(f"targets must be a list of target names, got {self.targets!r}")
+        if self.passes is not None and not isinstance(self.passes, str):
+            raise UsageError(f"passes must be a pipeline string, got {self.passes!r}")
+        for name in ("atol", "rtol", "min_cosine"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            low, high, what = (-1.0, 1.0, "in [-1, 1]") if name == "min_cosine" else (0.0, math.inf, ">= 0")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not low <= value <= high:
+                raise UsageError(f"{name} must be a number {what}, got {value!r}")
 
 
 @dataclass
@@ -175,8 +190,11 @@ def compile_model(
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
     target_classes = [get_target(t) for t in opts.targets]  # unknown target fails before any work
-    if len(set(opts.targets)) != len(opts.targets):
-        raise UsageError("a target is named twice")
+    twice = sorted({t for t in opts.targets if opts.targets.count(t) > 1})
+    if twice:
+        raise UsageError(f"target '{twice[0]}' is named twice")
+    for name in sorted(opts.print_ir_after - {"all"}):
+        get_pass(name)  # an unknown name would print nothing, silently
     unknown = [k for k in opts.target_options if not any(k in c.option_defaults for c in target_classes)]
     if unknown:
         names = ", ".join(c.name for c in target_classes)
@@ -207,8 +225,26 @@ def compile_model(
                 budget_bounds(pipelines[t.name], opts.accuracy_budget, t.precision), opts.calibration_text
             )
     inputs, outputs = io_signature(source.model)
+    if opts.calibration_text and not opts.calibration_feeds:
+        from precast.compiler.llm_text import is_step_graph
+
+        if not is_step_graph(inputs):  # quantizers would fall back to the random sample feeds, silently
+            raise UsageError(
+                "--calibration text calibrates causal-lm models (--task causal-lm); give this model an .npz of feeds"
+            )
+    symbolic = {d for spec in inputs for d in (spec.shape or ()) if isinstance(d, str)}
+    unknown_dims = sorted(set(opts.dims) - symbolic)
+    if unknown_dims:
+        have = ", ".join(sorted(symbolic)) or "none"
+        raise UsageError(f"--dim '{unknown_dims[0]}' is not a symbolic input dim of the model (has: {have})")
     if opts.sample_inputs is not None:
         feeds = check_feeds(opts.sample_inputs, inputs)
+        empty = [n for n, a in feeds.items() if a.size == 0]
+        if empty:
+            raise UsageError(
+                f"--sample-inputs: input '{empty[0]}' has no elements {list(feeds[empty[0]].shape)}; "
+                "parity on an empty tensor checks nothing"
+            )
     else:
         feeds = source.sample_feeds
         if feeds is None:

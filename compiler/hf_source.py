@@ -43,9 +43,12 @@ def folder_hash_and_ship(folder: Path, ship_names) -> tuple[str, dict[str, Path]
 
 def _read_config(folder: Path) -> dict:
     try:
-        return json.loads((folder / "config.json").read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        config = json.loads((folder / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ModelLoadError(f"{folder}/config.json is not valid JSON ({e})") from e
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{folder}/config.json must hold a JSON object, not a {type(config).__name__}")
+    return config
 
 
 # Verification text for encoders with a tokenizer: random token ids are far from what the model sees in
@@ -67,7 +70,12 @@ def _text_sample_feeds(folder: Path, names: list[str]) -> dict | None:
         from tokenizers import Tokenizer
     except ImportError:
         return None
-    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    try:
+        tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    except Exception as e:  # the tokenizers library raises plain Exception on a malformed file
+        raise ModelLoadError(
+            f"cannot read tokenizer {folder / 'tokenizer.json'}: {str(e).splitlines()[0]}"
+        ) from e
     tok.enable_padding()
     tok.enable_truncation(max_length=128)
     enc = tok.encode_batch(list(SAMPLE_SENTENCES))
@@ -84,6 +92,7 @@ def load_hf_folder(
 ) -> Source:
     config = _read_config(folder)
     model_type = config.get("model_type", "?")
+    given = task is not None
     task = task or "feature-extraction"
     if task != "feature-extraction":
         if task not in TASK_LOADERS:
@@ -91,9 +100,14 @@ def load_hf_folder(
             raise UsageError(f"unknown task '{task}' (supported: {known})")
         return TASK_LOADERS[task](folder, config, dims, **({"kv_layout": kv_layout} if kv_layout else {}))
     if model_type not in ENCODER_TYPES:
+        archs = config.get("architectures") or []
+        causal = not given and any(
+            isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs
+        )
+        hint = "; it is a causal LM: add --task causal-lm" if causal else ""
         raise ModelLoadError(
             f"{folder}: model_type '{model_type}' is not a supported encoder for task feature-extraction "
-            f"(supported: {', '.join(sorted(ENCODER_TYPES))})"
+            f"(supported: {', '.join(sorted(ENCODER_TYPES))}){hint}"
         )
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:

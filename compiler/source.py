@@ -92,11 +92,13 @@ def load_source(
             return load_hf_folder(path, task=task, dims=dims, kv_layout=kv_layout)
         onnx_files = sorted(path.glob("*.onnx"))
         if len(onnx_files) == 1:
+            _no_export_options(onnx_files[0], task, inputs)
             return load_onnx(onnx_files[0])
         raise ModelLoadError(
             f"{path}: a folder must hold a Hugging Face model (config.json) or exactly one .onnx file"
         )
     if path.suffix == ".onnx" or path.exists():
+        _no_export_options(path, task, inputs)
         return load_onnx(path)
     if ":" in spec and os.path.sep not in spec.split(":", 1)[0]:
         from precast.compiler.torch_source import load_torch_callable
@@ -105,6 +107,15 @@ def load_source(
     raise ModelLoadError(
         f"model not found: '{spec}' (expected an .onnx file, a Hugging Face folder, or module:callable)"
     )
+
+
+def _no_export_options(path: Path, task: str | None, inputs) -> None:
+    """--task and --input steer an export; an ONNX file is already exported, and ignoring them would hide a
+    mistake (a wrong path, or the wrong model)."""
+    if task is not None:
+        raise UsageError(f"--task applies to Hugging Face folders; {path} is an ONNX file")
+    if inputs:
+        raise UsageError(f"--input applies to PyTorch callables; {path} is an ONNX file")
 
 
 def load_onnx(path: Path) -> Source:

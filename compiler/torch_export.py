@@ -87,7 +87,7 @@ def dynamo_export(module, args: tuple, **export_kwargs) -> ir.Model:
     """
     torch = import_torch()
     for name in ("torch.onnx", "torch._export", "torch.export", "torch._dynamo"):
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).setLevel(logging.CRITICAL)  # failures surface as one ExportError line
     try:
         with warnings.catch_warnings(), torch.no_grad(), contextlib.redirect_stdout(io.StringIO()):
             warnings.simplefilter("ignore")
@@ -95,7 +95,11 @@ def dynamo_export(module, args: tuple, **export_kwargs) -> ir.Model:
                 module, args, dynamo=True, optimize=True, verbose=False, **export_kwargs
             )
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        root = e  # torch wraps the cause in a generic "Failed to export ... Next steps" message
+        while root.__cause__ is not None:
+            root = root.__cause__
+        text = str(root).strip()
+        first = f"{type(root).__name__}: {text.splitlines()[0]}" if text else type(root).__name__
         raise ExportError(f"torch.onnx.export failed for {type(module).__name__}: {first}") from e
     model = program.model
     model.graph.name = model.graph.name or "main"

@@ -29,13 +29,21 @@ def load_torch_callable(spec: str, inputs: list[TensorSpec], dims: dict[str, int
         sys.path.insert(0, cwd)
     try:
         mod = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ModelLoadError(f"cannot import module '{module_name}' for '{spec}': {e}") from e
+    except Exception as e:  # ImportError, or the module's own code failing at import
+        raise ModelLoadError(f"cannot import module '{module_name}' for '{spec}': {_first_line(e)}") from e
     try:
         factory = getattr(mod, attr)
     except AttributeError:
         raise ModelLoadError(f"module '{module_name}' has no attribute '{attr}'") from None
-    module = factory() if not isinstance(factory, torch.nn.Module) else factory
+    if isinstance(factory, torch.nn.Module):
+        module = factory
+    elif callable(factory):
+        try:
+            module = factory()
+        except Exception as e:  # the user's code: name it, do not call it a precast bug
+            raise ModelLoadError(f"'{spec}' raised {_first_line(e)}") from e
+    else:
+        raise ModelLoadError(f"'{spec}' is a {type(factory).__name__}, not a torch.nn.Module or a callable")
     if not isinstance(module, torch.nn.Module):
         raise ModelLoadError(f"'{spec}' returned {type(module).__name__}, expected a torch.nn.Module")
     module.eval()
@@ -47,3 +55,8 @@ def load_torch_callable(spec: str, inputs: list[TensorSpec], dims: dict[str, int
     return Source(
         "torch", attr, model, digest, reference=ref, reference_name="torch (eager)", info={"callable": spec}
     )
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -94,6 +94,9 @@ def load(
         check_integrity(root, manifest)
     if manifest.get("kind") == "multi-target":
         return _load_best(root, manifest, threads=threads, verify=verify, prefer=prefer)
+    own = (manifest.get("target") or {}).get("name")
+    if prefer is not None and prefer != own:
+        raise ArtifactError(f"{root}: no target '{prefer}' in this artifact (has: {own})")
     try:
         inputs = [TensorSpec.from_json(d) for d in manifest["io"]["inputs"]]
         outputs = [TensorSpec.from_json(d) for d in manifest["io"]["outputs"]]

@@ -64,6 +64,7 @@ def profile_artifact(
     warmup: int = 2,
     trace: str | os.PathLike | None = None,
     threads: int | None = None,
+    prefer: str | None = None,
 ) -> dict:
     """Profile ``warmup`` + ``runs`` runs of the artifact (per-run numbers divide by both).
 
@@ -77,8 +78,13 @@ def profile_artifact(
 
     if runs < 1:
         raise UsageError(f"--runs must be at least 1, got {runs}")
-    model = load(path, threads=threads)  # integrity, packed files, multi-target choice
+    model = load(path, threads=threads, prefer=prefer)  # integrity, packed files, multi-target choice
     root, target = model.path, model.manifest["target"]
+    if target.get("backend", "onnxruntime") != "onnxruntime":
+        raise UsageError(
+            f"{path}: target '{model.target}' runs on {target['backend']}, and profile uses ONNX Runtime's "
+            "profiler; pick an ONNX Runtime target with --prefer"
+        )
     if feeds is None:
         stored = (model.manifest.get("parity") or {}).get("inputs")
         if not stored:

@@ -209,18 +209,18 @@ def test_run_with_bad_feeds(cli, artifact, tmp_path, feeds, needles):
 
 
 def test_parity_failure_writes_nothing(cli, mlp_path, tmp_path):
-    # An impossible tolerance on a target that optimizes: parity is reported, nothing is written.
+    # fp16 weights under an exact tolerance: parity is reported, nothing is written.
     r = cli(
         "compile",
         mlp_path,
         "-o",
         tmp_path / "o",
+        "--passes",
+        "convert-fp16",
         "--atol",
         "0",
         "--rtol",
         "0",
-        "--min-cosine",
-        "1.5",
         "--report",
         tmp_path / "r.json",
     )

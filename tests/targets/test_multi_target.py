@@ -108,3 +108,11 @@ def test_verify_checks_every_target_and_skips_what_this_host_cannot_run(cli, mul
     (copy / "tensorrt" / plan.relative_to(multi / "tensorrt")).write_bytes(plan.read_bytes() + b"\0")
     r = cli("verify", copy)
     assert r.code == 3 and "modified" in r.err
+
+
+def test_profile_names_a_non_ort_target_and_takes_prefer(cli, multi):
+    r = cli("profile", multi, "--prefer", "openvino", "--runs", "1")
+    assert r.code == 1 and "runs on openvino" in r.err and "--prefer" in r.err and "Traceback" not in r.err
+    r = cli("profile", multi, "--prefer", "ort-cpu", "--runs", "1", "--json")
+    assert r.code == 0, r.err
+    assert json.loads(r.out)["target"] == "ort-cpu"
