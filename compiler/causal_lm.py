@@ -137,6 +137,7 @@ def build_paged_decoder(folder: Path, model_type: str, kv_layout: str | None = N
     from precast.compiler.paged_decoder import MappedLlama, PagedGPT2, PagedLlama
     from precast.compiler.paged_ops import supports_gqa
 
+    transformers.utils.logging.disable_progress_bar()  # precast prints its own progress (or none: -q)
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             str(folder),

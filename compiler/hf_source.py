@@ -117,6 +117,7 @@ def load_hf_folder(
         import transformers
     except ImportError:
         raise UsageError("Hugging Face folders need transformers: pip install 'precast[export]'") from None
+    transformers.utils.logging.disable_progress_bar()  # precast prints its own progress (or none: -q)
     try:
         module = transformers.AutoModel.from_pretrained(
             str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager"

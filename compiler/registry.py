@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import math
 import pkgutil
 import types
 import typing
@@ -192,16 +193,23 @@ def parse_option_value(pass_name: str, key: str, raw: str | list, tp: Any) -> An
         if raw.lower() in ("false", "0", "no", "off"):
             return False
         raise PassOptionError(f"{where} must be true or false, got '{raw}'")
+    # Every numeric pass option is a count, a size or a fraction: never negative.
     if tp is int:
         try:
-            return int(raw)
+            value = int(raw)
         except ValueError:
             raise PassOptionError(f"{where} must be an integer, got '{raw}'") from None
+        if value < 0:
+            raise PassOptionError(f"{where} must be >= 0, got {value}")
+        return value
     if tp is float:
         try:
-            return float(raw)
+            value = float(raw)
         except ValueError:
             raise PassOptionError(f"{where} must be a number, got '{raw}'") from None
+        if not 0 <= value < math.inf:
+            raise PassOptionError(f"{where} must be a finite number >= 0, got {raw}")
+        return value
     return raw
 
 

@@ -60,6 +60,9 @@ class Target:
                 raise UsageError(
                     f"target '{cls.name}' option '{key}' expects {type(default).__name__}, got '{value}'"
                 ) from None
+            # Numeric target options are counts and sizes (threads, batch sizes, MB): never negative.
+            if isinstance(out[key], int | float) and not isinstance(out[key], bool) and out[key] < 0:
+                raise UsageError(f"target '{cls.name}' option '{key}' must be >= 0, got {value}")
         return out
 
     @classmethod

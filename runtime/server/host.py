@@ -76,6 +76,12 @@ class ModelHost:
 
         manifest = read_manifest(path) if path.is_dir() else None
         is_llm = bool(manifest and manifest.get("llm"))
+        if self.llm_options and not is_llm:
+            from precast.runtime.errors import UsageError
+
+            raise UsageError(
+                f"{path}: LLM options ({', '.join(sorted(self.llm_options))}) given, but it is not an LLM artifact"
+            )
         if self.verify and manifest is not None and (manifest.get("parity") or {}).get("inputs"):
             from precast.runtime.verify import verify_artifact
 

@@ -200,3 +200,15 @@ def test_causal_lm_tokenizer_is_checked_at_compile(cli, tmp_path):
 def test_python_dash_m_precast():
     r = subprocess.run([sys.executable, "-m", "precast", "--version"], capture_output=True, text=True)
     assert r.returncode == 0 and "precast" in r.stdout
+
+
+def test_negative_pass_and_target_options(cli, mlp_path, tmp_path):
+    out = tmp_path / "o"
+    for passes, needle in (
+        ("fold-constants{input_size_limit=-1}", "'input_size_limit' must be >= 0"),
+        ("unroll-loops{max_trip=-5}", "'max_trip' must be >= 0"),
+        ("quantize-int4{percdamp=nan}", "'percdamp' must be a finite number"),
+    ):
+        _error(cli("compile", mlp_path, "-o", out, "--passes", passes), 1, needle)
+    _error(cli("compile", mlp_path, "-o", out, "--target-option", "threads=-1"), 1, "'threads' must be >= 0")
+    assert not out.exists()

@@ -73,7 +73,7 @@ def test_max_tokens_beyond_the_context_stops_there_as_the_cli_does(llm_client):
     assert out["usage"] == {"prompt_tokens": 3, "completion_tokens": 125, "total_tokens": 128}
 
 
-def test_embeddings_dimensions_must_be_the_model_size(tiny_encoder):  # noqa: F811
+def test_embeddings_dimensions_must_be_the_model_size(tiny_encoder):
     from precast.runtime.server.app import create_app
 
     config = ServerConfig(tiny_encoder, model_name="enc", max_queue_delay_ms=0)
@@ -82,3 +82,12 @@ def test_embeddings_dimensions_must_be_the_model_size(tiny_encoder):  # noqa: F8
             _bad(c.post("/v1/embeddings", json={"input": "fox", "dimensions": dims}), "'dimensions'")
         r = c.post("/v1/embeddings", json={"input": "fox", "dimensions": 6})
         assert r.status_code == 200 and len(r.json()["data"][0]["embedding"]) == 6, r.text
+
+
+def test_llm_options_on_a_non_llm_artifact_are_refused(mlp_a):
+    from precast.runtime.errors import UsageError
+    from precast.runtime.server.host import ModelHost
+
+    with pytest.raises(UsageError, match="num_blocks.*not an LLM artifact"):
+        ModelHost(mlp_a, llm_options={"num_blocks": 5})
+    assert ModelHost(mlp_a).current.llm is None
