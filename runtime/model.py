@@ -103,7 +103,29 @@ def load(
     except (KeyError, TypeError) as e:
         raise ArtifactError(f"{root}: manifest 'io' block is malformed") from e
     session = create_session(root, manifest, threads=threads)
+    _check_io_matches(root, session, inputs, outputs)
     return Model(root, manifest, session, inputs, outputs)
+
+
+def _check_io_matches(root: Path, session, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:
+    """manifest.json cannot hash itself: an edited 'io' block would blame every caller's feeds. Compare it
+    with what an ONNX Runtime session reports (other backends keep their own checks)."""
+    if not hasattr(session, "get_inputs") or not hasattr(session, "get_outputs"):
+        return
+    try:
+        actual = {a.name: a.type for a in [*session.get_inputs(), *session.get_outputs()]}
+    except Exception:  # a backend's session that only looks like ORT's
+        return
+    for spec in (*inputs, *outputs):
+        kind = actual.get(spec.name)
+        if kind is None:
+            raise ArtifactError(f"{root}: manifest lists '{spec.name}', which the model does not have")
+        elem = kind[len("tensor(") : -1] if kind.startswith("tensor(") else None
+        dtype = {"float": "float32", "double": "float64"}.get(elem, elem)
+        if elem not in (None, "string") and dtype != spec.dtype:
+            raise ArtifactError(
+                f"{root}: manifest says '{spec.name}' is {spec.dtype}, the model says {dtype}: manifest.json was edited"
+            )
 
 
 def _load_best(root: Path, manifest: dict, *, threads, verify, prefer) -> Model:

@@ -212,3 +212,12 @@ def test_negative_pass_and_target_options(cli, mlp_path, tmp_path):
         _error(cli("compile", mlp_path, "-o", out, "--passes", passes), 1, needle)
     _error(cli("compile", mlp_path, "-o", out, "--target-option", "threads=-1"), 1, "'threads' must be >= 0")
     assert not out.exists()
+
+
+def test_an_edited_manifest_io_block_is_named(cli, artifact, tmp_path):
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    manifest["io"]["inputs"][0]["dtype"] = "int64"
+    (artifact / "manifest.json").write_text(json.dumps(manifest))
+    np.savez(tmp_path / "feeds.npz", x=np.ones((2, 8), np.int64))
+    _error(cli("run", artifact, "-i", tmp_path / "feeds.npz"), 3, "manifest says 'x' is int64", "float32")
+    _error(cli("verify", artifact), 3, "manifest says 'x' is int64")
