@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
 import re
 from pathlib import Path
 
-from precast.runtime.errors import ArtifactError, TargetUnavailableError
+from precast.runtime.errors import ArtifactError, TargetUnavailableError, UsageError
 from precast.runtime.hugepages import collapse_new_memory
 
-__all__ = ["create_session", "ort_session_options", "OPT_LEVELS", "explain_ort_error"]
+__all__ = ["check_threads", "create_session", "ort_session_options", "OPT_LEVELS", "explain_ort_error"]
 
 OPT_LEVELS = {
     "disable": "ORT_DISABLE_ALL",
@@ -16,6 +17,21 @@ OPT_LEVELS = {
     "extended": "ORT_ENABLE_EXTENDED",
     "all": "ORT_ENABLE_ALL",
 }
+
+
+MAX_THREADS = 256
+
+
+def check_threads(threads) -> None:
+    """A caller's intra-op thread count: None (the artifact's setting) or an int in 1..MAX_THREADS."""
+    if threads is None:
+        return
+    if (
+        isinstance(threads, bool)
+        or not isinstance(threads, numbers.Integral)
+        or not 1 <= threads <= MAX_THREADS
+    ):
+        raise UsageError(f"threads must be an integer in 1..{MAX_THREADS} (or None), got {threads!r}")
 
 
 def ort_session_options(settings: dict, threads: int | None = None):

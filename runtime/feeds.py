@@ -28,11 +28,18 @@ def check_feeds(feeds: Mapping[str, object], specs: Sequence[TensorSpec]) -> dic
     bound: dict[str, tuple[int, str]] = {}  # symbolic dim -> (value, input that set it)
     for name, spec in expected.items():
         value = feeds[name]
-        arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        try:
+            arr = value if isinstance(value, np.ndarray) else np.asarray(value)
+        except ValueError as e:  # ragged nested lists
+            raise InputError(f"input '{name}': not a rectangular array ({str(e).splitlines()[0]})") from None
         if arr.dtype == object:
             raise InputError(f"input '{name}': expected {spec.dtype}, got a non-numeric value")
         if arr.dtype.name != spec.dtype:
             raise InputError(f"input '{name}': expected dtype {spec.dtype}, got {arr.dtype.name}")
+        if not arr.dtype.isnative:  # same name, other byte order: the backend would read the bytes as native
+            arr = arr.astype(arr.dtype.newbyteorder("="))
+        if arr.size == 0 and arr.ndim:
+            raise InputError(f"input '{name}': has no elements {list(arr.shape)}")
         if spec.shape is not None:
             if arr.ndim != len(spec.shape):
                 raise InputError(

@@ -104,6 +104,8 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
     for key in ("files", "target", "io"):
         if key not in manifest:
             raise ArtifactError(f"{mpath}: manifest lacks '{key}'")
+        if key != "files" and not isinstance(manifest[key], dict):
+            raise ArtifactError(f"{mpath}: '{key}' must be a JSON object, got {type(manifest[key]).__name__}")
     files = manifest["files"]
     if not isinstance(files, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in files.items()

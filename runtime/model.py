@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.backends import create_session
-from precast.runtime.errors import ArtifactError, TargetUnavailableError
+from precast.runtime.backends import check_threads, create_session
+from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import TensorSpec, check_integrity, read_manifest
 
@@ -39,14 +39,21 @@ class Model:
 
     def run(self, feeds: Mapping[str, object], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         arrays = check_feeds(feeds, self.inputs)
+        if isinstance(outputs, str):
+            outputs = [outputs]
         names = list(outputs) if outputs is not None else [o.name for o in self.outputs]
+        if not names:
+            raise InputError("outputs is empty: name at least one output, or pass None for all")
         known = {o.name for o in self.outputs}
         for n in names:
             if n not in known:
-                raise ArtifactError(
-                    f"unknown output '{n}'; the model's outputs are: {', '.join(sorted(known))}"
-                )
-        results = self._session.run(names, arrays)
+                raise InputError(f"unknown output '{n}'; the model's outputs are: {', '.join(sorted(known))}")
+        try:
+            results = self._session.run(names, arrays)
+        except Exception as e:  # the checked signature passed; the values did not (an index out of range,
+            # a size too large to allocate): the backend's own words, on one line
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise InputError(f"the model rejected these feeds: {first}") from e
         return dict(zip(names, results))
 
     def __repr__(self) -> str:
@@ -82,6 +89,7 @@ def load(
     A multi-target artifact loads the best target this host can run (``prefer`` puts one first);
     ``model.skipped`` says why each better one was passed over.
     """
+    check_threads(threads)
     root = Path(path)
     if root.is_file():
         from precast.runtime.archive import unpack_to_temp

@@ -7,7 +7,8 @@ import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import ArtifactError, InputError, IntegrityError, SchemaVersionError, load
-from tests.helpers import ort_run, run_with_imports_blocked, save, tiny_mlp
+from precast.runtime.errors import UsageError
+from tests.helpers import make_model, ort_run, run_with_imports_blocked, save, tiny_mlp
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +28,20 @@ def test_load_and_run(artifact, rng):
     np.testing.assert_allclose(
         model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-5, atol=1e-5
     )
-    with pytest.raises(ArtifactError, match="unknown output 'z'"):
+    with pytest.raises(InputError, match="unknown output 'z'"):
         model.run({"x": x}, outputs=["z"])
+    assert list(model.run({"x": x}, outputs="y")) == ["y"]  # one name as a string
+    with pytest.raises(InputError, match="outputs is empty"):
+        model.run({"x": x}, outputs=[])
+    big = x.astype(">f4")  # other byte order, same dtype name
+    np.testing.assert_array_equal(model.run({"x": big})["y"], model.run({"x": x})["y"])
+    with pytest.raises(InputError, match="not a rectangular array"):
+        model.run({"x": [[1.0] * 8, [1.0] * 7]})
+    with pytest.raises(InputError, match=r"no elements \[0, 8\]"):
+        model.run({"x": np.zeros((0, 8), np.float32)})
+    for bad in ("2", 1.5, 0, -1, 10**4, True):
+        with pytest.raises(UsageError, match="threads must be an integer in 1..256"):
+            load(artifact, threads=bad)
 
 
 def test_input_errors_name_the_input(artifact):
@@ -123,3 +136,33 @@ def test_mask_padding_ignores_padded_positions_only():
     assert not masked["h"]["ok"]
     assert mask_padding({"p": pooled}, feeds, "attention_mask")["p"] is not None
     np.testing.assert_array_equal(mask_padding({"p": pooled}, feeds, "attention_mask")["p"], pooled)
+
+
+def test_values_the_backend_rejects_are_an_input_error(tmp_path):
+    from onnx import TensorProto, helper
+
+    table = np.arange(8, dtype=np.float32).reshape(4, 2)
+    model = make_model(
+        [helper.make_node("Gather", ["table", "ids"], ["y"])],
+        [("ids", TensorProto.INT64, ["n"])],
+        [("y", TensorProto.FLOAT, ["n", 2])],
+        {"table": table},
+    )
+    out = tmp_path / "gather"
+    compile_model(str(save(model, tmp_path / "g.onnx")), out, CompileOptions())
+    m = load(out)
+    np.testing.assert_array_equal(m.run({"ids": np.array([3, 0])})["y"], table[[3, 0]])
+    with pytest.raises(InputError, match="the model rejected these feeds: .*indices"):
+        m.run({"ids": np.array([7])})
+
+
+def test_a_manifest_with_a_malformed_target_block(artifact, tmp_path):
+    import shutil
+
+    copy = tmp_path / "a"
+    shutil.copytree(artifact, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["target"] = "ort-cpu"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ArtifactError, match="'target' must be a JSON object, got str"):
+        load(copy)
