@@ -148,7 +148,7 @@ def build_paged_decoder(folder: Path, model_type: str, kv_layout: str | None = N
         ).eval()
     except Exception as e:
         raise ModelLoadError(
-            f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})"
+            f"{folder}: transformers cannot load the model ({' '.join(str(e).split())[:300]})"
         ) from e
     if model_type == "gpt2":
         if kv_layout == "mapped":

@@ -124,7 +124,7 @@ def load_hf_folder(
         ).eval()
     except Exception as e:
         raise ModelLoadError(
-            f"{folder}: transformers cannot load the model ({str(e).splitlines()[0]})"
+            f"{folder}: transformers cannot load the model ({' '.join(str(e).split())[:300]})"
         ) from e
     names = ["input_ids", "attention_mask"]
     if model_type not in ("distilbert", "roberta", "xlm-roberta", "camembert", "mpnet") and config.get(
