@@ -19,13 +19,13 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, LLMRequestError
+from precast.runtime.errors import ArtifactError, LLMRequestError, UsageError
 from precast.runtime.llm.block_pool import BlockPool
 from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.metrics import EngineCounters, EngineMetrics
 from precast.runtime.llm.request import Request, Status
-from precast.runtime.llm.sampler import SamplingParams, sample
+from precast.runtime.llm.sampler import SamplingParams, _is_int, sample
 from precast.runtime.llm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
 
 __all__ = ["Engine"]
@@ -78,15 +78,28 @@ class Engine:
         enable_prefix_caching: bool = True,
         **runner_kwargs,
     ) -> Engine:
-        """Open a causal-lm artifact: its model runner (K/V pools of num_blocks blocks) and tokenizer."""
+        """Open a causal-lm artifact (a directory, or a file packed by ``precast pack``, as
+        precast.runtime.load takes it): its model runner (K/V pools of num_blocks blocks) and tokenizer.
+        ``runner_kwargs``: ModelRunner.from_artifact's ``threads`` and ``verify``."""
         from precast.runtime.llm.model_runner import ModelRunner
         from precast.runtime.llm.tokenizer import TextTokenizer
         from precast.runtime.manifest import read_manifest
 
-        root = Path(path)
+        if num_blocks is not None and (not _is_int(num_blocks) or num_blocks < 1):
+            raise UsageError(f"num_blocks must be a positive integer (or None), got {num_blocks!r}")
+        if config is not None and not isinstance(config, SchedulerConfig):
+            raise UsageError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        unknown = sorted(set(runner_kwargs) - {"threads", "verify"})
+        if unknown:
+            raise UsageError(f"Engine.load got an unknown option '{unknown[0]}' (known: threads, verify)")
+        root = where = Path(path)
+        if root.is_file():  # a packed artifact: unpacked (every checksum checked) into a private temp dir
+            from precast.runtime.archive import unpack_to_temp
+
+            root = unpack_to_temp(root)
         llm = read_manifest(root).get("llm")
         if not isinstance(llm, dict):
-            raise ArtifactError(f"{root}: not a causal-lm artifact (manifest has no 'llm' block)")
+            raise ArtifactError(f"{where}: not a causal-lm artifact (manifest has no 'llm' block)")
         runner = ModelRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
         tok_file = llm.get("tokenizer")
         tokenizer = (
@@ -105,37 +118,48 @@ class Engine:
         on_token: Callable[[TokenEvent], None] | None = None,
     ) -> RequestHandle:
         """Queue one request. Bad input raises LLMRequestError naming it; other requests are unaffected."""
-        params = params or SamplingParams()
+        params = SamplingParams() if params is None else params
         with self._cond:
-            try:
-                ids = self._validate(prompt, params, request_id)
-            except LLMRequestError:
-                self.counters.requests_rejected += 1
-                raise
-            rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-            cap = min(self.max_context, self.pool.num_blocks * self.block_size)
-            req = Request(rid, ids, params, priority=int(priority), max_total_tokens=cap)
-            handle = RequestHandle(self, req, on_token)
-            self._handles[rid] = handle
-            self.scheduler.add(req)
-            self.counters.requests_submitted += 1
-            self.counters.prompt_tokens += len(ids)
-            self._cond.notify_all()
-            return handle
+            ids = self._checked(prompt, params, priority, request_id, on_token)
+            return self._enqueue(ids, params, priority, request_id, on_token)
 
-    def _validate(self, prompt: Prompt, params: SamplingParams, request_id: str | None) -> list[int]:
+    def _checked(self, prompt, params, priority, request_id, on_token) -> list[int]:
+        try:
+            return self._validate(prompt, params, priority, request_id, on_token)
+        except LLMRequestError:
+            self.counters.requests_rejected += 1
+            raise
+
+    def _enqueue(self, ids, params, priority, request_id, on_token) -> RequestHandle:
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        cap = min(self.max_context, self.pool.num_blocks * self.block_size)
+        req = Request(rid, ids, params, priority=int(priority), max_total_tokens=cap)
+        handle = RequestHandle(self, req, on_token)
+        self._handles[rid] = handle
+        self.scheduler.add(req)
+        self.counters.requests_submitted += 1
+        self.counters.prompt_tokens += len(ids)
+        self._cond.notify_all()
+        return handle
+
+    def _validate(self, prompt: Prompt, params, priority, request_id, on_token) -> list[int]:
+        if request_id is not None and not isinstance(request_id, str):
+            raise LLMRequestError(f"request_id must be a string, got {type(request_id).__name__}")
         if request_id is not None and request_id in self._handles and not self._handles[request_id].finished:
             raise LLMRequestError(f"request id '{request_id}' is already in use")
+        if not isinstance(params, SamplingParams):
+            raise LLMRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
+        if not _is_int(priority):
+            raise LLMRequestError(f"priority must be an integer (lower = more urgent), got {priority!r}")
+        if on_token is not None and not callable(on_token):
+            raise LLMRequestError(f"on_token must be callable, got {type(on_token).__name__}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise LLMRequestError("this engine has no tokenizer: pass token ids, not text")
             ids = self.tokenizer.encode(prompt)
         else:
-            try:
-                ids = [int(t) for t in prompt]
-            except (TypeError, ValueError) as e:
-                raise LLMRequestError(f"prompt must be text or a sequence of token ids ({e})") from e
+            ids = _token_ids(prompt)
             bad = [t for t in ids if not 0 <= t < self.vocab]
             if bad:
                 raise LLMRequestError(f"unknown token id {bad[0]} in prompt (vocab size {self.vocab})")
@@ -172,10 +196,20 @@ class Engine:
     def generate(
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | None = None, priority: int = 0
     ) -> list[Completion]:
-        """Submit all prompts, run until they finish, return their completions in order."""
-        if isinstance(prompts, str) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
+        """Submit all prompts, run until they finish, return their completions in order.
+        One bad prompt rejects the whole call: all are checked before any is queued."""
+        if isinstance(prompts, (str, np.ndarray)) and np.ndim(prompts) <= 1:
             prompts = [prompts]
-        handles = [self.submit(p, params, priority) for p in prompts]
+        elif not isinstance(prompts, (Sequence, np.ndarray)):
+            raise LLMRequestError(
+                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
+            )
+        elif len(prompts) and _is_int(prompts[0]):
+            prompts = [prompts]
+        params = SamplingParams() if params is None else params
+        with self._cond:
+            checked = [self._checked(p, params, priority, None, None) for p in prompts]
+            handles = [self._enqueue(ids, params, priority, None, None) for ids in checked]
         return [h.result() for h in handles]
 
     def has_unfinished(self) -> bool:
@@ -302,7 +336,13 @@ class Engine:
         """Sample the request's next token from its logits row, check stop conditions, stream it."""
         handle = self._handles[req.request_id]
         p = req.params
-        tok = sample(logits, p, req.token_ids, req.rng)
+        try:
+            tok = sample(logits, p, req.token_ids, req.rng)
+        except LLMRequestError as e:  # (NaN logits) this request fails, the others go on
+            handle._fail(str(e), e)
+            self._fail(req)
+            handle._end()  # so that an on_token stream hears the end too
+            return 0
         req.token_ids.append(tok)
         self.counters.generation_tokens += 1
         text, reason = self._check_stop(req, tok)
@@ -315,7 +355,22 @@ class Engine:
             self._forget(req.request_id)
         holdback = max(map(len, p.stop)) - 1 if p.stop else 0
         handle._push(tok, text, holdback)
+        if handle.error is not None:  # its on_token callback raised
+            self._fail(req)
         return 1
+
+    def _fail(self, req: Request) -> None:
+        """Finish a failed request (its handle says why): its blocks are freed, the others go on."""
+        if req.finish_reason == "cancelled":  # its callback cancelled it, then raised: cancelled it stays
+            return
+        if req.finished:  # it finished on this very token, but its callback failed
+            self.counters.requests_finished -= 1
+        else:
+            self.scheduler.remove(req)
+            req.status = Status.FINISHED
+            self._forget(req.request_id)
+        req.finish_reason = "error"
+        self.counters.requests_failed += 1
 
     def _check_stop(self, req: Request, tok: int) -> tuple[str | None, str | None]:
         p = req.params
@@ -351,14 +406,17 @@ class Engine:
 
     # -- waiting / background loop ---------------------------------------------------------------
     def _wait_for(self, handle: RequestHandle) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            with self._cond:
-                if not handle._events and not handle.finished:
-                    self._cond.wait(timeout=0.5)
-            return
-        if not self.scheduler.has_work():
-            raise RuntimeError(f"request '{handle.request_id}' is unfinished but the engine has no work")
-        self.step()
+        """Return once the handle has a new event or has finished: step the engine, or wait for the loop."""
+        # Under the lock: another thread's step may finish this request between a caller's check and here.
+        with self._cond:
+            if handle._events or handle.finished:
+                return
+            if self._thread is not None and self._thread.is_alive():
+                self._cond.wait(timeout=0.5)
+                return
+            if not self.scheduler.has_work():
+                raise RuntimeError(f"request '{handle.request_id}' is unfinished but the engine has no work")
+            self.step()
 
     def start(self) -> None:
         """Run the step loop in a background thread (handles then wait instead of stepping)."""
@@ -396,6 +454,22 @@ class Engine:
                 kv_blocks_free=self.pool.num_free,
                 block_size=self.block_size,
             )
+
+
+def _token_ids(prompt) -> list[int]:
+    """A prompt of token ids (a sequence or 1-D array of integers) -> list of int; anything else is refused."""
+    if isinstance(prompt, np.ndarray):
+        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
+            raise LLMRequestError(
+                f"a prompt array must be 1-D of integer token ids, got {prompt.ndim}-D {prompt.dtype}"
+            )
+        return prompt.tolist()
+    if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
+        raise LLMRequestError(f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
+    for i, t in enumerate(prompt):
+        if not _is_int(t):
+            raise LLMRequestError(f"prompt token ids must be integers; item {i} is {t!r}")
+    return [int(t) for t in prompt]
 
 
 class _Plan:

@@ -2,17 +2,21 @@
 
 Iterating a handle yields TokenEvents as they are produced. With no background loop running, iteration
 drives the engine itself (engine.step()), so a plain `for ev in engine.submit(...)` works single-threaded.
+
+An on_token callback that raises fails its own request only: the engine finishes it (finish_reason "error",
+blocks freed) and the handle's iteration / result() raise LLMRequestError carrying the callback's error.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-from precast.runtime.errors import RequestCancelledError
+from precast.runtime.errors import LLMRequestError, RequestCancelledError
 from precast.runtime.llm.request import Request
 
 if TYPE_CHECKING:
@@ -22,7 +26,7 @@ __all__ = ["Completion", "RequestHandle", "TokenEvent"]
 
 
 class TokenEvent(NamedTuple):  # (a NamedTuple: built once per token per request, 3x cheaper than a dataclass)
-    token_id: int
+    token_id: int  # -1 on the last event of a request that failed before sampling (finish_reason "error")
     text: str  # new text this token made visible ('' while a stop string or a UTF-8 sequence is pending)
     index: int  # 0-based index among the output tokens
     finish_reason: str | None = None  # set on the last event
@@ -51,6 +55,8 @@ class RequestHandle:
         self.t_submit = time.perf_counter()
         self.t_first_token: float | None = None
         self.cancelled = False
+        self.error: str | None = None  # why the request failed (finish_reason "error"); None if it did not
+        self._cause: BaseException | None = None
 
     @property
     def request_id(self) -> str:
@@ -90,26 +96,48 @@ class RequestHandle:
         ev = TokenEvent(token_id, delta, len(r.token_ids) - len(r.prompt_ids) - 1, r.finish_reason)
         self._events.append(ev)
         if self.on_token is not None:
-            self.on_token(ev)
+            try:
+                self.on_token(ev)
+            except Exception as e:  # the caller's bug: the engine fails this request, the others go on
+                self._fail(f"its on_token callback raised {type(e).__name__}: {e}", e)
+
+    def _fail(self, why: str, cause: BaseException) -> None:
+        if self.error is None:
+            self.error, self._cause = why, cause
+
+    def _end(self) -> None:
+        """The last event of a request that failed without a token: token_id -1, finish_reason "error"."""
+        r = self.request
+        ev = TokenEvent(-1, "", len(r.token_ids) - len(r.prompt_ids), r.finish_reason)
+        self._events.append(ev)
+        if self.on_token is not None:
+            with contextlib.suppress(Exception):  # (the request has failed already)
+                self.on_token(ev)
 
     # -- caller side ---------------------------------------------------------------------------
     def __iter__(self) -> Iterator[TokenEvent]:
         while True:
             while self._events:
                 yield self._events.popleft()
-            if self.cancelled:
-                raise RequestCancelledError(f"request '{self.request_id}' was cancelled")
+            self._raise_if_failed()
             if self.finished:
                 return
             self._engine._wait_for(self)
 
-    def result(self) -> Completion:
-        """Run (or wait) until the request finishes; raise RequestCancelledError if it was cancelled."""
-        while not self.finished and not self.cancelled:
-            self._engine._wait_for(self)
-        self._events.clear()
+    def _raise_if_failed(self) -> None:
         if self.cancelled:
             raise RequestCancelledError(f"request '{self.request_id}' was cancelled")
+        if self.error is not None:
+            raise LLMRequestError(f"request '{self.request_id}' failed: {self.error}") from self._cause
+
+    def result(self) -> Completion:
+        """Run (or wait) until the request finishes; raise RequestCancelledError if it was cancelled,
+        LLMRequestError if it failed (e.g. its on_token callback raised)."""
+        while not self.finished:
+            self._events.clear()  # (the result holds every token: _wait_for returns on a new event)
+            self._engine._wait_for(self)
+        self._events.clear()
+        self._raise_if_failed()
         r = self.request
         return Completion(
             r.request_id,

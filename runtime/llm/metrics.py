@@ -13,6 +13,7 @@ class EngineCounters:
     requests_finished: int = 0
     requests_cancelled: int = 0
     requests_rejected: int = 0
+    requests_failed: int = 0  # finished with finish_reason "error" (e.g. the on_token callback raised)
     prompt_tokens: int = 0  # tokens in
     generation_tokens: int = 0  # tokens out
     computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)

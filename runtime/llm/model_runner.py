@@ -18,6 +18,8 @@ from precast.runtime.errors import ArtifactError, InputError
 
 __all__ = ["LLMSpec", "ModelRunner"]
 
+_SIZES = ("layers", "heads", "kv_heads", "head_size", "hidden", "vocab", "max_context", "block_size")
+
 
 @dataclass(frozen=True)
 class LLMSpec:
@@ -56,6 +58,14 @@ class LLMSpec:
             spec = cls(**values)
         except (KeyError, TypeError, ValueError) as e:
             raise ArtifactError(f"{where}: manifest 'llm' block is malformed ({e})") from e
+        for name in _SIZES:  # (a 0 block_size would divide by zero later)
+            v = getattr(spec, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ArtifactError(
+                    f"{where}: manifest 'llm' block: {name} must be a positive integer, got {v!r}"
+                )
+        if not isinstance(spec.pad_id, int) or (spec.bos_id is not None and not isinstance(spec.bos_id, int)):
+            raise ArtifactError(f"{where}: manifest 'llm' block: pad_id and bos_id must be token ids")
         if (
             spec.kv_layout not in ("paged", "mapped")
             or len(spec.kv_inputs) != spec.layers

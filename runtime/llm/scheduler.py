@@ -9,8 +9,10 @@ are freed and it goes back to the waiting queue to be recomputed later (its pref
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field
 
+from precast.runtime.errors import UsageError
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.request import Request, Status
 
@@ -45,9 +47,13 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig | None = None):
         self.kv = kv
-        self.config = config or SchedulerConfig()
-        if self.config.max_num_batched_tokens <= 0 or self.config.max_num_seqs <= 0:
-            raise ValueError("scheduler needs a positive token budget and max_num_seqs")
+        self.config = SchedulerConfig() if config is None else config
+        if not isinstance(self.config, SchedulerConfig):
+            raise UsageError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+        for name in ("max_num_batched_tokens", "max_num_seqs", "aging_steps"):
+            v = getattr(self.config, name)
+            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
+                raise UsageError(f"SchedulerConfig.{name} must be a positive integer, got {v!r}")
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.step_count = 0
