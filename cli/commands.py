@@ -199,6 +199,8 @@ def compile_cmd(
                 payload["parity"] = {k: v for k, v in e.report.items() if k not in ("inputs", "expected")}
             Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
         raise
+    for warning in result.warnings:  # also with --quiet or --json: stderr, and not progress
+        err_console.print(escape(f"warning: {warning}"))
     if junit:
         from precast.cli.junit import compile_junit
 

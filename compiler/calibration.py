@@ -73,6 +73,8 @@ def calibration_batches(
                 step_calibration_feeds(text, getattr(context, "source_dir", None), inputs),
                 "calibration-text",
             )
+    if feeds and hasattr(context, "extra"):
+        context.extra["calibration_used"] = True  # (the driver warns about --calibration nothing used)
     if not feeds:
         sample = getattr(context, "sample_feeds", None)
         if not sample:

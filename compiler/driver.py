@@ -91,6 +91,7 @@ class CompileResult:
     records: dict[str, list[PassRecord]]  # per target
     seconds: dict[str, float]
     cache: str | None = None  # None (no cache), "hit", "miss" or "corrupt: ..." (rebuilt)
+    warnings: list[str] = field(default_factory=list)  # not errors, but the user should hear them
 
 
 Progress = Callable[[str], None]
@@ -306,7 +307,12 @@ def compile_model(
         cache.store(opts.cache_dir, cache_key, output)
         say(f"cache {'store' if cache_status == 'miss' else 'rebuilt'} {cache_key[:12]}")
     timings["total"] = time.perf_counter() - t0
-    return CompileResult(output, manifest, all_records, timings, cache=cache_status)
+    warnings = []
+    if (opts.calibration_feeds or opts.calibration_text) and not any(
+        t.context.extra.get("calibration_used") for t in targets
+    ):
+        warnings.append("--calibration was not used: no pass or target of this pipeline calibrates")
+    return CompileResult(output, manifest, all_records, timings, cache=cache_status, warnings=warnings)
 
 
 def _tokenizer_dir(source: Source) -> Path | None:
@@ -388,6 +394,8 @@ def _build_one(
         from precast.compiler.llm_text import llm_text_metrics
 
         text_metrics = llm_text_metrics(source, out_dir, bounds, opts.calibration_text, say)
+        if opts.calibration_text:
+            context.extra["calibration_used"] = True  # the budget's top1 / ppl_delta are measured on it
     budget = apply_budget(bounds, expected_cmp, actual, report, extra=text_metrics)
     timings[f"{target.name}:verify"] = time.perf_counter() - t2
     parity = {

@@ -140,6 +140,7 @@ class OrtQnn(Target):
         ctx = self.context
         feeds = getattr(ctx, "calibration_feeds", None)
         if feeds:
+            ctx.extra["calibration_used"] = True
             return list(feeds), f"calibration data ({len(feeds)} batches)"
         sample = getattr(ctx, "sample_feeds", None)
         if not sample:

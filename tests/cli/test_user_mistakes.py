@@ -221,3 +221,16 @@ def test_an_edited_manifest_io_block_is_named(cli, artifact, tmp_path):
     np.savez(tmp_path / "feeds.npz", x=np.ones((2, 8), np.int64))
     _error(cli("run", artifact, "-i", tmp_path / "feeds.npz"), 3, "manifest says 'x' is int64", "float32")
     _error(cli("verify", artifact), 3, "manifest says 'x' is int64")
+
+
+def test_calibration_nothing_uses_is_a_warning(cli, mlp_path, tmp_path):
+    np.savez(tmp_path / "calib.npz", x=np.random.default_rng(0).standard_normal((16, 8)).astype(np.float32))
+    r = cli("compile", mlp_path, "-o", tmp_path / "a", "-q", "--calibration", tmp_path / "calib.npz")
+    assert r.code == 0, r.err
+    assert "warning: --calibration was not used" in r.err
+    r = cli(
+        "compile", mlp_path, "-o", tmp_path / "b", "-q", "--calibration", tmp_path / "calib.npz",
+        "--passes", "default,quantize-int8{mode=static}", "--accuracy-budget", "cosine>=0.9",
+    )  # fmt: skip
+    assert r.code == 0, r.err
+    assert "warning" not in r.err
