@@ -10,7 +10,7 @@ from pathlib import Path
 
 from precast.compiler.source import Source, hash_files
 from precast.compiler.torch_export import export_module, import_torch, sample_dims, torch_reference
-from precast.runtime.errors import ExportError, ModelLoadError, UsageError
+from precast.runtime.errors import ExportError, ModelLoadError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
 
 __all__ = ["load_hf_folder", "ENCODER_TYPES", "TASK_LOADERS"]
@@ -73,9 +73,7 @@ def _text_sample_feeds(folder: Path, names: list[str]) -> dict | None:
     try:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as e:  # the tokenizers library raises plain Exception on a malformed file
-        raise ModelLoadError(
-            f"cannot read tokenizer {folder / 'tokenizer.json'}: {str(e).splitlines()[0]}"
-        ) from e
+        raise ModelLoadError(f"cannot read tokenizer {folder / 'tokenizer.json'}: {first_line(e)}") from e
     tok.enable_padding()
     tok.enable_truncation(max_length=128)
     enc = tok.encode_batch(list(SAMPLE_SENTENCES))

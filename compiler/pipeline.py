@@ -27,7 +27,7 @@ from precast.compiler.registry import (
     get_pass,
     option_fields,
 )
-from precast.runtime.errors import PassFailedError, PipelineError
+from precast.runtime.errors import PassFailedError, PipelineError, first_line
 
 __all__ = ["PassSpec", "PassRecord", "parse_pipeline", "format_pipeline", "PassManager", "expand_default"]
 
@@ -207,8 +207,7 @@ class PassManager:
                 raise
             except Exception as e:
                 after = f" after [{', '.join(done)}]" if done else ""
-                msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise PassFailedError(f"pass '{spec}' failed{after}: {msg}") from e
+                raise PassFailedError(f"pass '{spec}' failed{after}: {first_line(e)}") from e
             seconds = time.perf_counter() - t0
             model = result.model
             rec = PassRecord(spec.name, str(spec), dict(result.stats), seconds, before, count_nodes(model))

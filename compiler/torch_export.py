@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
-from precast.runtime.errors import ExportError, UsageError
+from precast.runtime.errors import ExportError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
 
 __all__ = [
@@ -98,9 +98,9 @@ def dynamo_export(module, args: tuple, **export_kwargs) -> ir.Model:
         root = e  # torch wraps the cause in a generic "Failed to export ... Next steps" message
         while root.__cause__ is not None:
             root = root.__cause__
-        text = str(root).strip()
-        first = f"{type(root).__name__}: {text.splitlines()[0]}" if text else type(root).__name__
-        raise ExportError(f"torch.onnx.export failed for {type(module).__name__}: {first}") from e
+        raise ExportError(
+            f"torch.onnx.export failed for {type(module).__name__}: {first_line(root, with_type=True)}"
+        ) from e
     model = program.model
     model.graph.name = model.graph.name or "main"
     model.metadata_props.clear()

@@ -11,7 +11,7 @@ import onnx_ir as ir
 
 from precast.compiler.source import Source
 from precast.compiler.torch_export import export_module, import_torch, sample_dims, torch_reference
-from precast.runtime.errors import ModelLoadError, UsageError
+from precast.runtime.errors import ModelLoadError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
 
 __all__ = ["load_torch_callable"]
@@ -30,7 +30,9 @@ def load_torch_callable(spec: str, inputs: list[TensorSpec], dims: dict[str, int
     try:
         mod = importlib.import_module(module_name)
     except Exception as e:  # ImportError, or the module's own code failing at import
-        raise ModelLoadError(f"cannot import module '{module_name}' for '{spec}': {_first_line(e)}") from e
+        raise ModelLoadError(
+            f"cannot import module '{module_name}' for '{spec}': {first_line(e, with_type=True)}"
+        ) from e
     try:
         factory = getattr(mod, attr)
     except AttributeError:
@@ -41,7 +43,7 @@ def load_torch_callable(spec: str, inputs: list[TensorSpec], dims: dict[str, int
         try:
             module = factory()
         except Exception as e:  # the user's code: name it, do not call it a precast bug
-            raise ModelLoadError(f"'{spec}' raised {_first_line(e)}") from e
+            raise ModelLoadError(f"'{spec}' raised {first_line(e, with_type=True)}") from e
     else:
         raise ModelLoadError(f"'{spec}' is a {type(factory).__name__}, not a torch.nn.Module or a callable")
     if not isinstance(module, torch.nn.Module):
@@ -55,8 +57,3 @@ def load_torch_callable(spec: str, inputs: list[TensorSpec], dims: dict[str, int
     return Source(
         "torch", attr, model, digest, reference=ref, reference_name="torch (eager)", info={"callable": spec}
     )
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return f"{type(e).__name__}: {text.splitlines()[0]}" if text else type(e).__name__

@@ -24,7 +24,7 @@ import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
-from precast.runtime.errors import ArtifactError, IntegrityError
+from precast.runtime.errors import ArtifactError, IntegrityError, first_line
 from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, check_integrity, read_manifest
 from precast.runtime.signing import SIGNATURE_NAME, verify_bytes
 
@@ -92,7 +92,7 @@ def _scan(tf: tarfile.TarFile, where: str, archive_size: int, limits: Limits) ->
         try:
             m = tf.next()
         except _READ_ERRORS as e:
-            raise ArchiveError(f"{where}: not a readable precast archive ({_first_line(e)})") from e
+            raise ArchiveError(f"{where}: not a readable precast archive ({first_line(e)})") from e
         if m is None:
             break
         _check_name(where, m.name)
@@ -124,7 +124,7 @@ def _read_member(tf: tarfile.TarFile, m: tarfile.TarInfo, where: str, cap: int) 
         f = tf.extractfile(m)
         data = f.read(cap + 1) if f is not None else b""
     except _READ_ERRORS as e:
-        raise ArchiveError(f"{where}: member {m.name!r} is unreadable ({_first_line(e)})") from e
+        raise ArchiveError(f"{where}: member {m.name!r} is unreadable ({first_line(e)})") from e
     if len(data) != m.size:
         raise ArchiveError(f"{where}: member {m.name!r} is truncated")
     return data
@@ -149,7 +149,7 @@ def _write_member(
                 h.update(block)
                 out.write(block)
     except _READ_ERRORS as e:
-        raise ArchiveError(f"{where}: cannot unpack member {m.name!r} ({_first_line(e)})") from e
+        raise ArchiveError(f"{where}: cannot unpack member {m.name!r} ({first_line(e)})") from e
     if n != m.size:
         raise ArchiveError(f"{where}: member {m.name!r} is truncated ({n} of {m.size} bytes)")
     if digest is not None and h.hexdigest() != digest:
@@ -220,7 +220,7 @@ def unpack_artifact(
         try:
             tf = tarfile.open(archive, "r:*")  # noqa: SIM115 (closed by the `with tf:` below)
         except _READ_ERRORS as e:
-            raise ArchiveError(f"{where}: not a readable precast archive ({_first_line(e)})") from e
+            raise ArchiveError(f"{where}: not a readable precast archive ({first_line(e)})") from e
         with tf:
             members = _scan(tf, where, archive.stat().st_size, limits)
             manifest_bytes = _read_member(tf, members[MANIFEST_NAME], where, limits.max_manifest_bytes)
@@ -306,8 +306,3 @@ def unpack_to_temp(archive: str | os.PathLike, *, pubkey: str | os.PathLike | No
         _TEMP_DIRS.remove(tmp)
         raise
     return dest
-
-
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "EXIT_CODES",
+    "first_line",
     "PrecastError",
     "UsageError",
     "InputError",
@@ -143,3 +144,13 @@ EXIT_CODES = {
     "export or pass failure": EXIT_COMPILE,
     "internal error (bug)": EXIT_INTERNAL,
 }
+
+
+def first_line(e: BaseException, *, with_type: bool = False) -> str:
+    """An exception's message cut to its first line (the type's name when it has none), for one-line errors.
+    ``with_type`` prefixes the type's name: "ValueError: ..."."""
+    text = str(e).strip()
+    if not text:
+        return type(e).__name__
+    line = text.splitlines()[0]
+    return f"{type(e).__name__}: {line}" if with_type else line

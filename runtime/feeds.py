@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from precast.runtime.errors import InputError
+from precast.runtime.errors import InputError, first_line
 from precast.runtime.manifest import TensorSpec
 
 __all__ = ["check_feeds"]
@@ -31,7 +31,7 @@ def check_feeds(feeds: Mapping[str, object], specs: Sequence[TensorSpec]) -> dic
         try:
             arr = value if isinstance(value, np.ndarray) else np.asarray(value)
         except ValueError as e:  # ragged nested lists
-            raise InputError(f"input '{name}': not a rectangular array ({str(e).splitlines()[0]})") from None
+            raise InputError(f"input '{name}': not a rectangular array ({first_line(e)})") from None
         if arr.dtype == object:
             raise InputError(f"input '{name}': expected {spec.dtype}, got a non-numeric value")
         if arr.dtype.name != spec.dtype:

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.backends import check_threads, create_session
-from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError
+from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError, first_line
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import TensorSpec, check_integrity, read_manifest
 
@@ -52,8 +52,7 @@ class Model:
             results = self._session.run(names, arrays)
         except Exception as e:  # the checked signature passed; the values did not (an index out of range,
             # a size too large to allocate): the backend's own words, on one line
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise InputError(f"the model rejected these feeds: {first}") from e
+            raise InputError(f"the model rejected these feeds: {first_line(e)}") from e
         return dict(zip(names, results))
 
     def __repr__(self) -> str:

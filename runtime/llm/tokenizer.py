@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from precast.runtime.errors import ArtifactError
+from precast.runtime.errors import ArtifactError, first_line
 
 __all__ = ["TextTokenizer"]
 
@@ -25,9 +25,7 @@ class TextTokenizer:
         try:
             return cls(Tokenizer.from_file(str(path)))
         except Exception as e:
-            raise ArtifactError(
-                f"cannot read tokenizer {path}: {str(e).splitlines()[0] if str(e) else e}"
-            ) from e
+            raise ArtifactError(f"cannot read tokenizer {path}: {first_line(e)}") from e
 
     @property
     def vocab_size(self) -> int:
