@@ -12,7 +12,7 @@ from rich.table import Table
 
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
-from precast.cli.output import Progress, check_output_path, emit_json, err_console, out_console
+from precast.cli.output import THREADS, Progress, check_output_path, emit_json, err_console, out_console
 from precast.runtime.errors import UsageError
 
 _KV = "KEY=VALUE"
@@ -410,7 +410,7 @@ def verify(artifact, as_json, pubkey, junit, quiet):
 @click.option("--prefer", default=None, help="Target to prefer in a multi-target artifact.")
 @click.option(
     "--threads",
-    type=click.IntRange(1, 256),
+    type=THREADS,
     default=None,
     help="Intra-op threads (default: the artifact's setting).",
 )

@@ -11,7 +11,7 @@ from rich.table import Table
 
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
-from precast.cli.output import Progress, check_output_path, emit_json, err_console, out_console
+from precast.cli.output import THREADS, Progress, check_output_path, emit_json, err_console, out_console
 from precast.runtime.errors import ParityError, UsageError
 
 
@@ -170,7 +170,7 @@ def keygen(private, public):
 )
 @click.option(
     "--threads",
-    type=click.IntRange(1, 256),
+    type=THREADS,
     default=None,
     help="Intra-op threads (default: the artifact's setting).",
 )

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from precast.cli.main import cli
-from precast.cli.output import check_output_path, emit_json, err_console
+from precast.cli.output import THREADS, check_output_path, emit_json, err_console
 
 
 @cli.command("eval")
@@ -26,7 +26,7 @@ from precast.cli.output import check_output_path, emit_json, err_console
 @click.option("--stride", type=int, default=None, help="Tokens between window starts (default: the window).")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of the text.")
 @click.option("--batch", default=16, show_default=True, type=int, help="Windows scored together per step.")
-@click.option("--threads", default=None, type=click.IntRange(1, 256), help="Intra-op threads of the session.")
+@click.option("--threads", default=None, type=THREADS, help="Intra-op threads of the session.")
 @click.option("--report", type=click.Path(), default=None, help="Write the result as JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def eval_cmd(artifact, text_file, window, stride, max_tokens, batch, threads, report, as_json):

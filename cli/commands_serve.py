@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from precast.cli.main import cli
+from precast.cli.output import THREADS
 
 
 @cli.command("serve")
@@ -47,7 +48,7 @@ from precast.cli.main import cli
     envvar="PRECAST_ADMIN_TOKEN",
     help="Token for /admin/* (required to use them when bound beyond loopback).",
 )
-@click.option("--threads", default=None, type=click.IntRange(1, 256), help="ONNX Runtime intra-op threads.")
+@click.option("--threads", default=None, type=THREADS, help="ONNX Runtime intra-op threads.")
 @click.option(
     "--instances",
     default=1,

@@ -7,12 +7,17 @@ import os
 import sys
 from pathlib import Path
 
+import click
 from rich.console import Console
 from rich.markup import escape
 
+from precast.runtime.backends import MAX_THREADS
 from precast.runtime.errors import UsageError
 
-__all__ = ["err_console", "out_console", "emit_json", "Progress", "check_output_path"]
+__all__ = ["err_console", "out_console", "emit_json", "Progress", "check_output_path", "THREADS"]
+
+# --threads of every command: the runtime's own bound (precast.runtime.load checks it too), checked by click first
+THREADS = click.IntRange(1, MAX_THREADS)
 
 
 # Piped or redirected output has no terminal width; rich would assume 80 columns and cut table cells (pass
