@@ -117,12 +117,9 @@ def load(
 def _check_io_matches(root: Path, session, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:
     """manifest.json cannot hash itself: an edited 'io' block would blame every caller's feeds. Compare it
     with what an ONNX Runtime session reports (other backends keep their own checks)."""
-    if not hasattr(session, "get_inputs") or not hasattr(session, "get_outputs"):
+    if not hasattr(session, "get_inputs") or not hasattr(session, "get_outputs"):  # OpenVINO, TensorRT
         return
-    try:
-        actual = {a.name: a.type for a in [*session.get_inputs(), *session.get_outputs()]}
-    except Exception:  # a backend's session that only looks like ORT's
-        return
+    actual = {a.name: a.type for a in [*session.get_inputs(), *session.get_outputs()]}
     for spec in (*inputs, *outputs):
         kind = actual.get(spec.name)
         if kind is None:
