@@ -10,6 +10,7 @@ them; the engine owns the block tables, so it only tells the runner where each r
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import os
 import threading
@@ -25,8 +26,8 @@ from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.metrics import EngineCounters, EngineMetrics
 from precast.runtime.llm.request import Request, Status
-from precast.runtime.llm.sampler import SamplingParams, _is_int, sample
-from precast.runtime.llm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig
+from precast.runtime.llm.sampler import SamplingParams, is_int, sample
+from precast.runtime.llm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, checked_config
 
 __all__ = ["Engine"]
 
@@ -85,13 +86,13 @@ class Engine:
         from precast.runtime.llm.tokenizer import TextTokenizer
         from precast.runtime.manifest import read_manifest
 
-        if num_blocks is not None and (not _is_int(num_blocks) or num_blocks < 1):
+        if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
             raise UsageError(f"num_blocks must be a positive integer (or None), got {num_blocks!r}")
-        if config is not None and not isinstance(config, SchedulerConfig):
-            raise UsageError(f"config must be a SchedulerConfig, got {type(config).__name__}")
-        unknown = sorted(set(runner_kwargs) - {"threads", "verify"})
+        checked_config(config)  # before a model is loaded for nothing
+        known = sorted(set(inspect.signature(ModelRunner.from_artifact).parameters) - {"path", "num_blocks"})
+        unknown = sorted(set(runner_kwargs) - set(known))
         if unknown:
-            raise UsageError(f"Engine.load got an unknown option '{unknown[0]}' (known: threads, verify)")
+            raise UsageError(f"Engine.load got an unknown option '{unknown[0]}' (known: {', '.join(known)})")
         root = where = Path(path)
         if root.is_file():  # a packed artifact: unpacked (every checksum checked) into a private temp dir
             from precast.runtime.archive import unpack_to_temp
@@ -150,7 +151,7 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise LLMRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
-        if not _is_int(priority):
+        if not is_int(priority):
             raise LLMRequestError(f"priority must be an integer (lower = more urgent), got {priority!r}")
         if on_token is not None and not callable(on_token):
             raise LLMRequestError(f"on_token must be callable, got {type(on_token).__name__}")
@@ -204,7 +205,7 @@ class Engine:
             raise LLMRequestError(
                 f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
             )
-        elif len(prompts) and _is_int(prompts[0]):
+        elif len(prompts) and is_int(prompts[0]):
             prompts = [prompts]
         params = SamplingParams() if params is None else params
         with self._cond:
@@ -467,7 +468,7 @@ def _token_ids(prompt) -> list[int]:
     if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
         raise LLMRequestError(f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
     for i, t in enumerate(prompt):
-        if not _is_int(t):
+        if not is_int(t):
             raise LLMRequestError(f"prompt token ids must be integers; item {i} is {t!r}")
     return [int(t) for t in prompt]
 

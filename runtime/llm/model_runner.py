@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, InputError
+from precast.runtime.llm.sampler import is_int
 
 __all__ = ["LLMSpec", "ModelRunner"]
 
@@ -60,7 +61,7 @@ class LLMSpec:
             raise ArtifactError(f"{where}: manifest 'llm' block is malformed ({e})") from e
         for name in _SIZES:  # (a 0 block_size would divide by zero later)
             v = getattr(spec, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            if not is_int(v) or v < 1:
                 raise ArtifactError(
                     f"{where}: manifest 'llm' block: {name} must be a positive integer, got {v!r}"
                 )

@@ -15,7 +15,7 @@ import numpy as np
 
 from precast.runtime.errors import LLMRequestError
 
-__all__ = ["SamplingParams", "filtered_probs", "sample"]
+__all__ = ["SamplingParams", "filtered_probs", "is_int", "sample"]
 
 
 @dataclass(frozen=True)
@@ -41,18 +41,18 @@ class SamplingParams:
         if isinstance(stop, Iterable) and not isinstance(stop, (bytes, dict)):
             object.__setattr__(self, "stop", tuple(stop))
         if isinstance(ids, Iterable) and not isinstance(ids, (str, bytes, dict)):
-            object.__setattr__(self, "stop_token_ids", tuple(int(t) if _is_int(t) else t for t in ids))
+            object.__setattr__(self, "stop_token_ids", tuple(int(t) if is_int(t) else t for t in ids))
         for name in ("max_tokens", "top_k", "seed"):
-            if _is_int(getattr(self, name)):
+            if is_int(getattr(self, name)):
                 object.__setattr__(self, name, int(getattr(self, name)))
 
     def validate(self) -> None:
         """Raise LLMRequestError naming the first bad option."""
-        if not _is_int(self.max_tokens) or self.max_tokens <= 0:
+        if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise LLMRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
         if not _is_real(self.temperature) or not np.isfinite(self.temperature) or self.temperature < 0:
             raise LLMRequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
-        if not _is_int(self.top_k) or self.top_k < 0:
+        if not is_int(self.top_k) or self.top_k < 0:
             raise LLMRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise LLMRequestError(f"top_p must be a number in (0, 1], got {self.top_p!r}")
@@ -60,12 +60,12 @@ class SamplingParams:
         if not _is_real(rp) or not (rp > 0 and np.isfinite(rp)):
             raise LLMRequestError(f"repetition_penalty must be a number > 0, got {rp!r}")
         seed = self.seed
-        if seed is not None and (not _is_int(seed) or seed < 0):
+        if seed is not None and (not is_int(seed) or seed < 0):
             raise LLMRequestError(f"seed must be a non-negative integer, got {seed!r}")
         if not isinstance(self.stop, tuple) or any(not isinstance(s, str) or not s for s in self.stop):
             raise LLMRequestError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         ids = self.stop_token_ids
-        if not isinstance(ids, tuple) or any(not _is_int(t) or t < 0 for t in ids):
+        if not isinstance(ids, tuple) or any(not is_int(t) or t < 0 for t in ids):
             raise LLMRequestError(f"stop_token_ids must be a list of token ids (integers >= 0), got {ids!r}")
         for name in ("ignore_eos", "detokenize"):
             if not isinstance(getattr(self, name), (bool, np.bool_)):
@@ -78,7 +78,7 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
-def _is_int(v) -> bool:
+def is_int(v) -> bool:
     """An integer option: Python or numpy integers, not bool (True is no count)."""
     return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 

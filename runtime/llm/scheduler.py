@@ -9,14 +9,14 @@ are freed and it goes back to the waiting queue to be recomputed later (its pref
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass, field
 
 from precast.runtime.errors import UsageError
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.request import Request, Status
+from precast.runtime.llm.sampler import is_int
 
-__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput"]
+__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "checked_config"]
 
 
 @dataclass(frozen=True)
@@ -44,16 +44,23 @@ class SchedulerOutput:
         return sum(c.num_new for c in self.chunks)
 
 
+def checked_config(config: SchedulerConfig | None) -> SchedulerConfig:
+    """``config`` (None: the defaults), or UsageError naming what is wrong with it. Engine.load calls it
+    before loading a model, the Scheduler on construction."""
+    config = SchedulerConfig() if config is None else config
+    if not isinstance(config, SchedulerConfig):
+        raise UsageError(f"config must be a SchedulerConfig, got {type(config).__name__}")
+    for name in ("max_num_batched_tokens", "max_num_seqs", "aging_steps"):
+        v = getattr(config, name)
+        if not is_int(v) or v <= 0:
+            raise UsageError(f"SchedulerConfig.{name} must be a positive integer, got {v!r}")
+    return config
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig | None = None):
         self.kv = kv
-        self.config = SchedulerConfig() if config is None else config
-        if not isinstance(self.config, SchedulerConfig):
-            raise UsageError(f"config must be a SchedulerConfig, got {type(config).__name__}")
-        for name in ("max_num_batched_tokens", "max_num_seqs", "aging_steps"):
-            v = getattr(self.config, name)
-            if not isinstance(v, numbers.Integral) or isinstance(v, bool) or v <= 0:
-                raise UsageError(f"SchedulerConfig.{name} must be a positive integer, got {v!r}")
+        self.config = checked_config(config)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.step_count = 0
