@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import atexit
 import hashlib
-import json
 import os
 import posixpath
 import shutil
@@ -25,7 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from precast.runtime.errors import ArtifactError, IntegrityError, first_line
-from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, check_integrity, read_manifest
+from precast.runtime.manifest import (
+    BUILD_INFO_NAME,
+    MANIFEST_NAME,
+    check_integrity,
+    parse_json,
+    read_manifest,
+)
 from precast.runtime.signing import SIGNATURE_NAME, verify_bytes
 
 __all__ = ["ArchiveError", "Limits", "is_packed", "read_packed_manifest", "unpack_artifact", "unpack_to_temp"]
@@ -43,6 +48,7 @@ class Limits:
     ratio_slack_bytes: int = 16 << 20  # small archives may compress very well; allow this much regardless
     max_manifest_bytes: int = 64 << 20
     max_build_info_bytes: int = 1 << 20
+    max_header_bytes: int = 1 << 20  # one GNU long-name / pax header's payload (real ones are < 1 KiB)
 
 
 _CHUNK = 1 << 20
@@ -58,6 +64,34 @@ _KIND = {
     tarfile.CONTTYPE: "a contiguous file",
     tarfile.GNUTYPE_SPARSE: "a sparse file",
 }
+
+
+_META_TYPES = (
+    tarfile.GNUTYPE_LONGNAME,
+    tarfile.GNUTYPE_LONGLINK,
+    tarfile.XHDTYPE,
+    tarfile.XGLTYPE,
+    tarfile.SOLARIS_XHDTYPE,
+)
+
+
+def _bounded_tarinfo(where: str, limit: int) -> type[tarfile.TarInfo]:
+    """A TarInfo that refuses oversized metadata headers before tarfile reads them.
+
+    tarfile reads a GNU long-name or pax header's whole declared payload into memory before returning
+    the member (``_proc_gnulong`` / ``_proc_pax``), so an 859-byte bz2 declaring a 1 GB name used 1 GB of
+    RAM before any check of ours ran. ``_proc_member`` is tarfile's documented hook for subclasses.
+    """
+
+    class BoundedTarInfo(tarfile.TarInfo):
+        def _proc_member(self, tf):
+            if self.type in _META_TYPES and self.size > limit:
+                raise ArchiveError(
+                    f"{where}: a tar metadata header declares {self.size} bytes (limit {limit}; size bomb?)"
+                )
+            return super()._proc_member(tf)
+
+    return BoundedTarInfo
 
 
 def is_packed(path: str | os.PathLike) -> bool:
@@ -218,7 +252,9 @@ def unpack_artifact(
     stage.mkdir()
     try:
         try:
-            tf = tarfile.open(archive, "r:*")  # noqa: SIM115 (closed by the `with tf:` below)
+            tf = tarfile.open(  # noqa: SIM115 (closed by the `with tf:` below)
+                archive, "r:*", tarinfo=_bounded_tarinfo(where, limits.max_header_bytes)
+            )
         except _READ_ERRORS as e:
             raise ArchiveError(f"{where}: not a readable precast archive ({first_line(e)})") from e
         with tf:
@@ -265,9 +301,9 @@ def unpack_artifact(
 
 def _check_json(path: Path, where: str, name: str) -> None:
     try:
-        json.loads(path.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArchiveError(f"{where}: member {name!r} is not valid JSON") from e
+        parse_json(path.read_bytes(), name)
+    except ArtifactError:
+        raise ArchiveError(f"{where}: member {name!r} is not valid JSON") from None
 
 
 def _check_tree(root: Path, where: str) -> dict:

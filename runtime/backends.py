@@ -8,6 +8,7 @@ from pathlib import Path
 
 from precast.runtime.errors import ArtifactError, TargetUnavailableError, UsageError
 from precast.runtime.hugepages import collapse_new_memory
+from precast.runtime.manifest import model_path
 
 __all__ = ["check_threads", "create_session", "ort_session_options", "OPT_LEVELS", "explain_ort_error"]
 
@@ -68,7 +69,7 @@ def create_session(root: Path, manifest: dict, threads: int | None = None):
         raise TargetUnavailableError(f"artifact {root}: backend '{backend}' is not supported by this runtime")
     import onnxruntime as ort
 
-    model_file = root / target.get("model", "model.onnx")
+    model_file = model_path(root, target)
     providers = list(target.get("providers", ["CPUExecutionProvider"]))
     available = set(ort.get_available_providers())
     missing = [p for p in providers if p not in available]

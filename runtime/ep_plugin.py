@@ -9,89 +9,198 @@ The manifest's target block names the plugin::
     "backend": "onnxruntime", "providers": ["QNNExecutionProvider"],
     "ep_plugin": {"ep": "QNNExecutionProvider", "package": "onnxruntime_qnn", "backend_lib": "QnnHtp"},
     "provider_options": {...}, "session": {"config": {...}}, "static_shapes": {"x": [2, 8]}
+
+Trust: an artifact is untrusted data, so nothing in that block chooses code. The EP name selects an entry
+of ``KNOWN_PLUGINS`` (precast's allow-list); its native library is located through the installed
+distribution's file list in the site-packages directories (``importlib.metadata``), never by importing a
+Python module (a module of the same name next to the working directory would run on import), and never
+from a path or package name in the manifest. The backend library, provider options and session config
+keys are allow-listed too: several QNN options and ORT config keys name files to load or write.
 """
 
 from __future__ import annotations
 
-import importlib
-import os
+import site
+import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError
+from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError, first_line
+from precast.runtime.manifest import model_path
 
-__all__ = ["PluginSession", "create_plugin_session", "node_assignment", "plugin_available", "register_plugin"]
+__all__ = [
+    "KNOWN_PLUGINS",
+    "PluginSession",
+    "PluginSpec",
+    "create_plugin_session",
+    "node_assignment",
+    "plugin_available",
+    "plugin_library",
+    "register_plugin",
+]
+
+
+@dataclass(frozen=True)
+class PluginSpec:
+    """A plugin EP precast knows: the distribution that ships it and what a manifest may set for it."""
+
+    distribution: str  # pip name, looked up in installed package metadata
+    module: str  # import name, only to recognise the manifest's (informational) 'package' field
+    library: str  # the EP library's base name (lib<name>.so / <name>.dll)
+    backend_libs: frozenset[str]  # backend libraries the manifest may pick (the HTP, CPU, GPU backends)
+    provider_options: frozenset[str]  # options without file paths
+    session_config: frozenset[str]  # ORT session config keys an artifact may set
+
+
+KNOWN_PLUGINS: dict[str, PluginSpec] = {
+    "QNNExecutionProvider": PluginSpec(
+        distribution="onnxruntime-qnn",
+        module="onnxruntime_qnn",
+        library="onnxruntime_providers_qnn",
+        backend_libs=frozenset({"QnnHtp", "QnnCpu", "QnnGpu"}),
+        provider_options=frozenset(
+            {
+                "htp_performance_mode",
+                "htp_graph_finalization_optimization_mode",
+                "htp_arch",
+                "soc_model",
+                "device_id",
+                "vtcm_mb",
+                "enable_htp_fp16_precision",
+                "offload_graph_io_quantization",
+                "qnn_context_priority",
+                "rpc_control_latency",
+                "enable_htp_shared_memory_allocator",
+            }
+        ),
+        session_config=frozenset(
+            {
+                "session.disable_cpu_ep_fallback",
+                "session.intra_op.allow_spinning",
+                "session.set_denormal_as_zero",
+            }
+        ),
+    ),
+}
 
 _REGISTERED: dict[str, str] = {}  # ep name -> library path, registered once per process
 
 
-def _plugin_module(package: str):
-    try:
-        return importlib.import_module(package)
-    except ImportError:
-        return None
+def _lib_file(base: str) -> str:
+    return f"{base}.dll" if sys.platform == "win32" else f"lib{base}.so"
 
 
-def plugin_available(ep: str, package: str) -> tuple[bool, str]:
-    """(ok, reason): can this host load the plugin EP (package importable, library present, a device)?"""
+def _install_dirs() -> list[str]:
+    """Where pip installs distributions: site-packages (and the user site), never '' or the cwd."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE:
+        dirs.append(site.getusersitepackages())
+    return [d for d in dirs if Path(d).is_dir()]
+
+
+@lru_cache(maxsize=None)
+def _dist_files(distribution: str) -> dict[str, Path] | None:
+    """File name -> absolute path for an installed distribution's files, or None when not installed."""
+    for dist in metadata.distributions(path=_install_dirs()):
+        if (dist.metadata["Name"] or "").lower().replace("_", "-") == distribution:
+            return {f.name: Path(dist.locate_file(f)).resolve() for f in dist.files or ()}
+    return None
+
+
+def _spec(ep: object) -> PluginSpec:
+    spec = KNOWN_PLUGINS.get(ep) if isinstance(ep, str) else None
+    if spec is None:
+        raise ArtifactError(
+            f"execution provider plugin {ep!r} is not one precast loads (known: {', '.join(sorted(KNOWN_PLUGINS))})"
+        )
+    return spec
+
+
+def plugin_library(ep: str, backend_lib: str | None = None) -> Path:
+    """The EP's native library (or, with ``backend_lib``, that backend library) from the installed
+    distribution; TargetUnavailableError when it is not installed."""
+    spec = _spec(ep)
+    files = _dist_files(spec.distribution)
+    if files is None:
+        raise TargetUnavailableError(
+            f"{ep} needs the package '{spec.distribution}' (pip install {spec.distribution})"
+        )
+    if backend_lib is not None and backend_lib not in spec.backend_libs:
+        raise ArtifactError(
+            f"{ep}: backend library {backend_lib!r} is not allowed (one of {', '.join(sorted(spec.backend_libs))})"
+        )
+    name = _lib_file(backend_lib or spec.library)
+    path = files.get(name)
+    if path is None or not path.is_file():
+        raise TargetUnavailableError(f"{spec.distribution} is installed but has no {name}")
+    return path
+
+
+def plugin_available(ep: str, package: str | None = None) -> tuple[bool, str]:
+    """(ok, reason): can this host load the plugin EP (distribution installed, library present, a device)?
+
+    ``package`` is accepted for older callers and ignored: the allow-list decides what is loaded.
+    """
     try:
         import onnxruntime as ort
     except ImportError:
         return False, "onnxruntime is not installed"
     if not hasattr(ort, "register_execution_provider_library"):
         return False, f"onnxruntime {ort.__version__} has no plugin EP support (needs >= 1.22)"
-    mod = _plugin_module(package)
-    if mod is None:
-        return False, f"python package '{package}' is not installed (pip install {package.replace('_', '-')})"
-    lib = mod.get_library_path()
-    if not os.path.isfile(lib):
-        return False, f"{package} has no EP library at {lib}"
     try:
-        register_plugin(ep, package)
+        register_plugin(ep)
+    except (TargetUnavailableError, ArtifactError) as e:
+        return False, e.message
     except Exception as e:  # a broken plugin must not take the caller down
-        return False, f"{ep} library failed to register: {str(e).splitlines()[0]}"
+        return False, f"{ep} library failed to register: {first_line(e)}"
     if not [d for d in ort.get_ep_devices() if d.ep_name == ep]:
         return False, f"{ep} reports no devices on this host"
     return True, ""
 
 
-def register_plugin(ep: str, package: str) -> str:
+def register_plugin(ep: str, package: str | None = None) -> str:
     """Register the plugin's EP library with onnxruntime (idempotent); return the library path."""
     import onnxruntime as ort
 
     if ep in _REGISTERED:
         return _REGISTERED[ep]
-    mod = _plugin_module(package)
-    if mod is None:
-        raise TargetUnavailableError(
-            f"{ep} needs the python package '{package}' (pip install {package.replace('_', '-')})"
-        )
-    lib = mod.get_library_path()
+    lib = str(plugin_library(ep))
     try:
         ort.register_execution_provider_library(ep, lib)
     except Exception as e:
         if "already registered" not in str(e):
-            raise TargetUnavailableError(f"cannot register {ep} from {lib}: {str(e).splitlines()[0]}") from e
+            raise TargetUnavailableError(f"cannot register {ep} from {lib}: {first_line(e)}") from e
     _REGISTERED[ep] = lib
     return lib
 
 
-def plugin_session_options(
-    ep: str, package: str, provider_options: Mapping[str, str], backend_lib: str | None
-):
+def plugin_session_options(ep: str, provider_options: Mapping[str, object], backend_lib: str | None):
     """SessionOptions with the plugin EP's devices added (and the backend library resolved to a path)."""
     import onnxruntime as ort
 
-    register_plugin(ep, package)
+    spec = _spec(ep)
+    if not isinstance(provider_options, Mapping):
+        raise ArtifactError(f"{ep}: 'provider_options' must be a JSON object")
+    for key, value in provider_options.items():
+        if key not in spec.provider_options:
+            raise ArtifactError(
+                f"{ep}: provider option {key!r} is not allowed in an artifact "
+                f"(allowed: {', '.join(sorted(spec.provider_options))})"
+            )
+        if not isinstance(value, (str, int, float)) or isinstance(value, bool):
+            raise ArtifactError(f"{ep}: provider option {key!r} must be a string or number, got {value!r}")
+    register_plugin(ep)
     devices = [d for d in ort.get_ep_devices() if d.ep_name == ep]
     if not devices:
         raise TargetUnavailableError(f"{ep} reports no devices on this host")
     opts = {k: str(v) for k, v in provider_options.items()}
     if backend_lib:
-        mod = _plugin_module(package)
-        opts["backend_path"] = os.path.join(os.path.dirname(mod.get_library_path()), f"lib{backend_lib}.so")
+        opts["backend_path"] = str(plugin_library(ep, backend_lib))
     so = ort.SessionOptions()
     so.add_provider_for_devices(devices, opts)
     so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
@@ -131,19 +240,38 @@ class PluginSession:
 def create_plugin_session(root: Path, target: dict, threads: int | None = None) -> PluginSession:
     import onnxruntime as ort
 
-    plugin = target.get("ep_plugin") or {}
-    ep, package = plugin.get("ep"), plugin.get("package")
-    if not ep or not package:
-        raise ArtifactError(f"artifact {root}: target block 'ep_plugin' needs 'ep' and 'package'")
-    so = plugin_session_options(ep, package, target.get("provider_options", {}), plugin.get("backend_lib"))
+    plugin = target.get("ep_plugin")
+    if not isinstance(plugin, dict) or not plugin.get("ep"):
+        raise ArtifactError(f"artifact {root}: target block 'ep_plugin' needs 'ep'")
+    try:
+        spec = _spec(plugin["ep"])
+        ep = plugin["ep"]
+        if plugin.get("package", spec.module) != spec.module:  # informational only; a mismatch is tampering
+            raise ArtifactError(
+                f"ep_plugin names package {plugin['package']!r}; {ep} is loaded only from {spec.distribution}"
+            )
+        backend_lib = plugin.get("backend_lib")
+        session = target.get("session", {})
+        config = (session.get("config") if isinstance(session, dict) else None) or {}
+        if not isinstance(config, dict):
+            raise ArtifactError("'session.config' must be a JSON object")
+        for key in config:
+            if key not in spec.session_config:
+                raise ArtifactError(
+                    f"session config key {key!r} is not allowed in an artifact "
+                    f"(allowed: {', '.join(sorted(spec.session_config))})"
+                )
+        so = plugin_session_options(ep, target.get("provider_options", {}), backend_lib)
+    except ArtifactError as e:
+        raise ArtifactError(f"artifact {root}: {e.message}") from None
     so.log_severity_level = 3
     if threads is not None:
         so.intra_op_num_threads = threads
-    for key, value in (target.get("session", {}).get("config") or {}).items():
+    for key, value in config.items():
         if key != "session.disable_cpu_ep_fallback":  # always on for plugin EPs (set above)
             so.add_session_config_entry(str(key), str(value))
     so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-    model_file = root / target.get("model", "model.onnx")
+    model_file = model_path(root, target)
     try:
         session = ort.InferenceSession(str(model_file), sess_options=so)
     except Exception as e:

@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from precast.runtime.errors import ArtifactError, IntegrityError, SchemaVersionError
+from precast.runtime.errors import ArtifactError, IntegrityError, SchemaVersionError, first_line
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -24,6 +24,9 @@ __all__ = [
     "read_manifest",
     "check_integrity",
     "dump_json",
+    "parse_json",
+    "artifact_path",
+    "model_path",
 ]
 
 SCHEMA_VERSION = 1
@@ -75,6 +78,78 @@ def dump_json(obj, path: str | os.PathLike) -> None:
         f.write("\n")
 
 
+def parse_json(text: str | bytes, where: str) -> object:
+    """JSON from an untrusted source, every failure an ArtifactError naming ``where``.
+
+    Besides syntax errors, ``json`` raises RecursionError on deep nesting and ValueError on integers
+    past Python's digit limit (and on lone surrogates when given bytes): all are a malformed file here.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ArtifactError(f"{where}: JSON is nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ArtifactError(f"{where}: not valid JSON ({first_line(e)})") from None
+
+
+def artifact_path(root: str | os.PathLike, rel: object, what: str) -> Path:
+    """``root / rel`` for a path the manifest names, refused (ArtifactError) unless it stays inside ``root``.
+
+    An artifact is untrusted data: an absolute path, ``..`` or a symlink leading out would make the
+    runtime open (and run) a file the artifact's hashes never covered.
+    """
+    if not isinstance(rel, str) or not rel or "\0" in rel:
+        raise ArtifactError(f"artifact {root}: manifest '{what}' must be a relative path, got {rel!r}")
+    p = Path(rel)
+    if p.is_absolute() or rel.startswith(("/", "\\")) or ".." in Path(rel.replace("\\", "/")).parts:
+        raise ArtifactError(f"artifact {root}: manifest '{what}' = {rel!r} points outside the artifact")
+    base = Path(root).resolve()
+    full = (base / p).resolve()
+    if full != base and base not in full.parents:
+        raise ArtifactError(
+            f"artifact {root}: manifest '{what}' = {rel!r} resolves outside the artifact (a symlink?)"
+        )
+    return Path(root) / p
+
+
+_DEFAULT_MODEL = {"openvino": "model.xml", "tensorrt": "model.engine", "tensorrt-plan": "model.engine"}
+
+
+def model_path(root: str | os.PathLike, target: dict) -> Path:
+    """The target block's model file, checked to stay inside the artifact."""
+    default = _DEFAULT_MODEL.get(target.get("backend"), "model.onnx")
+    return artifact_path(root, target.get("model", default), "target.model")
+
+
+def _named_paths(manifest: dict):
+    """(what, relative path) for every path the manifest names, whatever its kind."""
+    target = manifest.get("target")
+    if isinstance(target, dict) and "model" in target:
+        yield "target.model", target["model"]
+    llm = manifest.get("llm")
+    if isinstance(llm, dict) and llm.get("tokenizer") is not None:
+        yield "llm.tokenizer", llm["tokenizer"]
+    parity = manifest.get("parity")
+    if isinstance(parity, dict):
+        for key in ("inputs", "expected"):
+            table = parity.get(key)
+            if table is None:
+                continue
+            if not isinstance(table, dict):
+                yield f"parity.{key}", table
+                continue
+            for name, rel in table.items():
+                yield f"parity.{key}.{name}", rel
+    targets = manifest.get("targets")
+    if manifest.get("kind") == "multi-target" or targets is not None:
+        if not isinstance(targets, dict):
+            raise ArtifactError("manifest 'targets' must be a JSON object")
+        for name, entry in targets.items():
+            if not isinstance(entry, dict):
+                raise ArtifactError(f"manifest 'targets.{name}' must be a JSON object")
+            yield f"targets.{name}.dir", entry.get("dir", name)
+
+
 def read_manifest(artifact_dir: str | os.PathLike) -> dict:
     """Read and sanity-check ``manifest.json``; raise ArtifactError / SchemaVersionError."""
     root = Path(artifact_dir)
@@ -85,14 +160,11 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
     mpath = root / MANIFEST_NAME
     if not mpath.is_file():
         raise ArtifactError(f"not a precast artifact: {root} has no {MANIFEST_NAME}")
-    try:
-        manifest = json.loads(mpath.read_text(encoding="utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ArtifactError(f"{mpath}: manifest is not valid JSON ({e})") from e
+    manifest = parse_json(mpath.read_bytes(), f"{mpath}: manifest")
     if not isinstance(manifest, dict):
         raise ArtifactError(f"{mpath}: manifest must be a JSON object")
     version = manifest.get("schema_version")
-    if not isinstance(version, int):
+    if isinstance(version, bool) or not isinstance(version, int):
         raise ArtifactError(f"{mpath}: missing or non-integer schema_version")
     if version > SCHEMA_VERSION:
         raise SchemaVersionError(
@@ -115,6 +187,11 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
         p = Path(rel)
         if p.is_absolute() or ".." in p.parts or rel in (MANIFEST_NAME, ""):
             raise ArtifactError(f"{mpath}: unsafe file entry {rel!r}")
+    try:
+        for what, rel in _named_paths(manifest):
+            artifact_path(root, rel, what)
+    except ArtifactError as e:
+        raise ArtifactError(f"{mpath}: {e.message.removeprefix(f'artifact {root}: ')}") from None
     return manifest
 
 
@@ -125,8 +202,8 @@ def check_integrity(artifact_dir: str | os.PathLike, manifest: dict) -> None:
         path = root / rel
         if not path.is_file():
             raise IntegrityError(f"artifact {root}: file '{rel}' is missing")
-        if path.is_symlink():
-            raise IntegrityError(f"artifact {root}: file '{rel}' is a symlink")
+        if path.is_symlink() or root.resolve() not in path.resolve().parents:
+            raise IntegrityError(f"artifact {root}: file '{rel}' is a symlink or lies behind one")
         actual = sha256_file(path)
         if actual != digest:
             raise IntegrityError(

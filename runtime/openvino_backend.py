@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
+from precast.runtime.manifest import model_path
 
 __all__ = ["OpenVINOSession", "cache_dir", "create_openvino_session", "openvino_available"]
 
@@ -57,7 +58,7 @@ def create_openvino_session(root: Path, target: dict, threads: int | None = None
         raise TargetUnavailableError(f"artifact {root}: {why}")
     import openvino as ov
 
-    xml = root / target.get("model", "model.xml")
+    xml = model_path(root, target)
     if not xml.is_file():
         raise ArtifactError(f"artifact {root}: OpenVINO IR '{xml.name}' is missing")
     core = ov.Core()

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
+from precast.runtime.manifest import model_path
 
 __all__ = ["TensorRTSession", "create_tensorrt_session", "gpu_info", "tensorrt_available"]
 
@@ -157,7 +158,7 @@ def create_tensorrt_session(root: Path, target: dict, threads: int | None = None
             f"artifact {root}: engine was built with TensorRT {want_v}, this host has {trt.__version__}; "
             "engines only load on the exact TensorRT version that built them"
         )
-    engine_file = root / target.get("model", "model.engine")
+    engine_file = model_path(root, target)
     if not engine_file.is_file():
         raise ArtifactError(f"artifact {root}: engine file '{engine_file.name}' is missing")
     _bind_primary_context()

@@ -93,7 +93,7 @@ class OrtQnn(Target):
 
     @classmethod
     def can_build(cls) -> Availability:
-        ok, why = plugin_available(EP, PACKAGE)
+        ok, why = plugin_available(EP)
         return Availability(ok, why)
 
     @classmethod
@@ -193,7 +193,7 @@ class OrtQnn(Target):
 
         options = {"htp_arch": self.options["htp_arch"], "soc_model": self.options["soc_model"]}
         try:
-            so = plugin_session_options(EP, PACKAGE, options, "QnnHtp")
+            so = plugin_session_options(EP, options, "QnnHtp")
         except TargetUnavailableError as e:
             raise TargetUnavailableError(f"target 'ort-qnn' cannot be built on this host: {e}") from e
         so.log_severity_level = 3

@@ -1,0 +1,232 @@
+"""An artifact is untrusted data: nothing in its manifest may choose code to import or a path outside it.
+
+Each case edits the manifest of a real compiled artifact the way an attacker would (manifest.json is not
+covered by its own hashes; a signed pack covers it, so those cases sign the edited manifest validly).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from precast.compiler.driver import CompileOptions, compile_model
+from precast.compiler.pack import pack_artifact
+from precast.runtime import ArtifactError, load
+from precast.runtime.errors import PrecastError
+from precast.runtime.signing import generate_keypair
+from tests.helpers import save, tiny_mlp
+
+EVIL = "import pathlib; pathlib.Path({marker!r}).write_text('pwned')\n"
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("trust")
+    src = save(tiny_mlp(), tmp / "mlp.onnx")
+    compile_model(str(src), tmp / "art", CompileOptions())
+    return tmp / "art"
+
+
+def _copy(artifact: Path, dest: Path) -> Path:
+    dest.mkdir(parents=True)
+    for p in artifact.rglob("*"):
+        if p.is_file():
+            (dest / p.relative_to(artifact)).parent.mkdir(parents=True, exist_ok=True)
+            (dest / p.relative_to(artifact)).write_bytes(p.read_bytes())
+    return dest
+
+
+def _edit(root: Path, change) -> Path:
+    manifest = json.loads((root / "manifest.json").read_text())
+    change(manifest)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def _as_plugin(package: str):
+    def change(m):
+        m["target"]["ep_plugin"] = {"ep": "QNNExecutionProvider", "package": package, "backend_lib": "QnnHtp"}
+        m["target"]["providers"] = ["QNNExecutionProvider"]
+
+    return change
+
+
+@pytest.mark.parametrize("package", ["evil_plugin", "onnxruntime_qnn"])
+@pytest.mark.parametrize("how", ["verify", "load", "signed-pack"])
+def test_manifest_never_chooses_python_to_import(artifact, tmp_path, package, how):
+    """A module named like the manifest's package sits in the working directory (first on sys.path for
+    ``python -m``). Before: it ran on load / verify / a validly signed unpack. Now nothing imports it."""
+    art = _edit(_copy(artifact, tmp_path / "art"), _as_plugin(package))
+    work = tmp_path / "work"
+    work.mkdir()
+    marker = tmp_path / "pwned"
+    (work / f"{package}.py").write_text(EVIL.format(marker=str(marker)))
+    if how == "verify":
+        cmd = [sys.executable, "-m", "precast", "verify", str(art)]
+    elif how == "load":
+        code = (
+            "import sys, precast.runtime as rt\n"
+            f"try:\n    rt.load({str(art)!r})\n"
+            "except rt.PrecastError as e:\n    sys.exit(print(e, file=sys.stderr) or e.exit_code)\n"
+        )
+        cmd = [sys.executable, "-c", code]
+    else:
+        generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub")
+        pack_artifact(art, tmp_path / "a.precast", sign_key=tmp_path / "k.pem")
+        cmd = [
+            sys.executable,
+            "-m",
+            "precast",
+            "verify",
+            str(tmp_path / "a.precast"),
+            "--pubkey",
+            str(tmp_path / "k.pub"),
+        ]
+    env = {**os.environ, "PYTHONPATH": str(work)}  # the attacker's module on sys.path, ahead of site-packages
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert not marker.exists(), "the manifest's package name made the runtime import attacker code"
+    assert "Traceback" not in proc.stderr, proc.stderr
+    if package == "evil_plugin":
+        assert proc.returncode == 3 and "evil_plugin" in proc.stderr and "onnxruntime-qnn" in proc.stderr
+
+
+def test_unknown_plugin_ep_and_unsafe_options_are_refused(artifact, tmp_path):
+    cases = {
+        "ep": (
+            lambda m: m["target"].update(ep_plugin={"ep": "EvilExecutionProvider"}),
+            "EvilExecutionProvider",
+        ),
+        "backend_lib": (
+            lambda m: m["target"].update(
+                ep_plugin={"ep": "QNNExecutionProvider", "backend_lib": "../../evil"}
+            ),
+            "backend library",
+        ),
+        "backend_path": (
+            lambda m: (
+                _as_plugin("onnxruntime_qnn")(m),
+                m["target"].update(provider_options={"backend_path": "/x.so"}),
+            ),
+            "provider option 'backend_path'",
+        ),
+        "config": (
+            lambda m: (
+                _as_plugin("onnxruntime_qnn")(m),
+                m["target"].update(session={"config": {"ep.context_file_path": "/tmp/x.onnx"}}),
+            ),
+            "session config key 'ep.context_file_path'",
+        ),
+    }
+    for name, (change, why) in cases.items():
+        art = _edit(_copy(artifact, tmp_path / name), change)
+        with pytest.raises(ArtifactError, match=why):
+            load(art)
+
+
+@pytest.mark.parametrize(
+    "where,value",
+    [
+        ("target.model", "/etc/passwd"),
+        ("target.model", "../outside.onnx"),
+        ("target.model", "symlink"),
+        ("llm.tokenizer", "../../tokenizer.json"),
+        ("parity.inputs.x", "/etc/hostname"),
+        ("targets.ort-cpu.dir", ".."),
+    ],
+)
+def test_manifest_paths_stay_inside_the_artifact(artifact, tmp_path, where, value):
+    """Before: load() opened (and ran) whatever the model path named, even from a signed pack."""
+    outside = tmp_path / "outside.onnx"
+    outside.write_bytes((artifact / "model.onnx").read_bytes())  # a model that would load and run
+    art = _copy(artifact, tmp_path / "art")
+    if value == "symlink":
+        (art / "link.onnx").symlink_to(outside)
+        value = "link.onnx"
+
+    def change(m):
+        *path, last = where.split(".")
+        if path[0] == "targets":
+            m["kind"] = "multi-target"
+            m["targets"] = {"ort-cpu": {}}
+        if path[0] == "llm":
+            m["llm"] = {}
+        node = m
+        for key in path:
+            node = node.setdefault(key, {})
+        node[last] = value
+
+    _edit(art, change)
+    for verify in (True, False):
+        with pytest.raises(ArtifactError, match=r"outside the artifact|symlink"):
+            load(art, verify=verify)
+
+
+def test_signed_pack_with_outside_model_path_is_refused(artifact, tmp_path):
+    outside = tmp_path / "outside.onnx"
+    outside.write_bytes((artifact / "model.onnx").read_bytes())
+    art = _edit(_copy(artifact, tmp_path / "art"), lambda m: m["target"].update(model=str(outside)))
+    generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub")
+    with pytest.raises(PrecastError, match="outside the artifact"):  # the packer refuses to ship it ...
+        pack_artifact(art, tmp_path / "a.precast", sign_key=tmp_path / "k.pem")
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ('{"schema_version": true, "files": {}, "target": {}, "io": {}}', "non-integer schema_version"),
+        ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+        ('{"schema_version": 1' + "0" * 5000 + "}", "not valid JSON"),
+    ],
+    ids=["bool-version", "deep-nesting", "huge-int"],
+)
+def test_malformed_manifest_json_is_a_clean_error(artifact, tmp_path, text, why):
+    art = _copy(artifact, tmp_path / "art")
+    data = text if isinstance(text, bytes) else text.encode()
+    (art / "manifest.json").write_bytes(data)
+    with pytest.raises(ArtifactError, match=why):
+        load(art)
+    proc = subprocess.run(
+        [sys.executable, "-m", "precast", "inspect", str(art)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 3 and "Traceback" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("compression", ["bz2", "gz", "xz"])
+@pytest.mark.parametrize("kind", [b"L", b"x"])  # GNU long name, pax extended header
+def test_archive_metadata_header_bomb_is_refused_before_reading(tmp_path, compression, kind):
+    """A tiny compressed tar whose long-name (or pax) header declares 1 GB: tarfile read the whole
+    payload into memory before any check (RSS past 1 GB, then MemoryError, exit 70). Now it is refused
+    from the header alone; here 64 MiB of real zeros follow, and the peak allocation stays small."""
+    import bz2
+    import gzip
+    import lzma
+    import tarfile
+    import tracemalloc
+
+    from precast.runtime.archive import ArchiveError, unpack_artifact
+
+    declared = 1 << 30
+    header = tarfile.TarInfo("././@LongLink")
+    header.type, header.size = kind, declared
+    raw = header.tobuf(format=tarfile.GNU_FORMAT)[:512] if kind == b"L" else None
+    if raw is None:  # a pax header block, built by hand (tobuf would encode the payload itself)
+        header.name = "pax"
+        raw = header.tobuf(format=tarfile.USTAR_FORMAT)[:512]
+    compress = {"bz2": bz2.compress, "gz": gzip.compress, "xz": lzma.compress}[compression]
+    bomb = tmp_path / f"bomb.tar.{compression}"
+    bomb.write_bytes(compress(raw + bytes(64 << 20)))
+    assert bomb.stat().st_size < 200_000
+    tracemalloc.start()
+    try:
+        with pytest.raises(ArchiveError, match="metadata header declares 1073741824 bytes"):
+            unpack_artifact(bomb, tmp_path / "out")
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"peak {peak >> 20} MiB while rejecting a header bomb"
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == [bomb.name]
