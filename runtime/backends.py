@@ -39,11 +39,18 @@ def ort_session_options(settings: dict, threads: int | None = None):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
+    if not isinstance(settings, dict):
+        raise ArtifactError("manifest: target 'session' must be a JSON object")
     level = settings.get("graph_optimization_level", "all")
-    if level not in OPT_LEVELS:
-        raise ArtifactError(f"manifest: unknown graph_optimization_level '{level}'")
+    if not isinstance(level, str) or level not in OPT_LEVELS:
+        raise ArtifactError(f"manifest: unknown graph_optimization_level {level!r}")
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPT_LEVELS[level])
-    n = threads if threads is not None else int(settings.get("intra_op_num_threads", 0))
+    stored = settings.get("intra_op_num_threads", 0)
+    if isinstance(stored, bool) or not isinstance(stored, int) or not 0 <= stored <= MAX_THREADS:
+        raise ArtifactError(
+            f"manifest: intra_op_num_threads must be an integer in 0..{MAX_THREADS}, got {stored!r}"
+        )
+    n = threads if threads is not None else stored
     so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
     so.log_severity_level = 3

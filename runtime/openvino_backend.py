@@ -51,6 +51,45 @@ class OpenVINOSession:
         return [np.array(results[self._outputs[n]], copy=True) for n in names]
 
 
+# Properties an artifact may set: hints and precisions only. Others name files or libraries (CACHE_DIR,
+# extensions) or would let an untrusted manifest pick what the process writes or loads.
+ALLOWED_CONFIG = frozenset(
+    {
+        "INFERENCE_PRECISION_HINT",
+        "PERFORMANCE_HINT",
+        "PERFORMANCE_HINT_NUM_REQUESTS",
+        "EXECUTION_MODE_HINT",
+        "NUM_STREAMS",
+        "INFERENCE_NUM_THREADS",
+        "KV_CACHE_PRECISION",
+        "KEY_CACHE_PRECISION",
+        "VALUE_CACHE_PRECISION",
+        "DYNAMIC_QUANTIZATION_GROUP_SIZE",
+        "ENABLE_CPU_PINNING",
+        "ENABLE_HYPER_THREADING",
+        "SCHEDULING_CORE_TYPE",
+    }
+)
+
+
+def _checked_config(root: Path, config: object) -> dict[str, str]:
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ArtifactError(f"artifact {root}: target 'config' must be a JSON object")
+    out = {}
+    for key, value in config.items():
+        if key not in ALLOWED_CONFIG:
+            raise ArtifactError(
+                f"artifact {root}: OpenVINO property {key!r} is not allowed in an artifact "
+                f"(allowed: {', '.join(sorted(ALLOWED_CONFIG))})"
+            )
+        if isinstance(value, bool) or not isinstance(value, (str, int, float)):
+            raise ArtifactError(f"artifact {root}: OpenVINO property {key!r} must be a string or number")
+        out[key] = str(value)
+    return out
+
+
 def create_openvino_session(root: Path, target: dict, threads: int | None = None) -> OpenVINOSession:
     device = str(target.get("device", "CPU"))
     ok, why = openvino_available(device)
@@ -62,7 +101,7 @@ def create_openvino_session(root: Path, target: dict, threads: int | None = None
     if not xml.is_file():
         raise ArtifactError(f"artifact {root}: OpenVINO IR '{xml.name}' is missing")
     core = ov.Core()
-    config = {str(k): str(v) for k, v in (target.get("config") or {}).items()}
+    config = _checked_config(root, target.get("config"))
     if threads:
         config["INFERENCE_NUM_THREADS"] = str(threads)
     cache = cache_dir()

@@ -230,3 +230,29 @@ def test_archive_metadata_header_bomb_is_refused_before_reading(tmp_path, compre
         tracemalloc.stop()
     assert peak < 16 << 20, f"peak {peak >> 20} MiB while rejecting a header bomb"
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == [bomb.name]
+
+
+def test_session_settings_from_the_manifest_are_typed(artifact, tmp_path):
+    """intra_op_num_threads "abc" was int()-ed into a ValueError traceback (exit 70)."""
+    for i, bad in enumerate(["abc", -1, 10**9, True]):
+        art = _edit(
+            _copy(artifact, tmp_path / f"t{i}"),
+            lambda m: m["target"]["session"].update(intra_op_num_threads=bad),
+        )
+        with pytest.raises(ArtifactError, match="intra_op_num_threads"):
+            load(art)
+
+
+def test_openvino_properties_from_the_manifest_are_allow_listed(tmp_path):
+    """CACHE_DIR (or any property naming a path) in a manifest would make the runtime write where the
+    artifact says."""
+    from precast.runtime.openvino_backend import _checked_config
+
+    assert _checked_config(tmp_path, {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}) == {
+        "PERFORMANCE_HINT": "LATENCY",
+        "NUM_STREAMS": "1",
+    }
+    with pytest.raises(ArtifactError, match="property 'CACHE_DIR' is not allowed"):
+        _checked_config(tmp_path, {"CACHE_DIR": "/home/user/.ssh"})
+    with pytest.raises(ArtifactError, match="must be a string or number"):
+        _checked_config(tmp_path, {"NUM_STREAMS": {"a": 1}})
