@@ -5,28 +5,127 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import uuid
+import stat
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import UsageError
-from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, dump_json, sha256_file
+from precast.compiler.staging import clean_stale, temp_name
+from precast.runtime.errors import ArtifactError, UsageError
+from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, dump_json, read_manifest, sha256_file
 
-__all__ = ["staging_dir", "finalize_manifest", "write_index", "save_tensors", "load_tensors", "publish"]
+__all__ = [
+    "staging_dir",
+    "finalize_manifest",
+    "write_index",
+    "save_tensors",
+    "load_tensors",
+    "publish",
+    "check_replaceable",
+    "clean_stale_siblings",
+]
+
+
+def _not_replaceable(root: Path, why: str) -> UsageError:
+    return UsageError(f"output {root} {why}; refusing to replace it (move it away or choose another -o)")
+
+
+def check_replaceable(final: str | os.PathLike, *, shown: str | os.PathLike | None = None) -> None:
+    """Raise UsageError unless publishing at ``final`` can lose nothing: no entry there, an empty directory,
+    or a precast artifact (a manifest precast reads, listing every file in the folder; the sub-artifacts of a
+    multi-target one alike). Symlinks, in or at the output, are never replaced. ``shown``: the path the
+    message names (default ``final``)."""
+    final = Path(final)
+    shown = Path(shown) if shown is not None else final
+    try:
+        st = os.lstat(final)
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise _not_replaceable(shown, "is a symlink")
+    if not stat.S_ISDIR(st.st_mode):
+        raise _not_replaceable(shown, "exists and is not a directory")
+    try:
+        with os.scandir(final) as entries:
+            empty = next(entries, None) is None
+    except OSError as e:
+        raise _not_replaceable(shown, f"cannot be read ({e.strerror or e})") from None
+    if not empty:
+        _check_artifact_files(final, shown)
+
+
+def _check_artifact_files(root: Path, shown: Path) -> None:
+    try:
+        if not stat.S_ISREG(os.lstat(root / MANIFEST_NAME).st_mode):
+            raise ArtifactError(f"{root}: {MANIFEST_NAME} is not a regular file")
+        manifest = read_manifest(root)
+    except FileNotFoundError:
+        raise _not_replaceable(shown, f"is not a precast artifact (no {MANIFEST_NAME})") from None
+    except ArtifactError as e:
+        raise _not_replaceable(shown, f"is not a precast artifact ({_why(e, root)})") from None
+    listed = set(manifest["files"]) | {MANIFEST_NAME, BUILD_INFO_NAME}
+    subs = set()
+    if manifest.get("kind") == "multi-target":
+        for name, entry in (manifest.get("targets") or {}).items():
+            d = entry.get("dir", name) if isinstance(entry, dict) else None
+            if not isinstance(d, str) or d in ("", ".", "..") or "/" in d or "\\" in d:
+                raise _not_replaceable(shown, f"is not a precast artifact (bad target dir {d!r})")
+            subs.add(d)
+
+    def walk(folder: Path, rel: str) -> None:
+        try:
+            with os.scandir(folder) as it:
+                entries = sorted(it, key=lambda e: e.name)
+        except OSError as e:
+            raise _not_replaceable(
+                shown, f"has a folder precast cannot read ('{rel or '.'}': {e.strerror or e})"
+            ) from None
+        for e in entries:
+            path = f"{rel}{e.name}"
+            if e.is_symlink():
+                raise _not_replaceable(shown, f"holds a symlink '{path}', which precast never writes")
+            if e.is_dir(follow_symlinks=False):
+                if not rel and e.name in subs:
+                    _check_artifact_files(Path(e.path), shown / e.name)
+                else:
+                    walk(Path(e.path), f"{path}/")
+            elif path not in listed:
+                raise _not_replaceable(shown, f"holds '{path}', which its {MANIFEST_NAME} does not list")
+
+    walk(root, "")
+
+
+def _why(e: ArtifactError, root: Path) -> str:
+    """read_manifest's reason without the path it starts with (the message names the output already)."""
+    text = str(e)
+    for prefix in (f"{root / MANIFEST_NAME}: ", f"{root}: "):
+        if text.startswith(prefix):
+            return text[len(prefix) :]
+    return text
+
+
+def clean_stale_siblings(final: str | os.PathLike) -> None:
+    """Remove the staging dirs (and half-replaced old artifacts) that killed compiles left beside ``final``."""
+    final = Path(os.path.abspath(final))
+    clean_stale(final.parent, legacy=lambda base: base == final.name, old_ok=_replaceable)
+
+
+def _replaceable(path: Path) -> bool:
+    try:
+        check_replaceable(path)
+    except UsageError:
+        return False
+    return True
 
 
 @contextlib.contextmanager
 def staging_dir(final: Path) -> Iterator[Path]:
     """A fresh sibling temp dir of ``final``; removed on any failure (nothing half-written is left)."""
     final = Path(final)
-    if final.exists() and not final.is_dir():
-        raise UsageError(f"output {final} exists and is not a directory")
-    if final.is_dir() and any(final.iterdir()) and not (final / MANIFEST_NAME).is_file():
-        raise UsageError(f"output {final} exists and is not a precast artifact; refusing to replace it")
+    check_replaceable(final)
     final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = final.parent / temp_name(final.name, "tmp")
     tmp.mkdir()
     try:
         yield tmp
@@ -36,17 +135,34 @@ def staging_dir(final: Path) -> Iterator[Path]:
 
 
 def publish(tmp: Path, final: Path) -> None:
-    """Swap the staged artifact into place; an old artifact at ``final`` is replaced as a whole."""
+    """Swap the staged artifact into place; an old artifact at ``final`` is replaced as a whole.
+
+    What sits at ``final`` is checked again here (it may have appeared or changed since the compile began),
+    and once more after it is moved aside, before anything is deleted; on a refusal it is put back as it was.
+    On any failure the staged dir is removed.
+    """
     final = Path(final)
     old = None
-    if final.exists():
-        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(final, old)
     try:
-        os.replace(tmp, final)
+        check_replaceable(final)
+        if os.path.lexists(final):
+            old = final.parent / temp_name(final.name, "old")
+            os.replace(final, old)
+            try:
+                check_replaceable(old, shown=final)  # what was moved aside is what was checked
+            except UsageError:
+                os.replace(old, final)
+                old = None
+                raise
+        try:
+            os.replace(tmp, final)
+        except BaseException:
+            if old is not None:
+                os.replace(old, final)
+                old = None
+            raise
     except BaseException:
-        if old is not None:
-            os.replace(old, final)
+        shutil.rmtree(tmp, ignore_errors=True)
         raise
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)

@@ -5,9 +5,11 @@
     <cache dir>/<key>/            a whole artifact, exactly as published
     <cache dir>/<key>.json        a small note: what went into the key (for humans debugging misses)
 
-Entries are checked by their own manifests' sha256s before use; a corrupt entry is removed and rebuilt.
-Writes are atomic (staged sibling dir + rename), so concurrent CI jobs sharing a cache never see half
-an entry; the last writer of identical content wins.
+Entries are checked by their own manifests' sha256s before use; a corrupt entry is removed and rebuilt,
+but only when it is still a precast artifact (a real directory whose manifest precast reads): anything else
+under a key's name is refused, never deleted. Writes are atomic (staged sibling dir + rename), so
+concurrent CI jobs sharing a cache never see half an entry; the last writer of identical content wins.
+Temporary entries of killed jobs (``.<key>.tmp-<pid>-...``) are cleaned by the next cached compile.
 """
 
 from __future__ import annotations
@@ -16,15 +18,17 @@ import functools
 import hashlib
 import json
 import os
+import re
 import shutil
-import uuid
+import stat
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError
+from precast.compiler.staging import clean_stale, temp_name
+from precast.runtime.errors import ArtifactError, UsageError
 from precast.runtime.manifest import check_integrity, read_manifest
 
 __all__ = [
@@ -42,6 +46,7 @@ __all__ = [
 
 CACHE_ENV = "PRECAST_CACHE_DIR"
 KEY_VERSION = 1  # bump when what goes into the key changes meaning
+_KEY_NAME = re.compile(r"^[0-9a-f]{64}(\.json)?$")  # what precast names entries and notes (legacy temp names)
 
 
 def hash_feeds(feeds: Mapping[str, np.ndarray] | None) -> str | None:
@@ -149,6 +154,7 @@ def restore(
     """
     from precast.compiler.artifact import publish, staging_dir
 
+    clean_stale(cache_dir, legacy=_KEY_NAME.match)  # temp entries of killed jobs
     entry, status = lookup(cache_dir, key)
     if entry is None:
         if status != "miss":
@@ -180,14 +186,34 @@ def lookup(cache_dir: str | os.PathLike, key: str) -> tuple[Path | None, str]:
     A corrupt entry is deleted so that the following build replaces it.
     """
     entry = Path(cache_dir) / key
-    if not entry.is_dir():
+    if not os.path.lexists(entry):
         return None, "miss"
+    _check_removable(entry)
     try:
         check_artifact_tree(entry)
     except ArtifactError as e:
         _remove(entry)
         return None, f"corrupt: {e}"
     return entry, "hit"
+
+
+def _check_removable(entry: Path) -> None:
+    """An entry precast may delete: a real directory holding a manifest precast reads. Anything else under a
+    key's name is not precast's (a link, a user's folder), so it is refused rather than deleted."""
+    is_dir = False
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(entry).st_mode)
+        is_manifest = is_dir and stat.S_ISREG(os.lstat(entry / "manifest.json").st_mode)
+        if is_manifest:
+            read_manifest(entry)
+    except (OSError, ArtifactError):
+        is_manifest = False
+    if not is_manifest:
+        what = "a directory" if is_dir else "a symlink or a file"
+        raise UsageError(
+            f"cache entry {entry} is {what} that is not a precast artifact; refusing to delete it "
+            "(move it away, or use another --cache-dir)"
+        )
 
 
 def copy_entry(entry: Path, dest: Path) -> None:
@@ -202,17 +228,21 @@ def store(
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     entry = cache_dir / key
-    tmp = cache_dir / f".{key}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp = cache_dir / temp_name(key, "tmp")
     shutil.copytree(artifact, tmp, symlinks=True)
     try:
-        if entry.exists():
+        if os.path.lexists(entry):
+            _check_removable(entry)
             _remove(entry)
         os.replace(tmp, entry)
     except OSError:
         # Another job stored the same key first; its content is the same by construction.
         shutil.rmtree(tmp, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     if note is not None:
-        note_tmp = cache_dir / f".{key}.json.tmp-{uuid.uuid4().hex[:8]}"
+        note_tmp = cache_dir / temp_name(f"{key}.json", "tmp")
         note_tmp.write_text(json.dumps(dict(note), indent=2, sort_keys=True, default=str) + "\n")
         os.replace(note_tmp, cache_dir / f"{key}.json")
     return entry
@@ -220,7 +250,7 @@ def store(
 
 def _remove(entry: Path) -> None:
     # Rename first so a concurrent reader never sees a half-deleted entry under the key's name.
-    trash = entry.parent / f".{entry.name}.trash-{uuid.uuid4().hex[:8]}"
+    trash = entry.parent / temp_name(entry.name, "trash")
     try:
         os.replace(entry, trash)
     except OSError:

@@ -15,7 +15,15 @@ import numpy as np
 import onnx_ir as ir
 
 import precast
-from precast.compiler.artifact import finalize_manifest, publish, save_tensors, staging_dir, write_index
+from precast.compiler.artifact import (
+    check_replaceable,
+    clean_stale_siblings,
+    finalize_manifest,
+    publish,
+    save_tensors,
+    staging_dir,
+    write_index,
+)
 from precast.compiler.budget import apply_budget, budget_bounds, budget_tolerance, is_quantized
 from precast.compiler.parity import (
     DEFAULT_TOL,
@@ -214,6 +222,8 @@ def compile_model(
     pipelines = {
         t.name: parse_pipeline(opts.passes or "default", default=t.default_pipeline) for t in targets
     }
+    check_replaceable(output)  # a folder that is not provably precast's is refused before any work
+    clean_stale_siblings(output)  # staging dirs of compiles that were killed (their pid is gone)
 
     say(f"loading {model if isinstance(model, str) else model.name}")
     source = source_of(model, opts)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import io
 import os
 import tarfile
-import uuid
 from pathlib import Path
 
 from precast.compiler.cache import check_artifact_tree
+from precast.compiler.staging import clean_stale, temp_name
 from precast.runtime.errors import UsageError
 from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, sha256_file
 from precast.runtime.signing import SIGNATURE_NAME, sign_bytes
@@ -58,7 +58,8 @@ def pack_artifact(
     manifest_bytes = (root / MANIFEST_NAME).read_bytes()
     signature = sign_bytes(manifest_bytes, sign_key) if sign_key is not None else None
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{uuid.uuid4().hex[:8]}"
+    clean_stale(out.parent, legacy=lambda base: base == out.name)  # half-written packs of killed runs
+    tmp = out.parent / temp_name(out.name, "tmp")
     try:
         with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tf:
             tf.addfile(_info(MANIFEST_NAME, len(manifest_bytes)), io.BytesIO(manifest_bytes))
