@@ -335,6 +335,9 @@ def load_causal_lm(
         raise ModelLoadError(
             f"{folder}: no tokenizer.json (the artifact ships the tokenizer; save one with `tokenizers`)"
         )
+    from precast.compiler.hf_source import folder_hash_and_ship
+
+    sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)  # a linked-in file is refused before any work
     _check_tokenizer(folder / "tokenizer.json", int(config.get("vocab_size") or 0))
     _hf, module = build_paged_decoder(folder, model_type, kv_layout)
     spec = llm_block(folder, config, module)
@@ -343,9 +346,6 @@ def load_causal_lm(
     if got != _output_names(spec["layers"], spec["kv_layout"] == "mapped"):
         raise ExportError(f"{folder}: exported outputs {got[:3]}... do not match the step contract")
     kv_rule = kv_valid_rule(spec)
-    from precast.compiler.hf_source import folder_hash_and_ship
-
-    sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)
     return Source(
         "hf",
         folder.name,

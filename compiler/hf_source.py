@@ -33,12 +33,30 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 
 
 def folder_hash_and_ship(folder: Path, ship_names) -> tuple[str, dict[str, Path]]:
-    """A Hugging Face folder's source hash (its .json/.safetensors/.txt files) and the tokenizer files to ship."""
+    """A Hugging Face folder's source hash (its .json/.safetensors/.txt files) and the tokenizer files to ship.
+
+    A file to ship must resolve inside the folder (or, for a hub-cache snapshot, the repo's blobs/): the
+    artifact is handed to others, so a link to a file elsewhere (a key, a config) must not travel with it.
+    """
     hashed = [
         p for p in sorted(folder.iterdir()) if p.is_file() and p.suffix in (".json", ".safetensors", ".txt")
     ]
     ship = {f"tokenizer/{n}": folder / n for n in ship_names if (folder / n).is_file()}
+    for path in ship.values():
+        _check_inside(folder, path)
     return hash_files(hashed, folder), ship
+
+
+def _check_inside(folder: Path, path: Path) -> None:
+    base, real = folder.resolve(), path.resolve()
+    roots = [base]
+    if base.parent.name == "snapshots":  # the hub cache: snapshots/<rev>/<file> -> ../../blobs/<sha>
+        roots.append(base.parent.parent / "blobs")
+    if not any(root in real.parents for root in roots):
+        raise ModelLoadError(
+            f"{folder}: '{path.name}' resolves to {real}, outside the model folder; "
+            "precast ships it in the artifact, so copy the file into the folder instead of linking it"
+        )
 
 
 def _read_config(folder: Path) -> dict:
@@ -110,6 +128,7 @@ def load_hf_folder(
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")
+    sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)  # a linked-in file is refused before any work
     import_torch()
     try:
         import transformers
@@ -138,7 +157,6 @@ def load_hf_folder(
     model = export_module(module, inputs, outputs, dims)
     if [v.name for v in model.graph.outputs] != outputs:
         raise ExportError(f"{folder}: exported outputs {[v.name for v in model.graph.outputs]} != {outputs}")
-    sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)
     return Source(
         "hf",
         folder.name,

@@ -134,23 +134,102 @@ def load_onnx(path: Path) -> Source:
         raise ModelLoadError(f"{path}: not an ONNX model (no graph, no outputs)")
     base = path.parent.resolve()
     files = [path.resolve()]
-    for init in proto.graph.initializer:
-        for kv in init.external_data:
-            if kv.key == "location":
-                ext = (base / kv.value).resolve()
-                if base not in ext.parents:
-                    raise ModelLoadError(
-                        f"{path}: external data '{kv.value}' points outside the model folder"
-                    )
-                if not ext.is_file():
-                    raise ModelLoadError(f"{path}: external data file '{kv.value}' is missing")
-                if ext not in files:
-                    files.append(ext)
+    for tensor in _proto_tensors(proto):
+        if tensor.data_location != onnx.TensorProto.EXTERNAL:
+            continue
+        location = next((kv.value for kv in tensor.external_data if kv.key == "location"), None)
+        if location is None:
+            raise ModelLoadError(f"{path}: tensor '{tensor.name}' has external data without a location")
+        ext = (base / location).resolve()  # symlinks resolved: a link out of the folder is outside too
+        if base not in ext.parents:
+            raise ModelLoadError(f"{path}: external data '{location}' points outside the model folder")
+        if not ext.is_file():
+            raise ModelLoadError(f"{path}: external data file '{location}' is missing")
+        if ext not in files:
+            files.append(ext)
     try:
         model = ir.load(str(path))
         # Bring external weights into memory: passes and the reference run work on in-memory models.
         ir.external_data.load_to_model(model)
+        _load_attribute_tensors(model, base)
     except Exception as e:  # onnx_ir raises several types on malformed graphs
         first = str(e).splitlines()[0] if str(e) else type(e).__name__
         raise ModelLoadError(f"{path}: malformed ONNX graph ({first})") from e
     return Source("onnx", path.stem, model, hash_files(files, base))
+
+
+def _proto_tensors(proto):
+    """Every TensorProto of a ModelProto that may hold external data: initializers (sparse ones too) and
+    tensor attributes, in the main graph, every subgraph and every function."""
+    import onnx
+
+    def of_attr(attr):
+        kind = onnx.AttributeProto
+        if attr.type == kind.TENSOR:
+            yield attr.t
+        elif attr.type == kind.TENSORS:
+            yield from attr.tensors
+        elif attr.type == kind.SPARSE_TENSOR:
+            yield from (attr.sparse_tensor.values, attr.sparse_tensor.indices)
+        elif attr.type == kind.SPARSE_TENSORS:
+            for sp in attr.sparse_tensors:
+                yield from (sp.values, sp.indices)
+        elif attr.type == kind.GRAPH:
+            yield from of_graph(attr.g)
+        elif attr.type == kind.GRAPHS:
+            for g in attr.graphs:
+                yield from of_graph(g)
+
+    def of_nodes(nodes):
+        for node in nodes:
+            for attr in node.attribute:
+                yield from of_attr(attr)
+
+    def of_graph(graph):
+        yield from graph.initializer
+        for sp in graph.sparse_initializer:
+            yield from (sp.values, sp.indices)
+        yield from of_nodes(graph.node)
+
+    yield from of_graph(proto.graph)
+    for fn in proto.functions:
+        yield from of_nodes(fn.node)
+
+
+def _load_attribute_tensors(model: ir.Model, base: Path) -> None:
+    """Tensor attributes with external data (a Constant's ``value``) into memory, read from the model's folder.
+
+    onnx_ir's load_to_model brings initializers only; an attribute left external would be serialized as a
+    reference that ONNX Runtime resolves against the working directory (or, in the artifact, not at all).
+    Their locations were checked against the folder above.
+    """
+    graphs = [model.graph, *model.functions.values()]
+    for graph in graphs:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            for name, attr in list(node.attributes.items()):
+                if attr.is_ref():
+                    continue
+                if attr.type == ir.AttributeType.TENSOR and isinstance(attr.value, ir.ExternalTensor):
+                    node.attributes[name] = ir.AttrTensor(name, _in_memory(attr.value, base))
+                elif attr.type == ir.AttributeType.TENSORS and any(
+                    isinstance(t, ir.ExternalTensor) for t in attr.value
+                ):
+                    tensors = [
+                        _in_memory(t, base) if isinstance(t, ir.ExternalTensor) else t for t in attr.value
+                    ]
+                    node.attributes[name] = ir.AttrTensors(name, tensors)
+
+
+def _in_memory(tensor: ir.ExternalTensor, base: Path) -> ir.Tensor:
+    ext = ir.ExternalTensor(
+        tensor.location,
+        tensor.offset,
+        tensor.length,
+        tensor.dtype,
+        shape=tensor.shape,
+        name=tensor.name,
+        base_dir=base,
+    )
+    data = ext.numpy().copy()
+    ext.release()
+    return ir.Tensor(data, dtype=tensor.dtype, name=tensor.name)
