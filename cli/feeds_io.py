@@ -41,6 +41,11 @@ def read_feeds(path: str | Path, specs: Sequence[TensorSpec] | None = None) -> d
                         raise InputError(
                             f"input '{name}': expected integers ({dtype}), got fractional numbers"
                         )
+                    if dtype == "bool" and arr.dtype != bool and not np.isin(arr, (0, 1)).all():
+                        # astype(bool) calls any non-zero number True: a 2 or 0.5 is a mistake, not a flag
+                        raise InputError(
+                            f"input '{name}': expected bool (true/false or 0/1), got other numbers"
+                        )
                     arr = arr.astype(dtype)
             except (ValueError, TypeError) as e:
                 raise InputError(f"input '{name}' in {path}: not a rectangular numeric array ({e})") from e

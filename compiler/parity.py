@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import numpy as np
@@ -18,7 +19,13 @@ __all__ = [
     "compare_outputs",
     "ort_run_model",
     "DEFAULT_TOL",
+    "MAX_SAMPLE_BYTES",
+    "check_sample_size",
 ]
+
+# Generated sample (and export example) feeds stop here, in all: a model may claim any static size, and a
+# MemoryError halfway through is a crash, not an answer. Bigger feeds come from the user (--sample-inputs).
+MAX_SAMPLE_BYTES = 1 << 30
 
 
 DEFAULT_TOL = {
@@ -73,6 +80,40 @@ def _index_bound(model: ir.Model, name: str) -> int | None:
     return bound
 
 
+def _size(n: float) -> str:
+    for unit in ("bytes", "kB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
+
+
+def _itemsize(dtype: str) -> int:
+    try:
+        return np.dtype(dtype).itemsize
+    except TypeError:  # a dtype numpy does not name (bfloat16 without ml_dtypes): count it as 4 bytes
+        return 4
+
+
+def check_sample_size(
+    shapes: Sequence[tuple[str, Sequence[int], str]], what: str = "sample data", hint: str = ""
+) -> None:
+    """Raise UsageError before allocating when (name, concrete shape, dtype) arrays would pass MAX_SAMPLE_BYTES.
+
+    The message names the input that crosses the cap, its shape, dtype and bytes, then ``hint``.
+    """
+    total = 0
+    for name, shape, dtype in shapes:
+        need = math.prod(int(d) for d in shape) * _itemsize(dtype)
+        total += need
+        if total > MAX_SAMPLE_BYTES:
+            before = f", {_size(total)} with the inputs before it" if total != need else ""
+            raise UsageError(
+                f"input '{name}': {[int(d) for d in shape]} {dtype} needs {_size(need)} of {what}{before} "
+                f"(precast generates at most {MAX_SAMPLE_BYTES / 2**30:.1f} GiB){hint}"
+            )
+
+
 def make_sample_feeds(
     model: ir.Model, specs: Sequence[TensorSpec], dims: Mapping[str, int] | None = None, seed: int = 0
 ) -> dict[str, np.ndarray]:
@@ -82,7 +123,7 @@ def make_sample_feeds(
     """
     rng = np.random.default_rng(seed)
     dims = dict(dims or {})
-    feeds: dict[str, np.ndarray] = {}
+    shapes: dict[str, list[int]] = {}
     for spec in specs:
         if spec.shape is None:
             raise UsageError(f"input '{spec.name}' has unknown rank: pass --sample-inputs feeds.npz")
@@ -95,9 +136,22 @@ def make_sample_feeds(
                 if key not in dims:
                     dims[key] = 2 if i == 0 else 16
                 shape.append(dims[key])
+        shapes[spec.name] = shape
+    check_sample_size(
+        [(s.name, shapes[s.name], s.dtype) for s in specs],
+        hint="; pass your own feeds with --sample-inputs feeds.npz"
+        + (
+            " or smaller --dim sizes"
+            if any(isinstance(d, str) or d is None for s in specs for d in s.shape)
+            else ""
+        ),
+    )
+    feeds: dict[str, np.ndarray] = {}
+    for spec in specs:
+        shape = shapes[spec.name]
         lname = spec.name.lower()
         if spec.dtype == "bool":
-            arr = rng.random(shape) > 0.5
+            arr = np.asarray(rng.random(shape) > 0.5)  # a 0-d comparison is a numpy.bool scalar, not an array
         elif spec.dtype.startswith(("int", "uint")):
             if "mask" in lname:
                 arr = np.ones(shape, dtype=spec.dtype)

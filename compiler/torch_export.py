@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import numpy as np
 import onnx_ir as ir
 
+from precast.compiler.parity import check_sample_size
 from precast.runtime.errors import ExportError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
 
@@ -59,6 +60,14 @@ def example_array(spec: TensorSpec, dims: dict[str, int]) -> np.ndarray:
 def export_module(
     module, inputs: Sequence[TensorSpec], output_names: Sequence[str] | None, dims: dict[str, int]
 ) -> ir.Model:
+    shapes = [
+        (s.name, [d if isinstance(d, int) else dims[d] for d in s.shape or ()], s.dtype) for s in inputs
+    ]
+    check_sample_size(
+        shapes,
+        what="example data to export",
+        hint="; use smaller --dim sizes, or name the large dims in --input (e.g. 'x:float32[batch,seq]')",
+    )
     torch = import_torch()
     examples = tuple(torch.from_numpy(example_array(s, dims)) for s in inputs)
     dynamic = {s.name: {i: d for i, d in enumerate(s.shape or ()) if isinstance(d, str)} for s in inputs}
