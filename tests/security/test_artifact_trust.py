@@ -237,7 +237,7 @@ def test_session_settings_from_the_manifest_are_typed(artifact, tmp_path):
     for i, bad in enumerate(["abc", -1, 10**9, True]):
         art = _edit(
             _copy(artifact, tmp_path / f"t{i}"),
-            lambda m: m["target"]["session"].update(intra_op_num_threads=bad),
+            lambda m, bad=bad: m["target"]["session"].update(intra_op_num_threads=bad),
         )
         with pytest.raises(ArtifactError, match="intra_op_num_threads"):
             load(art)
