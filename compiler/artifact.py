@@ -11,9 +11,9 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.compiler.staging import clean_stale, temp_name
 from precast.runtime.errors import ArtifactError, UsageError
 from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, dump_json, read_manifest, sha256_file
+from precast.runtime.staging import clean_stale, temp_name
 
 __all__ = [
     "staging_dir",

@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from precast.compiler.staging import clean_stale, temp_name
 from precast.runtime.errors import ArtifactError, UsageError
 from precast.runtime.manifest import check_integrity, read_manifest
+from precast.runtime.staging import clean_stale, temp_name
 
 __all__ = [
     "CACHE_ENV",

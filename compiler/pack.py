@@ -16,10 +16,10 @@ import tarfile
 from pathlib import Path
 
 from precast.compiler.cache import check_artifact_tree
-from precast.compiler.staging import clean_stale, temp_name
 from precast.runtime.errors import UsageError
 from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, sha256_file
 from precast.runtime.signing import SIGNATURE_NAME, sign_bytes
+from precast.runtime.staging import clean_stale, temp_name
 
 __all__ = ["pack_artifact"]
 

@@ -18,7 +18,6 @@ import posixpath
 import shutil
 import tarfile
 import tempfile
-import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +31,17 @@ from precast.runtime.manifest import (
     read_manifest,
 )
 from precast.runtime.signing import SIGNATURE_NAME, verify_bytes
+from precast.runtime.staging import clean_stale, temp_name
 
-__all__ = ["ArchiveError", "Limits", "is_packed", "read_packed_manifest", "unpack_artifact", "unpack_to_temp"]
+__all__ = [
+    "ArchiveError",
+    "Limits",
+    "is_packed",
+    "read_packed_manifest",
+    "remove_temp",
+    "unpack_artifact",
+    "unpack_to_temp",
+]
 
 
 class ArchiveError(ArtifactError):
@@ -248,7 +256,8 @@ def unpack_artifact(
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ArtifactError(f"unpack target {dest} exists and is not empty; refusing to overwrite it")
     dest.parent.mkdir(parents=True, exist_ok=True)
-    stage = dest.parent / f".{dest.name}.unpack-{uuid.uuid4().hex[:8]}"
+    clean_stale(dest.parent)  # stages of unpacks that were killed (their owner's pid is gone)
+    stage = dest.parent / temp_name(dest.name, "unpack")
     stage.mkdir()
     try:
         try:
@@ -342,3 +351,15 @@ def unpack_to_temp(archive: str | os.PathLike, *, pubkey: str | os.PathLike | No
         _TEMP_DIRS.remove(tmp)
         raise
     return dest
+
+
+def remove_temp(artifact: str | os.PathLike) -> None:
+    """Remove the temp dir unpack_to_temp made for ``artifact`` (the dir it returned) now, not at exit:
+    its owner (a Model, an Engine, a served model) calls this when closed. Idempotent; other paths are
+    left alone."""
+    tmp = str(Path(artifact).parent)
+    try:
+        _TEMP_DIRS.remove(tmp)
+    except ValueError:  # removed already, or not one of ours
+        return
+    shutil.rmtree(tmp, ignore_errors=True)

@@ -256,3 +256,22 @@ def test_openvino_properties_from_the_manifest_are_allow_listed(tmp_path):
         _checked_config(tmp_path, {"CACHE_DIR": "/home/user/.ssh"})
     with pytest.raises(ArtifactError, match="must be a string or number"):
         _checked_config(tmp_path, {"NUM_STREAMS": {"a": 1}})
+
+
+def test_stage_of_a_killed_unpack_is_cleaned_on_the_next_unpack(artifact, tmp_path):
+    from precast.runtime.archive import unpack_artifact
+    from precast.runtime.staging import host_id
+
+    pack_artifact(artifact, tmp_path / "a.precast")
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True
+    )
+    pid = int(dead.stdout)  # that process has exited: its pid names nobody (or, rarely, a newer process)
+    stale = tmp_path / f".out.unpack-{pid}-{host_id()}-0123abcd"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sub" / "model.onnx").write_bytes(b"half-written")
+    alive = tmp_path / f".out.unpack-{os.getpid()}-{host_id()}-4567cdef"
+    alive.mkdir()  # a running unpack's stage (this process) is left alone
+    unpack_artifact(tmp_path / "a.precast", tmp_path / "out")
+    assert (tmp_path / "out" / "manifest.json").is_file()
+    assert not stale.exists() and alive.exists()

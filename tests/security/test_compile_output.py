@@ -259,7 +259,7 @@ def test_cache_temp_entry_of_a_killed_store_is_cleaned(mlp, tmp_path):
 
 
 def test_half_written_pack_of_a_killed_run_is_cleaned(cli, mlp, tmp_path):
-    from precast.compiler.staging import host_id
+    from precast.runtime.staging import host_id
 
     art, packed = tmp_path / "art", tmp_path / "m.precast"
     assert cli("compile", mlp, "-o", art, "-q").code == 0
@@ -275,7 +275,7 @@ def test_half_written_pack_of_a_killed_run_is_cleaned(cli, mlp, tmp_path):
 
 
 def test_an_output_moved_aside_is_cleaned_only_while_it_is_a_precast_artifact(mlp, tmp_path):
-    from precast.compiler.staging import host_id
+    from precast.runtime.staging import host_id
 
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

@@ -1,4 +1,6 @@
-"""Names of precast's temporary entries, and the cleanup of those a killed compile left behind.
+"""Names of precast's temporary entries, and the cleanup of those a killed compile or unpack left behind.
+
+It lives in the runtime (standard library only) because ``precast unpack`` stages there too.
 
 Every temporary sibling precast creates (a staging dir, an artifact being replaced, a cache entry being
 copied or removed, a pack being written) is named
@@ -29,10 +31,10 @@ from pathlib import Path
 
 __all__ = ["KINDS", "LEGACY_STALE_AFTER_S", "temp_name", "clean_stale", "host_id"]
 
-KINDS = ("tmp", "old", "trash")
+KINDS = ("tmp", "old", "trash", "unpack")
 LEGACY_STALE_AFTER_S = 24 * 3600  # an owner we cannot ask (old name, other host): a day without a change
 _NAME = re.compile(
-    r"^\.(?P<base>.+)\.(?P<kind>tmp|old|trash)-(?P<pid>[0-9]{1,10})-(?P<host>[0-9a-f]{8})-[0-9a-f]{8}$"
+    r"^\.(?P<base>.+)\.(?P<kind>tmp|old|trash|unpack)-(?P<pid>[0-9]{1,10})-(?P<host>[0-9a-f]{8})-[0-9a-f]{8}$"
 )
 _LEGACY = re.compile(r"^\.(?P<base>.+)\.(?P<kind>tmp|old|trash)-[0-9a-f]{8}$")
 
