@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -28,6 +29,13 @@ class Model:
         self.inputs = inputs
         self.outputs = outputs
         self.skipped: dict[str, str] = {}  # better targets passed over, and why
+        self._cleanup: weakref.finalize | None = None  # removes the temp dir load() unpacked into
+
+    def close(self) -> None:
+        """Remove the temp dir a packed artifact was unpacked into (nothing for a directory). Idempotent;
+        without it the dir goes when the Model is garbage-collected, or at exit."""
+        if self._cleanup is not None:
+            self._cleanup()
 
     @property
     def target(self) -> str:
@@ -90,10 +98,17 @@ def load(
     """
     check_threads(threads)
     root = Path(path)
-    if root.is_file():
-        from precast.runtime.archive import unpack_to_temp
+    if root.is_file():  # unpacked into a temp dir the Model owns (close() removes it)
+        from precast.runtime.archive import remove_temp, unpack_to_temp
 
         root = unpack_to_temp(root, pubkey=pubkey)
+        try:
+            model = load(root, threads=threads, verify=verify, prefer=prefer)
+        except BaseException:
+            remove_temp(root)
+            raise
+        model._cleanup = weakref.finalize(model, remove_temp, root)
+        return model
     elif pubkey is not None:
         raise ArtifactError(f"{root}: signatures live in packed artifacts; pack it, or drop the public key")
     manifest = read_manifest(root)

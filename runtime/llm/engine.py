@@ -14,6 +14,7 @@ import inspect
 import itertools
 import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,6 +26,7 @@ from precast.runtime.llm.block_pool import BlockPool
 from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.metrics import EngineCounters, EngineMetrics
+from precast.runtime.llm.prompt import prompt_ids
 from precast.runtime.llm.request import Request, Status
 from precast.runtime.llm.sampler import SamplingParams, is_int, sample
 from precast.runtime.llm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, checked_config
@@ -68,6 +70,7 @@ class Engine:
         self._cond = threading.Condition(threading.RLock())
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._cleanup: weakref.finalize | None = None  # removes the temp dir load() unpacked into
 
     @classmethod
     def load(
@@ -81,7 +84,8 @@ class Engine:
     ) -> Engine:
         """Open a causal-lm artifact (a directory, or a file packed by ``precast pack``, as
         precast.runtime.load takes it): its model runner (K/V pools of num_blocks blocks) and tokenizer.
-        ``runner_kwargs``: ModelRunner.from_artifact's ``threads`` and ``verify``."""
+        ``runner_kwargs``: ModelRunner.from_artifact's ``threads`` and ``verify``. A packed artifact is
+        unpacked into a temp dir the engine owns: ``close()`` removes it (else garbage collection or exit)."""
         from precast.runtime.llm.model_runner import ModelRunner
         from precast.runtime.llm.tokenizer import TextTokenizer
         from precast.runtime.manifest import read_manifest
@@ -94,19 +98,34 @@ class Engine:
         if unknown:
             raise UsageError(f"Engine.load got an unknown option '{unknown[0]}' (known: {', '.join(known)})")
         root = where = Path(path)
+        unpacked = None
         if root.is_file():  # a packed artifact: unpacked (every checksum checked) into a private temp dir
-            from precast.runtime.archive import unpack_to_temp
+            from precast.runtime.archive import remove_temp, unpack_to_temp
 
-            root = unpack_to_temp(root)
-        llm = read_manifest(root).get("llm")
-        if not isinstance(llm, dict):
-            raise ArtifactError(f"{where}: not a causal-lm artifact (manifest has no 'llm' block)")
-        runner = ModelRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
-        tok_file = llm.get("tokenizer")
-        tokenizer = (
-            TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
-        )
-        return cls(runner, tokenizer, config=config, enable_prefix_caching=enable_prefix_caching)
+            root = unpacked = unpack_to_temp(root)
+        try:
+            llm = read_manifest(root).get("llm")
+            if not isinstance(llm, dict):
+                raise ArtifactError(f"{where}: not a causal-lm artifact (manifest has no 'llm' block)")
+            runner = ModelRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
+            tok_file = llm.get("tokenizer")
+            tokenizer = (
+                TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
+            )
+            engine = cls(runner, tokenizer, config=config, enable_prefix_caching=enable_prefix_caching)
+        except BaseException:
+            if unpacked is not None:
+                remove_temp(unpacked)
+            raise
+        if unpacked is not None:
+            engine._cleanup = weakref.finalize(engine, remove_temp, unpacked)
+        return engine
+
+    def close(self) -> None:
+        """Stop the step loop and remove the temp dir a packed artifact was unpacked into. Idempotent."""
+        self.stop()
+        if self._cleanup is not None:
+            self._cleanup()
 
     # -- requests ------------------------------------------------------------------------------
     def submit(
@@ -120,16 +139,27 @@ class Engine:
     ) -> RequestHandle:
         """Queue one request. Bad input raises LLMRequestError naming it; other requests are unaffected."""
         params = SamplingParams() if params is None else params
+        ids = self._checked(prompt, params, priority, request_id, on_token)
         with self._cond:
-            ids = self._checked(prompt, params, priority, request_id, on_token)
+            self._rejecting(self._check_id_free, request_id)
             return self._enqueue(ids, params, priority, request_id, on_token)
 
     def _checked(self, prompt, params, priority, request_id, on_token) -> list[int]:
+        """Outside the lock (pure checks of the request): tokenizing a long prompt, or checking a long list
+        of ids or stop strings, must not stall the step loop that serves the other requests."""
+        return self._rejecting(self._validate, prompt, params, priority, request_id, on_token)
+
+    def _rejecting(self, check, *args):
         try:
-            return self._validate(prompt, params, priority, request_id, on_token)
+            return check(*args)
         except LLMRequestError:
-            self.counters.requests_rejected += 1
+            with self._cond:
+                self.counters.requests_rejected += 1
             raise
+
+    def _check_id_free(self, request_id) -> None:
+        if request_id is not None and request_id in self._handles and not self._handles[request_id].finished:
+            raise LLMRequestError(f"request id '{request_id}' is already in use")
 
     def _enqueue(self, ids, params, priority, request_id, on_token) -> RequestHandle:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -146,8 +176,6 @@ class Engine:
     def _validate(self, prompt: Prompt, params, priority, request_id, on_token) -> list[int]:
         if request_id is not None and not isinstance(request_id, str):
             raise LLMRequestError(f"request_id must be a string, got {type(request_id).__name__}")
-        if request_id is not None and request_id in self._handles and not self._handles[request_id].finished:
-            raise LLMRequestError(f"request id '{request_id}' is already in use")
         if not isinstance(params, SamplingParams):
             raise LLMRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         params.validate()
@@ -155,27 +183,16 @@ class Engine:
             raise LLMRequestError(f"priority must be an integer (lower = more urgent), got {priority!r}")
         if on_token is not None and not callable(on_token):
             raise LLMRequestError(f"on_token must be callable, got {type(on_token).__name__}")
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise LLMRequestError("this engine has no tokenizer: pass token ids, not text")
-            ids = self.tokenizer.encode(prompt)
-        else:
-            ids = _token_ids(prompt)
-            bad = [t for t in ids if not 0 <= t < self.vocab]
-            if bad:
-                raise LLMRequestError(f"unknown token id {bad[0]} in prompt (vocab size {self.vocab})")
-        if not ids:
-            raise LLMRequestError("empty prompt")
-        if len(ids) >= self.max_context:
-            raise LLMRequestError(f"prompt has {len(ids)} tokens; the model's context is {self.max_context}")
-        need = -(-(len(ids) + 1) // self.block_size)
-        if need > self.pool.num_blocks:
-            raise LLMRequestError(
-                f"prompt needs {need} KV blocks but the pool has {self.pool.num_blocks}; load with more num_blocks"
-            )
         if params.stop and self.tokenizer is None:
             raise LLMRequestError("stop strings need a tokenizer")
-        return ids
+        return prompt_ids(
+            prompt,
+            self.tokenizer,
+            vocab=self.vocab,
+            max_context=self.max_context,
+            num_blocks=self.pool.num_blocks,
+            block_size=self.block_size,
+        )
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request (its blocks are freed now). False if it had already finished."""
@@ -208,13 +225,17 @@ class Engine:
         elif len(prompts) and is_int(prompts[0]):
             prompts = [prompts]
         params = SamplingParams() if params is None else params
+        checked = [self._checked(p, params, priority, None, None) for p in prompts]
         with self._cond:
-            checked = [self._checked(p, params, priority, None, None) for p in prompts]
             handles = [self._enqueue(ids, params, priority, None, None) for ids in checked]
         return [h.result() for h in handles]
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def is_running(self) -> bool:
+        """Whether the background step loop (start()) is alive."""
+        return self._thread is not None and self._thread.is_alive()
 
     # -- the step loop -------------------------------------------------------------------------
     def step(self) -> int:
@@ -455,22 +476,6 @@ class Engine:
                 kv_blocks_free=self.pool.num_free,
                 block_size=self.block_size,
             )
-
-
-def _token_ids(prompt) -> list[int]:
-    """A prompt of token ids (a sequence or 1-D array of integers) -> list of int; anything else is refused."""
-    if isinstance(prompt, np.ndarray):
-        if prompt.ndim != 1 or not np.issubdtype(prompt.dtype, np.integer):
-            raise LLMRequestError(
-                f"a prompt array must be 1-D of integer token ids, got {prompt.ndim}-D {prompt.dtype}"
-            )
-        return prompt.tolist()
-    if not isinstance(prompt, Sequence) or isinstance(prompt, (bytes, bytearray)):
-        raise LLMRequestError(f"prompt must be text or a sequence of token ids, got {type(prompt).__name__}")
-    for i, t in enumerate(prompt):
-        if not is_int(t):
-            raise LLMRequestError(f"prompt token ids must be integers; item {i} is {t!r}")
-    return [int(t) for t in prompt]
 
 
 class _Plan:

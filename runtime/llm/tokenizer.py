@@ -32,7 +32,9 @@ class TextTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=True).ids)
+        # encode_batch, not encode: the same ids, but it releases the GIL while it works (encode holds it:
+        # a long prompt would freeze the engine loop and the event loop for seconds).
+        return list(self._tok.encode_batch([text], add_special_tokens=True)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
