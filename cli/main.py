@@ -40,6 +40,7 @@ def cli(debug: bool) -> None:
 def _register() -> None:
     from precast.cli import (
         commands,  # noqa: F401  (defines the subcommands on `cli`)
+        commands_bench,  # noqa: F401  (bench)
         commands_ci,  # noqa: F401  (bisect, pack, unpack, keygen, profile)
         commands_eval,  # noqa: F401  (eval --perplexity)
         commands_llm,  # noqa: F401  (generate)
