@@ -14,6 +14,7 @@ import numpy as np
 from precast.runtime.errors import ArtifactError, UsageError
 from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, dump_json, read_manifest, sha256_file
 from precast.runtime.staging import clean_stale, temp_name
+from precast.runtime.verify import SEQUENCE_LENGTH, SEQUENCE_SUFFIX, load_parity_value
 
 __all__ = [
     "staging_dir",
@@ -179,13 +180,29 @@ def save_tensors(arrays: Mapping[str, np.ndarray], folder: Path, rel_prefix: str
     index = {}
     for i, (name, arr) in enumerate(arrays.items()):
         fname = _safe_name(name, i)
-        np.save(folder / fname, np.asarray(arr, order="C"), allow_pickle=False)  # keeps 0-d arrays 0-d
+        if arr is None:  # an absent optional value: nothing to store, nothing to feed
+            continue
+        if isinstance(arr, (list, tuple)):  # a sequence: one .npy per element in a '<name>.seq' folder
+            seq = fname.removesuffix(".npy") + SEQUENCE_SUFFIX
+            (folder / seq).mkdir()
+            (folder / seq / SEQUENCE_LENGTH).write_text(f"{len(arr)}\n")  # an empty sequence has no other file
+            for j, elem in enumerate(arr):
+                np.save(folder / seq / f"{j:06d}.npy", _storable(elem), allow_pickle=False)
+            index[name] = f"{rel_prefix}/{seq}"
+            continue
+        np.save(folder / fname, _storable(arr), allow_pickle=False)  # keeps 0-d arrays 0-d
         index[name] = f"{rel_prefix}/{fname}"
     return index
 
 
-def load_tensors(root: Path, index: Mapping[str, str]) -> dict[str, np.ndarray]:
-    return {name: np.load(root / rel, allow_pickle=False) for name, rel in index.items()}
+def _storable(arr) -> np.ndarray:
+    # strings live in ONNX Runtime as object arrays; .npy stores them as fixed-width str without pickle
+    arr = np.asarray(arr, order="C")
+    return arr.astype(str) if arr.dtype == object else arr
+
+
+def load_tensors(root: Path, index: Mapping[str, str]) -> dict[str, object]:
+    return {name: load_parity_value(root, rel) for name, rel in index.items()}
 
 
 def finalize_manifest(

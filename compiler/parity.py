@@ -38,6 +38,11 @@ DEFAULT_TOL = {
 
 
 def _dtype_name(t: ir.TypeProtocol | None) -> str:
+    """numpy's name for a tensor's element type; ``seq(...)`` / ``optional(...)`` around it for those types."""
+    if isinstance(t, ir.SequenceType):
+        return f"seq({_dtype_name(t.elem_type)})"
+    if isinstance(t, ir.OptionalType):
+        return f"optional({_dtype_name(t.elem_type)})"
     if t is None or not isinstance(t, ir.TensorType):
         return "unknown"
     try:
@@ -125,6 +130,11 @@ def make_sample_feeds(
     dims = dict(dims or {})
     shapes: dict[str, list[int]] = {}
     for spec in specs:
+        if spec.dtype.startswith(("seq(", "optional(")) or spec.dtype == "unknown":
+            raise UsageError(
+                f"input '{spec.name}' is of type {spec.dtype}: precast generates tensor feeds only; pass your own "
+                "sample feeds (CompileOptions.sample_inputs, a list of arrays for a sequence)"
+            )
         if spec.shape is None:
             raise UsageError(f"input '{spec.name}' has unknown rank: pass --sample-inputs feeds.npz")
         shape = []
@@ -150,7 +160,9 @@ def make_sample_feeds(
     for spec in specs:
         shape = shapes[spec.name]
         lname = spec.name.lower()
-        if spec.dtype == "bool":
+        if spec.dtype == "object":  # string tensors: short distinct words
+            arr = np.array([f"s{i}" for i in range(math.prod(shape))], dtype=object).reshape(shape)
+        elif spec.dtype == "bool":
             arr = np.asarray(rng.random(shape) > 0.5)  # a 0-d comparison is a numpy.bool scalar, not an array
         elif spec.dtype.startswith(("int", "uint")):
             if "mask" in lname:

@@ -10,6 +10,8 @@ from onnxscript.optimizer import fold_constants
 
 from precast.compiler.pipeline import count_nodes
 from precast.compiler.registry import Pass, PassResult, register
+from precast.passes._opset_compat import axes_as_attributes
+from precast.runtime.errors import PassFailedError, first_line
 
 
 @register("fold-constants")
@@ -26,12 +28,36 @@ class FoldConstants(Pass):
 
     def call(self, model: ir.Model) -> PassResult:
         before = count_nodes(model)
-        fold_constants(
-            model,
-            onnx_shape_inference=True,
-            input_size_limit=self.options.input_size_limit,
-            output_size_limit=self.options.output_size_limit,
-        )
+        # The folder writes opset-13 forms (Unsqueeze/Split with an axes input) into older models too. Where
+        # such a form has no older spelling (SplitToSequence's computed split sizes -> Split), the folded graph
+        # is invalid for its opset: keep the unfolded one. onnxscript's sequence folding also raises on some
+        # valid graphs (a SplitToSequence whose split is a graph input). Models with sequence ops pay for a
+        # copy to fall back on; any other failure is named instead of written.
+        original = None
+        if any("Sequence" in n.op_type for n in model.graph.all_nodes()):
+            original = ir.serde.deserialize_model(ir.serde.serialize_model(model))
+        try:
+            fold_constants(
+                model,
+                onnx_shape_inference=True,
+                input_size_limit=self.options.input_size_limit,
+                output_size_limit=self.options.output_size_limit,
+            )
+        except Exception as e:
+            if original is None:
+                raise
+            return PassResult(original, {"folded": 0, "kept": f"onnxscript's folder failed: {first_line(e)}"})
+        stuck = axes_as_attributes(model)
+        if stuck:
+            opset = model.opset_imports.get("", 0)
+            if original is None:
+                raise PassFailedError(
+                    f"fold-constants: node '{stuck[0].name}' ({stuck[0].op_type}) would need opset 13+ "
+                    f"(the model imports opset {opset}); skip fold-constants for this model"
+                )
+            return PassResult(
+                original, {"folded": 0, "kept": f"{stuck[0].op_type} has no opset-{opset} form"}
+            )
         RemoveUnusedNodesPass()(model)
         # Constant nodes left behind become initializers: a graph with no Constant ops is simpler to match.
         LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=0)(model)

@@ -8,6 +8,7 @@ import numpy as np
 import onnx_ir as ir
 
 from precast.compiler.registry import Pass, PassResult, register
+from precast.passes._opset_compat import axes_as_attributes
 
 
 def _const_scalar(value: ir.Value | None):
@@ -300,6 +301,8 @@ class UnrollLoops(Pass):
                 continue
             unroll(model.graph, node)
             unrolled += 1
+        if unrolled:
+            axes_as_attributes(model)  # the stacking Unsqueezes take constant axes: always movable
         stats: dict = {"unrolled": unrolled}
         if kept:
             stats["kept"] = len(kept)

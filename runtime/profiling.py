@@ -17,6 +17,7 @@ import numpy as np
 
 from precast.runtime.errors import ArtifactError, UsageError
 from precast.runtime.feeds import check_feeds
+from precast.runtime.verify import load_parity_value
 
 __all__ = ["profile_artifact", "summarize_trace"]
 
@@ -89,7 +90,7 @@ def profile_artifact(
         stored = (model.manifest.get("parity") or {}).get("inputs")
         if not stored:
             raise ArtifactError(f"{path}: no stored sample inputs; pass --input feeds.npz")
-        feeds = {n: np.load(root / rel, allow_pickle=False) for n, rel in stored.items()}
+        feeds = {n: load_parity_value(root, rel) for n, rel in stored.items()}
     arrays = check_feeds(feeds, model.inputs)
     with tempfile.TemporaryDirectory(prefix="precast-profile-") as tmp:
         so = ort_session_options(target.get("session", {}), threads)

@@ -9,9 +9,12 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
-from precast.runtime.manifest import check_integrity, read_manifest
+from precast.runtime.manifest import artifact_path, check_integrity, read_manifest
 
 __all__ = [
+    "SEQUENCE_LENGTH",
+    "SEQUENCE_SUFFIX",
+    "load_parity_value",
     "Tolerance",
     "compare_outputs",
     "mask_dont_cares",
@@ -19,6 +22,22 @@ __all__ = [
     "mask_padding",
     "verify_artifact",
 ]
+
+
+SEQUENCE_SUFFIX = ".seq"  # a stored sequence value: a folder of .npy elements
+SEQUENCE_LENGTH = "length"  # ... with its element count (an empty sequence has no other file)
+
+
+def load_parity_value(root: Path, rel: str):
+    """A stored parity feed or expected output: an array, or a list of arrays for a sequence."""
+    path = artifact_path(root, rel, "parity value")
+    try:
+        if rel.endswith(SEQUENCE_SUFFIX):
+            n = int((path / SEQUENCE_LENGTH).read_text())
+            return [np.load(path / f"{j:06d}.npy", allow_pickle=False) for j in range(n)]
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        raise ArtifactError(f"artifact {root}: stored parity value '{rel}' is unreadable ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -45,6 +64,9 @@ def mask_padding(
     keep = mask.astype(bool)
     out = {}
     for name, arr in outputs.items():
+        if isinstance(arr, (list, tuple)):  # a sequence output is not laid out [batch, seq, ...]
+            out[name] = arr
+            continue
         arr = np.asarray(arr)
         if arr.ndim >= 2 and arr.shape[:2] == keep.shape:
             arr = np.where(keep.reshape(keep.shape + (1,) * (arr.ndim - 2)), arr, np.zeros((), arr.dtype))
@@ -94,10 +116,17 @@ def compare_outputs(
         if name not in actual:
             report[name] = {"ok": False, "error": "missing from compiled outputs"}
             continue
+        if isinstance(ref, (list, tuple)) or isinstance(actual[name], (list, tuple)):
+            report[name] = _compare_sequences(ref, actual[name], tol)
+            continue
         got = np.asarray(actual[name])
         ref = np.asarray(ref)
         if got.shape != ref.shape:
             report[name] = {"ok": False, "error": f"shape {list(got.shape)} != reference {list(ref.shape)}"}
+            continue
+        if ref.dtype.kind in "OUS" or got.dtype.kind in "OUS":  # strings: equal or not
+            mismatch = int(np.count_nonzero(got.astype(str) != ref.astype(str)))
+            report[name] = {"ok": mismatch == 0, "mismatches": mismatch}
             continue
         if ref.dtype.kind in "biu":
             mismatch = int(np.count_nonzero(got != ref))
@@ -109,12 +138,17 @@ def compare_outputs(
             continue
         a = ref.astype(np.float64).ravel()
         b = got.astype(np.float64).ravel()
+        # NaN vs NaN and inf vs inf (same sign) at the same place are agreement; any other non-finite
+        # value is a mismatch; the numbers are measured over the places finite on both sides.
+        fa, fb = np.isfinite(a), np.isfinite(b)
+        same_nonfinite = ~fa & ~fb & ((np.isnan(a) & np.isnan(b)) | (a == b))
+        finite = bool(np.all((fa & fb) | same_nonfinite))
+        a, b = a[fa & fb], b[fa & fb]
         diff = np.abs(a - b)
         max_abs = float(diff.max(initial=0.0))
         max_rel = float((diff / np.maximum(np.abs(a), 1e-12)).max(initial=0.0))
         na, nb = np.linalg.norm(a), np.linalg.norm(b)
         cosine = float(a @ b / (na * nb)) if na > 0 and nb > 0 else (1.0 if na == nb else 0.0)
-        finite = bool(np.isfinite(b).all() == np.isfinite(a).all())
         if tol.atol is None or not a.size:
             close = True
         else:
@@ -125,7 +159,23 @@ def compare_outputs(
             "max_rel": float(f"{max_rel:.3g}"),
             "cosine": float(f"{cosine:.7f}"),
         }
+        if not finite:
+            report[name]["nonfinite_mismatches"] = int(np.count_nonzero(~((fa & fb) | same_nonfinite)))
     return report
+
+
+def _compare_sequences(ref, got, tol: Tolerance) -> dict:
+    """A sequence output: the same length, and every element within tolerance."""
+    if not isinstance(ref, (list, tuple)) or not isinstance(got, (list, tuple)):
+        return {"ok": False, "error": "a sequence on one side only"}
+    if len(ref) != len(got):
+        return {"ok": False, "error": f"sequence of {len(got)} elements != reference {len(ref)}"}
+    elems = compare_outputs({str(i): r for i, r in enumerate(ref)}, {str(i): g for i, g in enumerate(got)}, tol)
+    bad = next(((i, r) for i, r in elems.items() if not r["ok"]), None)
+    if bad is None:
+        return {"ok": True, "elements": len(ref)}
+    i, r = bad
+    return {"ok": False, "error": f"element {i}: " + ", ".join(f"{k} {v}" for k, v in r.items() if k != "ok")}
 
 
 def _verify_or_skip(path: Path, name: str, threads: int | None) -> dict:
@@ -153,8 +203,8 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     parity = manifest.get("parity") or {}
     if "inputs" not in parity or "expected" not in parity:
         raise ArtifactError(f"{root}: manifest has no stored parity feeds to re-run")
-    feeds = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["inputs"].items()}
-    expected = {n: np.load(root / rel, allow_pickle=False) for n, rel in parity["expected"].items()}
+    feeds = {n: load_parity_value(root, rel) for n, rel in parity["inputs"].items()}
+    expected = {n: load_parity_value(root, rel) for n, rel in parity["expected"].items()}
     tol = Tolerance(**parity.get("tolerance", {}))
     actual = mask_dont_cares(model.run(feeds), feeds, parity)
     report = compare_outputs(mask_dont_cares(expected, feeds, parity), actual, tol)

@@ -122,13 +122,9 @@ def test_options_that_would_be_ignored_are_errors(cli, mlp_path, tmp_path):
 
 
 def test_empty_sample_inputs_and_text_calibration_on_a_non_lm(cli, mlp_path, tmp_path):
-    np.savez(tmp_path / "empty.npz", x=np.zeros((0, 8), np.float32))
-    _error(
-        cli("compile", mlp_path, "-o", tmp_path / "o", "--sample-inputs", tmp_path / "empty.npz"),
-        1,
-        "'x'",
-        "no elements",
-    )
+    np.savez(tmp_path / "empty.npz", x=np.zeros((0, 8), np.float32))  # valid ONNX; y is empty too
+    r = cli("compile", mlp_path, "-o", tmp_path / "e", "--sample-inputs", tmp_path / "empty.npz")
+    assert r.code == 0 and "parity checked shapes and dtypes only" in r.err, r
     (tmp_path / "held.txt").write_text("some text to calibrate on\n")
     r = cli(
         "compile", mlp_path, "-o", tmp_path / "o", "--passes", "default,quantize-int8{mode=static}",

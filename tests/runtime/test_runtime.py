@@ -37,8 +37,7 @@ def test_load_and_run(artifact, rng):
     np.testing.assert_array_equal(model.run({"x": big})["y"], model.run({"x": x})["y"])
     with pytest.raises(InputError, match="not a rectangular array"):
         model.run({"x": [[1.0] * 8, [1.0] * 7]})
-    with pytest.raises(InputError, match=r"no elements \[0, 8\]"):
-        model.run({"x": np.zeros((0, 8), np.float32)})
+    assert model.run({"x": np.zeros((0, 8), np.float32)})["y"].shape == (0, 4)  # zero-size is valid ONNX
     for bad in ("2", 1.5, 0, -1, 10**4, True):
         with pytest.raises(UsageError, match="threads must be an integer in 1..256"):
             load(artifact, threads=bad)
