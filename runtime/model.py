@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.backends import check_threads, create_session
+from precast.runtime.backends import check_target_name, check_threads, create_session
 from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError, first_line
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import TensorSpec, check_integrity, read_manifest
@@ -97,6 +97,8 @@ def load(
     ``model.skipped`` says why each better one was passed over.
     """
     check_threads(threads)
+    if prefer is not None:  # a typo: exit 4 with the close match, not "no target ... in this artifact"
+        check_target_name(prefer)
     root = Path(path)
     if root.is_file():  # unpacked into a temp dir the Model owns (close() removes it)
         from precast.runtime.archive import remove_temp, unpack_to_temp
@@ -141,7 +143,8 @@ def _check_io_matches(root: Path, session, inputs: list[TensorSpec], outputs: li
             raise ArtifactError(f"{root}: manifest lists '{spec.name}', which the model does not have")
         elem = kind[len("tensor(") : -1] if kind.startswith("tensor(") else None
         dtype = {"float": "float32", "double": "float64"}.get(elem, elem)
-        if elem not in (None, "string") and dtype != spec.dtype:
+        # ORT spells float8 types 'float8e4m3fn', numpy (ml_dtypes) 'float8_e4m3fn': the same type
+        if elem not in (None, "string") and dtype.replace("_", "") != spec.dtype.replace("_", ""):
             raise ArtifactError(
                 f"{root}: manifest says '{spec.name}' is {spec.dtype}, the model says {dtype}: manifest.json was edited"
             )

@@ -51,8 +51,12 @@ def _case_io(case):
     names = [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]
     sets = []
     if case.data_sets is not None:
+
+        def arr(v):  # values numpy cannot hold natively (float8, int4) come as TensorProtos
+            return numpy_helper.to_array(v) if isinstance(v, onnx.TensorProto) else v
+
         for inputs, outputs in case.data_sets:
-            sets.append((dict(zip(names, inputs)), list(outputs)))
+            sets.append((dict(zip(names, map(arr, inputs))), [arr(o) for o in outputs]))
     else:
         for d in sorted(Path(case.model_dir).glob("test_data_set_*")):
 

@@ -55,3 +55,33 @@ def test_backend_case(case):
             f"plain ONNX Runtime does not run this case right ({result.get('why', result['outcome'])})"
         )
     assert result["outcome"] == "ok", result
+
+
+def test_float8_outputs_are_not_mistaken_for_an_edited_manifest(tmp_path):
+    """ONNX Runtime spells the type 'float8e4m3fn', numpy's ml_dtypes 'float8_e4m3fn': the load-time check
+    that the manifest's io block matches the model called every float8 artifact tampered (exit 3)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    from precast.compiler.driver import CompileOptions, compile_model
+    from precast.runtime import load
+
+    nodes = [
+        helper.make_node("Cast", ["x"], ["y"], to=TensorProto.FLOAT8E4M3FN),
+        helper.make_node("Cast", ["y"], ["z"], to=TensorProto.FLOAT),
+    ]
+    graph = helper.make_graph(
+        nodes,
+        "f8",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.FLOAT8E4M3FN, [4]),
+            helper.make_tensor_value_info("z", TensorProto.FLOAT, [4]),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)]), tmp_path / "f8.onnx")
+    result = compile_model(str(tmp_path / "f8.onnx"), tmp_path / "art", CompileOptions())
+    assert [o["dtype"] for o in result.manifest["io"]["outputs"]] == ["float8_e4m3fn", "float32"]
+    x = np.array([0.5, 1.0, -2.0, 3.0], np.float32)
+    np.testing.assert_array_equal(load(tmp_path / "art").run({"x": x})["z"], x)  # exact in float8 e4m3
