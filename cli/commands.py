@@ -12,7 +12,15 @@ from rich.table import Table
 
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
-from precast.cli.output import THREADS, Progress, check_output_path, emit_json, err_console, out_console
+from precast.cli.output import (
+    THREADS,
+    Progress,
+    check_output_path,
+    emit_json,
+    err_console,
+    format_bytes,
+    out_console,
+)
 from precast.runtime.errors import UsageError
 
 _KV = "KEY=VALUE"
@@ -119,7 +127,12 @@ def _listed(value):
     default=None,
     help="e.g. 'cosine>=0.99,top1>=0.95,max_abs<=0.1'; quantized pipelines default to cosine>=0.99.",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON on stdout.")
+@click.option(
+    "--json",
+    "as_json",
+    is_flag=True,
+    help="Print the manifest as JSON on stdout, plus 'artifact': its path, bytes and files.",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def compile_cmd(
     model,
@@ -187,7 +200,8 @@ def compile_cmd(
 
         opts.calibration_feeds, opts.calibration_text = load_calibration(calibration)
     try:
-        result = compile_model(model, output, opts, progress=Progress(quiet or as_json))
+        with Progress(quiet or as_json) as progress:  # an error stops the live line before it is printed
+            result = compile_model(model, output, opts, progress=progress)
     except PrecastError as e:
         if junit:
             from precast.cli.junit import compile_junit
@@ -205,10 +219,12 @@ def compile_cmd(
         from precast.cli.junit import compile_junit
 
         compile_junit(junit, manifest=result.manifest, output=result.output, seconds=result.seconds["total"])
+    artifact = {"path": str(result.output), "bytes": result.bytes, "files": result.files}
     if report:
         payload = {
             "ok": True,
             "output": str(result.output),
+            "artifact": artifact,
             "manifest": result.manifest,
             "cache": result.cache,
             "seconds": {k: round(v, 3) for k, v in result.seconds.items()},
@@ -218,11 +234,14 @@ def compile_cmd(
         }
         Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
     if as_json:
-        emit_json(result.manifest)
+        emit_json({**result.manifest, "artifact": artifact})
         return
     if not quiet:
         _print_parity(result.manifest)
-        err_console.print(f"[green]wrote[/green] {result.output} in {result.seconds['total']:.1f}s")
+        size = f"{format_bytes(result.bytes)}, {result.files} file{'s' if result.files != 1 else ''}"
+        err_console.print(
+            f"[green]wrote[/green] {escape(str(result.output))} ({size}) in {result.seconds['total']:.1f}s"
+        )
 
 
 def _parity_rows(manifest: dict):

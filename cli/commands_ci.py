@@ -61,7 +61,8 @@ def bisect(
     )
     if report:
         check_output_path(report, "--report")
-    result = bisect_model(model, opts, target=target, progress=Progress(quiet or as_json))
+    with Progress(quiet or as_json) as progress:
+        result = bisect_model(model, opts, target=target, progress=progress)
     payload = result.to_json()
     if report:
         Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")

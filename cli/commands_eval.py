@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from precast.cli.main import cli
-from precast.cli.output import THREADS, check_output_path, emit_json, err_console
+from precast.cli.output import THREADS, Progress, check_output_path, emit_json, err_console
 
 
 @cli.command("eval")
@@ -29,7 +29,8 @@ from precast.cli.output import THREADS, check_output_path, emit_json, err_consol
 @click.option("--threads", default=None, type=THREADS, help="Intra-op threads of the session.")
 @click.option("--report", type=click.Path(), default=None, help="Write the result as JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def eval_cmd(artifact, text_file, window, stride, max_tokens, batch, threads, report, as_json):
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+def eval_cmd(artifact, text_file, window, stride, max_tokens, batch, threads, report, as_json, quiet):
     """Measure the perplexity of the language model in ARTIFACT on a text file."""
     from precast.runtime.errors import InputError, UsageError
     from precast.runtime.llm.perplexity import perplexity_of_text
@@ -45,7 +46,8 @@ def eval_cmd(artifact, text_file, window, stride, max_tokens, batch, threads, re
         raise InputError(f"--perplexity: {path} is not UTF-8 text (bad byte at offset {e.start})") from e
     if not text.strip():
         raise InputError(f"--perplexity: {path} is empty")
-    result = perplexity_of_text(artifact, text, window, stride, max_tokens, batch, threads)
+    with Progress(quiet or as_json) as progress:
+        result = perplexity_of_text(artifact, text, window, stride, max_tokens, batch, threads, progress)
     payload = {"artifact": str(artifact), "text": str(path), **result.as_dict()}
     if report:
         Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")

@@ -13,6 +13,7 @@ from precast.compiler.parity import io_signature, make_sample_feeds, ort_run_mod
 from precast.compiler.pipeline import parse_pipeline
 from precast.compiler.source import Source
 from precast.runtime.feeds import check_feeds
+from precast.runtime.progress import reporter
 from precast.targets.base import get_target
 
 __all__ = ["BisectResult", "bisect_model"]
@@ -45,23 +46,26 @@ class BisectResult:
 def bisect_model(
     model: str | Source, opts: CompileOptions, target: str = "ort-cpu", progress=None
 ) -> BisectResult:
-    """Bisect ``opts.passes`` (default: the target's pipeline) with ``opts``'s feeds and tolerances."""
-    say = progress or (lambda _m: None)
+    """Bisect ``opts.passes`` (default: the target's pipeline) with ``opts``'s feeds and tolerances.
+
+    ``progress`` (a precast.runtime.progress reporter, or a callable) hears the steps and each prefix."""
+    report = reporter(progress)
     target_cls = get_target(target)
     specs = parse_pipeline(opts.passes or "default", default=target_cls.default_pipeline)
-    say(f"loading {model if isinstance(model, str) else model.name}")
-    source = source_of(model, opts)
+    report.step(f"loading {model if isinstance(model, str) else model.name}")
+    source = source_of(model, opts, report)
     inputs, _ = io_signature(source.model)
     if opts.sample_inputs is not None:
         feeds = check_feeds(opts.sample_inputs, inputs)
     else:
         feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
     tol = _tolerance(target_cls, opts)
-    say(f"bisecting {len(specs)} passes against onnxruntime on the source graph")
+    report.step("running the reference (onnxruntime on the source graph)")
     expected = ort_run_model(source.model, feeds)
     names = [str(s) for s in specs]
     result = BisectResult(names, {"atol": tol.atol, "rtol": tol.rtol, "min_cosine": tol.min_cosine})
-    found = bisect_parity(source.model, specs, feeds, expected, tol)
+    report.step(f"bisecting {len(specs)} passes against onnxruntime on the source graph")
+    found = bisect_parity(source.model, specs, feeds, expected, tol, progress=report)
     if found is not None:
         result.index, result.error = found
         result.after = names[: result.index]

@@ -22,7 +22,14 @@ from precast.runtime.accuracy import (
 )
 from precast.runtime.verify import Tolerance
 
-__all__ = ["QUANTIZE_PASSES", "is_quantized", "budget_bounds", "budget_tolerance", "apply_budget"]
+__all__ = [
+    "QUANTIZE_PASSES",
+    "is_quantized",
+    "budget_bounds",
+    "budget_tolerance",
+    "apply_budget",
+    "budget_message",
+]
 
 QUANTIZE_PASSES = frozenset({"quantize-int8", "quantize-int4", "convert-fp16"})
 _LOW_PRECISION_TARGETS = frozenset({"int8", "int4"})
@@ -91,3 +98,8 @@ def apply_budget(
     if unmeasured:  # e.g. ppl_delta: `precast eval --perplexity`, not the compile's parity feeds
         block["not_measured"] = unmeasured
     return block
+
+
+def budget_message(target: str, violations: Sequence[str]) -> str:
+    """The ParityError line: every violated bound, '; '-separated (a CI log shows this line, not the report)."""
+    return f"target '{target}': accuracy budget exceeded: " + "; ".join(violations)

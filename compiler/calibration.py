@@ -21,6 +21,7 @@ import numpy as np
 from precast.runtime.errors import InputError, UsageError
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = ["load_calibration", "calibration_batches", "FeedsReader"]
 
@@ -90,15 +91,21 @@ def calibration_batches(
 
 
 class FeedsReader:
-    """A CalibrationDataReader (ONNX Runtime's duck type: get_next / iteration) over a list of feeds."""
+    """A CalibrationDataReader (ONNX Runtime's duck type: get_next / iteration) over a list of feeds.
 
-    def __init__(self, feeds: Iterable[dict[str, np.ndarray]]):
+    ``progress`` hears ``advance(i, n, "calibration batch i+1 of n")`` as ONNX Runtime takes each batch."""
+
+    def __init__(self, feeds: Iterable[dict[str, np.ndarray]], progress: ProgressReporter = SILENT):
         self._feeds = list(feeds)
         self._pos = 0
+        self._progress = progress
 
     def get_next(self) -> dict[str, np.ndarray] | None:
-        if self._pos >= len(self._feeds):
+        n = len(self._feeds)
+        if self._pos >= n:
+            self._progress.advance(n, n, "computing activation ranges")
             return None
+        self._progress.advance(self._pos, n, f"calibration batch {self._pos + 1} of {n}")
         self._pos += 1
         return self._feeds[self._pos - 1]
 

@@ -20,6 +20,7 @@ from precast.compiler.torch_export import dynamo_export
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
 from precast.runtime.llm.mapped_kv import page_block_size
 from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, gqa_lengths
+from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = [
     "BLOCK_SIZE",
@@ -119,7 +120,9 @@ def llm_block(folder: Path, config: dict, module) -> dict:
 KV_LAYOUTS = ("mapped", "paged")
 
 
-def build_paged_decoder(folder: Path, model_type: str, kv_layout: str | None = None):
+def build_paged_decoder(
+    folder: Path, model_type: str, kv_layout: str | None = None, progress: ProgressReporter = SILENT
+):
     """Load the HF model (local files, safetensors, fp32, eager) and wrap it in its paged decoder.
 
     ``kv_layout``: 'mapped' (GroupQueryAttention over per-request views of the pool; Llama family, head size a
@@ -127,6 +130,7 @@ def build_paged_decoder(folder: Path, model_type: str, kv_layout: str | None = N
     the model allows it."""
     if kv_layout is not None and kv_layout not in KV_LAYOUTS:
         raise UsageError(f"unknown KV layout '{kv_layout}' (choose from: {', '.join(KV_LAYOUTS)})")
+    progress.step("importing torch and transformers")
     try:
         import torch  # noqa: F401
         import transformers
@@ -138,6 +142,7 @@ def build_paged_decoder(folder: Path, model_type: str, kv_layout: str | None = N
     from precast.compiler.paged_ops import supports_gqa
 
     transformers.utils.logging.disable_progress_bar()  # precast prints its own progress (or none: -q)
+    progress.step(f"loading {folder.name} with transformers")
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(
             str(folder),
@@ -279,7 +284,7 @@ def step_reference(module, layers: int):
     return run
 
 
-def export_step(module, spec: dict):
+def export_step(module, spec: dict, progress: ProgressReporter = SILENT):
     """torch.onnx (dynamo) export of the step with dynamic B, S, NB, MAXB -> onnx_ir.Model."""
     import torch
     from torch.export import Dim
@@ -306,6 +311,7 @@ def export_step(module, spec: dict):
         output_names=_output_names(layers, mapped),
         dynamic_shapes=dynamic,
         custom_translation_table=translations,
+        progress=progress,
     )
 
 
@@ -326,7 +332,11 @@ def _check_tokenizer(path: Path, vocab_size: int) -> None:
 
 
 def load_causal_lm(
-    folder: Path, config: dict, dims: dict[str, int] | None = None, kv_layout: str | None = None
+    folder: Path,
+    config: dict,
+    dims: dict[str, int] | None = None,
+    kv_layout: str | None = None,
+    progress: ProgressReporter = SILENT,
 ) -> Source:
     model_type = _check_architecture(folder, config)
     if not sorted(folder.glob("*.safetensors")):
@@ -339,9 +349,9 @@ def load_causal_lm(
 
     sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)  # a linked-in file is refused before any work
     _check_tokenizer(folder / "tokenizer.json", int(config.get("vocab_size") or 0))
-    _hf, module = build_paged_decoder(folder, model_type, kv_layout)
+    _hf, module = build_paged_decoder(folder, model_type, kv_layout, progress)
     spec = llm_block(folder, config, module)
-    model = export_step(module, spec)
+    model = export_step(module, spec, progress)
     got = [v.name for v in model.graph.outputs]
     if got != _output_names(spec["layers"], spec["kv_layout"] == "mapped"):
         raise ExportError(f"{folder}: exported outputs {got[:3]}... do not match the step contract")

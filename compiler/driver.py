@@ -24,7 +24,13 @@ from precast.compiler.artifact import (
     staging_dir,
     write_index,
 )
-from precast.compiler.budget import apply_budget, budget_bounds, budget_tolerance, is_quantized
+from precast.compiler.budget import (
+    apply_budget,
+    budget_bounds,
+    budget_message,
+    budget_tolerance,
+    is_quantized,
+)
 from precast.compiler.parity import (
     DEFAULT_TOL,
     Tolerance,
@@ -48,6 +54,7 @@ from precast.runtime.errors import InputError, ParityError, PrecastError, Unsupp
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
 from precast.runtime.model import preference_order
+from precast.runtime.progress import ProgressReporter, reporter
 from precast.runtime.verify import mask_dont_cares
 from precast.targets.base import Target, get_target
 
@@ -100,9 +107,12 @@ class CompileResult:
     seconds: dict[str, float]
     cache: str | None = None  # None (no cache), "hit", "miss" or "corrupt: ..." (rebuilt)
     warnings: list[str] = field(default_factory=list)  # not errors, but the user should hear them
+    bytes: int = 0  # the artifact on disk: every file under ``output``
+    files: int = 0
 
 
-Progress = Callable[[str], None]
+# What compile_model reports its steps to: a ProgressReporter, or a plain callable(message) (older API)
+Progress = ProgressReporter | Callable[[str], None]
 
 
 def toolchain_versions() -> dict[str, str]:
@@ -176,14 +186,18 @@ def bisect_parity(
     expected: dict[str, np.ndarray],
     tol: Tolerance,
     context: PassContext | None = None,
+    progress: Progress | None = None,
 ) -> tuple[int, str] | None:
     """Re-run the pipeline prefix by prefix; (index, message) of the first pass that breaks tolerance.
 
     ``context`` gives the passes the same calibration data as the compile, so a quantize pass re-runs as it did.
+    ``progress`` hears ``advance(i, len(specs), pass)`` as each prefix starts.
     """
+    tell = reporter(progress)
     model = clone_model(source_model)
     context = context or PassContext(sample_feeds=feeds)
     for i, spec in enumerate(specs):
+        tell.advance(i, len(specs), f"prefix {i + 1}: ..,{spec}")
         model = PassManager([spec], context=context).run(model, copy_input=False)
         report = compare_outputs(expected, ort_run_model(model, feeds), tol)
         bad = _first_failure(report)
@@ -192,19 +206,24 @@ def bisect_parity(
     return None
 
 
-def source_of(model: str | Source, opts: CompileOptions) -> Source:
+def source_of(model: str | Source, opts: CompileOptions, progress: Progress | None = None) -> Source:
     """``model`` as given (a Source) or loaded with ``opts``'s inputs, task, dims and KV layout."""
     if isinstance(model, Source):
         return model
     return load_source(
-        model, inputs=list(opts.inputs), task=opts.task, dims=opts.dims, kv_layout=opts.kv_layout
+        model,
+        inputs=list(opts.inputs),
+        task=opts.task,
+        dims=opts.dims,
+        kv_layout=opts.kv_layout,
+        progress=progress,
     )
 
 
 def compile_model(
     model: str | Source, output: str | Path, opts: CompileOptions, progress: Progress | None = None
 ) -> CompileResult:
-    say = progress or (lambda _msg: None)
+    progress = reporter(progress)
     output = Path(output)
     timings: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -235,8 +254,8 @@ def compile_model(
     check_replaceable(output)  # a folder that is not provably precast's is refused before any work
     clean_stale_siblings(output)  # staging dirs of compiles that were killed (their pid is gone)
 
-    say(f"loading {model if isinstance(model, str) else model.name}")
-    source = source_of(model, opts)
+    progress.step(f"loading {model if isinstance(model, str) else model.name}")
+    source = source_of(model, opts, progress)
     timings["load"] = time.perf_counter() - t0
     if "llm" in source.info:  # a causal LM's top1/ppl_delta budget needs text: say so before any work
         from precast.compiler.llm_text import check_text_budget
@@ -270,12 +289,13 @@ def compile_model(
 
         tols = {t.name: _tolerance(type(t), opts, pipelines[t.name]) for t in targets}
         cache_key = cache.cache_key(cache.compile_key_parts(source, targets, pipelines, tols, feeds, opts))
-        cached, cache_status = cache.restore(opts.cache_dir, cache_key, output, say)
+        cached, cache_status = cache.restore(opts.cache_dir, cache_key, output, progress.note)
         if cached is not None:
             timings["total"] = time.perf_counter() - t0
-            return CompileResult(output, cached, {}, timings, cache=cache_status)
+            size, count = artifact_size(output)
+            return CompileResult(output, cached, {}, timings, cache=cache_status, bytes=size, files=count)
     t1 = time.perf_counter()
-    say(f"running the reference ({source.reference_name})")
+    progress.step(f"running the reference ({source.reference_name})")
     expected = _reference_outputs(source, feeds)
     # Zero-size tensors are valid ONNX; outputs that are all empty still check shapes and dtypes, not values.
     shapes_only = bool(expected) and all(_is_empty(v) for v in expected.values())
@@ -299,7 +319,7 @@ def compile_model(
                 feeds,
                 expected,
                 opts,
-                say,
+                progress,
                 timings,
                 all_records[target.name],
             )
@@ -321,7 +341,7 @@ def compile_model(
         publish(stage, output)
     if cache_key is not None:
         cache.store(opts.cache_dir, cache_key, output)
-        say(f"cache {'store' if cache_status == 'miss' else 'rebuilt'} {cache_key[:12]}")
+        progress.note(f"cache {'store' if cache_status == 'miss' else 'rebuilt'} {cache_key[:12]}")
     timings["total"] = time.perf_counter() - t0
     warnings = []
     if (opts.calibration_feeds or opts.calibration_text) and not any(
@@ -330,7 +350,16 @@ def compile_model(
         warnings.append("--calibration was not used: no pass or target of this pipeline calibrates")
     if shapes_only:
         warnings.append("parity checked shapes and dtypes only: every output is empty for these sample feeds")
-    return CompileResult(output, manifest, all_records, timings, cache=cache_status, warnings=warnings)
+    size, count = artifact_size(output)
+    return CompileResult(
+        output, manifest, all_records, timings, cache=cache_status, warnings=warnings, bytes=size, files=count
+    )
+
+
+def artifact_size(root: Path) -> tuple[int, int]:
+    """(bytes, files) of every regular file under ``root``."""
+    sizes = [p.stat().st_size for p in Path(root).rglob("*") if p.is_file() and not p.is_symlink()]
+    return sum(sizes), len(sizes)
 
 
 def _tokenizer_dir(source: Source) -> Path | None:
@@ -340,14 +369,14 @@ def _tokenizer_dir(source: Source) -> Path | None:
 
 
 def _build_one(
-    source, target, specs, out_dir, inputs, outputs, feeds, expected, opts, say, timings, records
+    source, target, specs, out_dir, inputs, outputs, feeds, expected, opts, progress, timings, records
 ) -> dict:
     from precast.runtime import load as runtime_load
 
     def on_pass(rec: PassRecord) -> None:
         records.append(rec)
         stats = ", ".join(f"{k}={v}" for k, v in rec.stats.items())
-        say(f"[{target.name}] {rec.spec}: {stats} ({rec.seconds * 1000:.0f} ms)")
+        progress.note(f"[{target.name}] {rec.spec}: {stats} ({rec.seconds * 1000:.0f} ms)")
 
     t0 = time.perf_counter()
     context = PassContext(
@@ -356,17 +385,24 @@ def _build_one(
         calibration_text=opts.calibration_text,
         source_dir=source.info.get("folder") or _tokenizer_dir(source),
         extra={"task": source.info.get("task")},
+        progress=progress,
     )
-    pm = PassManager(specs, print_ir_after=opts.print_ir_after, on_pass=on_pass, context=context)
+    pm = PassManager(
+        specs,
+        print_ir_after=opts.print_ir_after,
+        on_pass=on_pass,
+        on_start=lambda spec: progress.step(f"[{target.name}] {spec}"),
+        context=context,
+    )
     optimized = pm.run(source.model)
     timings[f"{target.name}:passes"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    say(f"[{target.name}] building")
+    progress.step(f"[{target.name}] building")
     target.context = context  # targets that calibrate (ort-qnn) read the sample/calibration feeds
     target_block = target.build(optimized, out_dir)
     for note in target_block.get("notes", []):  # what the target wants the user to know (e.g. "plan only")
-        say(f"[{target.name}] {note}")
+        progress.note(f"[{target.name}] {note}")
     for rel, src in sorted(source.ship_files.items()):
         dst = out_dir / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -395,7 +431,7 @@ def _build_one(
     }
     # Verify through the runtime, exactly as a user would load it.
     t2 = time.perf_counter()
-    say(f"[{target.name}] verifying against {source.reference_name}")
+    progress.step(f"[{target.name}] verifying against {source.reference_name}")
     staged = finalize_manifest(out_dir, {**manifest, "parity": {"ok": False}})
     stand_in = target.stand_in(out_dir, target_block)  # e.g. a TensorRT build plan's prepared ONNX
     try:
@@ -411,7 +447,7 @@ def _build_one(
     if bounds is not None and "llm" in source.info:  # causal LMs: top1 / ppl_delta on text vs the fp32 graph
         from precast.compiler.llm_text import llm_text_metrics
 
-        text_metrics = llm_text_metrics(source, out_dir, bounds, opts.calibration_text, say)
+        text_metrics = llm_text_metrics(source, out_dir, bounds, opts.calibration_text, progress)
         if opts.calibration_text:
             context.extra["calibration_used"] = True  # the budget's top1 / ppl_delta are measured on it
     budget = apply_budget(bounds, expected_cmp, actual, report, extra=text_metrics)
@@ -428,18 +464,15 @@ def _build_one(
         **({"budget": budget} if budget else {}),
     }
     if budget and budget["violations"]:
-        more = f" (and {len(budget['violations']) - 1} more)" if len(budget["violations"]) > 1 else ""
-        raise ParityError(
-            f"target '{target.name}': accuracy budget exceeded: {budget['violations'][0]}{more}", parity
-        )
+        raise ParityError(budget_message(target.name, budget["violations"]), parity)
     bad = _first_failure(report)
     if bad:
         msg = f"target '{target.name}': parity failed: {_describe(bad[0], bad[1], tol)}"
         if opts.bisect and specs:
-            say("parity failed; bisecting the pipeline")
+            progress.step(f"[{target.name}] parity failed; bisecting the pipeline")
             # Bisect against ORT on the source graph: that isolates the passes from the exporter.
             base_expected = ort_run_model(source.model, feeds) if source.reference is not None else expected
-            culprit = bisect_parity(source.model, specs, feeds, base_expected, tol, context)
+            culprit = bisect_parity(source.model, specs, feeds, base_expected, tol, context, progress)
             if culprit:
                 i, why = culprit
                 done = [s.name for s in specs[:i]]

@@ -12,17 +12,18 @@ from precast.compiler.source import Source, hash_files
 from precast.compiler.torch_export import export_module, import_torch, sample_dims, torch_reference
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = ["load_hf_folder", "ENCODER_TYPES", "TASK_LOADERS"]
 
-# Other tasks (e.g. causal-lm) register a loader(folder, config, dims, **options) -> Source here.
+# Other tasks (e.g. causal-lm) register a loader(folder, config, dims, progress, **options) -> Source here.
 TASK_LOADERS: dict = {}
 
 
-def _causal_lm(folder, config, dims, kv_layout=None):
+def _causal_lm(folder, config, dims, progress, kv_layout=None):
     from precast.compiler.causal_lm import load_causal_lm
 
-    return load_causal_lm(folder, config, dims, kv_layout=kv_layout)
+    return load_causal_lm(folder, config, dims, kv_layout=kv_layout, progress=progress)
 
 
 TASK_LOADERS["causal-lm"] = _causal_lm
@@ -104,7 +105,11 @@ def _text_sample_feeds(folder: Path, names: list[str]) -> dict | None:
 
 
 def load_hf_folder(
-    folder: Path, task: str | None = None, dims: dict[str, int] | None = None, kv_layout: str | None = None
+    folder: Path,
+    task: str | None = None,
+    dims: dict[str, int] | None = None,
+    kv_layout: str | None = None,
+    progress: ProgressReporter = SILENT,
 ) -> Source:
     config = _read_config(folder)
     model_type = config.get("model_type", "?")
@@ -114,7 +119,8 @@ def load_hf_folder(
         if task not in TASK_LOADERS:
             known = ", ".join(["feature-extraction", *sorted(TASK_LOADERS)])
             raise UsageError(f"unknown task '{task}' (supported: {known})")
-        return TASK_LOADERS[task](folder, config, dims, **({"kv_layout": kv_layout} if kv_layout else {}))
+        options = {"kv_layout": kv_layout} if kv_layout else {}
+        return TASK_LOADERS[task](folder, config, dims, progress, **options)
     if model_type not in ENCODER_TYPES:
         archs = config.get("architectures") or []
         causal = not given and any(
@@ -129,12 +135,14 @@ def load_hf_folder(
     if not weights:
         raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")
     sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)  # a linked-in file is refused before any work
+    progress.step("importing torch and transformers")
     import_torch()
     try:
         import transformers
     except ImportError:
         raise UsageError("Hugging Face folders need transformers: pip install 'precast[export]'") from None
     transformers.utils.logging.disable_progress_bar()  # precast prints its own progress (or none: -q)
+    progress.step(f"loading {folder.name} with transformers")
     try:
         module = transformers.AutoModel.from_pretrained(
             str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager"
@@ -154,7 +162,7 @@ def load_hf_folder(
     )
     dims_given = bool(dims)  # --dim asks for generated feeds of those sizes
     dims = sample_dims(inputs, dims)
-    model = export_module(module, inputs, outputs, dims)
+    model = export_module(module, inputs, outputs, dims, progress)
     if [v.name for v in model.graph.outputs] != outputs:
         raise ExportError(f"{folder}: exported outputs {[v.name for v in model.graph.outputs]} != {outputs}")
     return Source(

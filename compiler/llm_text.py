@@ -20,6 +20,7 @@ import numpy as np
 from precast.runtime.errors import InputError, UsageError
 from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, gqa_lengths
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = [
     "STEP_INPUTS",
@@ -107,7 +108,13 @@ def step_calibration_feeds(
 
 
 def text_accuracy(
-    source, artifact_dir: Path, text: str, tokens: int = 1024, window: int = 128, batch: int = 8
+    source,
+    artifact_dir: Path,
+    text: str,
+    tokens: int = 1024,
+    window: int = 128,
+    batch: int = 8,
+    progress: ProgressReporter = SILENT,
 ) -> dict[str, float]:
     """top1 agreement and perplexity delta of the artifact vs the fp32 source graph on the end of ``text``."""
     import onnx_ir as ir
@@ -128,9 +135,13 @@ def text_accuracy(
     ref_session = ort.InferenceSession(
         ir.serde.serialize_model(source.model).SerializeToString(), so, providers=["CPUExecutionProvider"]
     )
-    ref = score_windows(ModelRunner(ref_session, spec, nb), ids, windows, batch)
+    progress.step(f"scoring the fp32 graph on {len(ids)} tokens of the calibration text")
+    ref = score_windows(ModelRunner(ref_session, spec, nb), ids, windows, batch, progress=progress)
+    progress.step(f"scoring the artifact on {len(ids)} tokens of the calibration text")
     art = load(artifact_dir, verify=False)
-    got = score_windows(ModelRunner(art._session, spec, nb, Path(art.path)), ids, windows, batch)
+    got = score_windows(
+        ModelRunner(art._session, spec, nb, Path(art.path)), ids, windows, batch, progress=progress
+    )
     ppl_ref, ppl = float(np.exp(-ref.logprobs.mean())), float(np.exp(-got.logprobs.mean()))
     return {
         "top1": round(float(np.mean(ref.argmax == got.argmax)), 6),
@@ -151,7 +162,7 @@ def check_text_budget(bounds, text: str | None) -> None:
 
 
 def llm_text_metrics(
-    source, artifact_dir: Path, bounds, text: str | None, say=lambda _m: None
+    source, artifact_dir: Path, bounds, text: str | None, progress: ProgressReporter = SILENT
 ) -> dict | None:
     """The compile driver's hook: {TEXT_METRICS_KEY: metrics} when there is text, else None.
 
@@ -161,5 +172,5 @@ def llm_text_metrics(
     check_text_budget(bounds, text)
     if not text:
         return None
-    say("measuring top-1 agreement and perplexity delta against the fp32 graph on the calibration text")
-    return {TEXT_METRICS_KEY: text_accuracy(source, Path(artifact_dir), text)}
+    progress.note("measuring top-1 agreement and perplexity delta against the fp32 graph on calibration text")
+    return {TEXT_METRICS_KEY: text_accuracy(source, Path(artifact_dir), text, progress=progress)}

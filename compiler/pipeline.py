@@ -183,11 +183,12 @@ def count_nodes(model: ir.Model) -> int:
 
 @dataclass
 class PassManager:
-    """Runs specs in order with instruments: timing, stats, --print-ir-after, a progress callback."""
+    """Runs specs in order with instruments: timing, stats, --print-ir-after, callbacks before and after each pass."""
 
     specs: Sequence[PassSpec]
     print_ir_after: frozenset[str] = frozenset()
     on_pass: Callable[[PassRecord], None] | None = None
+    on_start: Callable[[PassSpec], None] | None = None  # e.g. a progress step: the pass about to run
     context: PassContext | None = None
     records: list[PassRecord] = field(default_factory=list)
 
@@ -200,6 +201,8 @@ class PassManager:
             if self.context is not None:
                 pass_.context = self.context
             before = count_nodes(model)
+            if self.on_start:
+                self.on_start(spec)
             t0 = time.perf_counter()
             try:
                 result = pass_(model)

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 import onnx_ir as ir
 
 from precast.runtime.errors import PassOptionError, UnknownPassError
+from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = [
     "Pass",
@@ -50,6 +51,8 @@ class PassContext:
     calibration_text: str | None = None  # --calibration FILE.txt for language models
     source_dir: Any = None  # the source model's folder (tokenizer, config), when there is one
     extra: dict[str, Any] = field(default_factory=dict)
+    # A long pass reports inside its step (GPTQ per MatMul, calibration per batch): precast.runtime.progress
+    progress: ProgressReporter = SILENT
 
 
 @dataclass

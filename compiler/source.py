@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from precast.runtime.errors import ModelLoadError, UsageError
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.progress import reporter
 
 __all__ = ["Source", "load_source", "parse_input_spec", "hash_files"]
 
@@ -78,10 +79,13 @@ def load_source(
     task: str | None = None,
     dims: dict[str, int] | None = None,
     kv_layout: str | None = None,
+    progress=None,
 ) -> Source:
     """Dispatch on what ``spec`` names: an .onnx file, a folder with config.json, or ``module:callable``.
 
-    ``kv_layout`` ('mapped' | 'paged', None = the model's best) applies to ``task='causal-lm'`` only."""
+    ``kv_layout`` ('mapped' | 'paged', None = the model's best) applies to ``task='causal-lm'`` only.
+    ``progress`` (precast.runtime.progress) hears the steps of a torch export: import, weights, export."""
+    report = reporter(progress)
     if kv_layout is not None and task != "causal-lm":
         raise UsageError(f"--kv-layout {kv_layout} applies to --task causal-lm only")
     path = Path(spec)
@@ -89,7 +93,7 @@ def load_source(
         if (path / "config.json").is_file():
             from precast.compiler.hf_source import load_hf_folder
 
-            return load_hf_folder(path, task=task, dims=dims, kv_layout=kv_layout)
+            return load_hf_folder(path, task=task, dims=dims, kv_layout=kv_layout, progress=report)
         onnx_files = sorted(path.glob("*.onnx"))
         if len(onnx_files) == 1:
             _no_export_options(onnx_files[0], task, inputs)
@@ -103,7 +107,7 @@ def load_source(
     if ":" in spec and os.path.sep not in spec.split(":", 1)[0]:
         from precast.compiler.torch_source import load_torch_callable
 
-        return load_torch_callable(spec, inputs or [], dims=dims)
+        return load_torch_callable(spec, inputs or [], dims=dims, progress=report)
     raise ModelLoadError(
         f"model not found: '{spec}' (expected an .onnx file, a Hugging Face folder, or module:callable)"
     )

@@ -14,6 +14,7 @@ import onnx_ir as ir
 from precast.compiler.parity import check_sample_size
 from precast.runtime.errors import ExportError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = [
     "import_torch",
@@ -58,7 +59,11 @@ def example_array(spec: TensorSpec, dims: dict[str, int]) -> np.ndarray:
 
 
 def export_module(
-    module, inputs: Sequence[TensorSpec], output_names: Sequence[str] | None, dims: dict[str, int]
+    module,
+    inputs: Sequence[TensorSpec],
+    output_names: Sequence[str] | None,
+    dims: dict[str, int],
+    progress: ProgressReporter = SILENT,
 ) -> ir.Model:
     shapes = [
         (s.name, [d if isinstance(d, int) else dims[d] for d in s.shape or ()], s.dtype) for s in inputs
@@ -85,16 +90,18 @@ def export_module(
         input_names=[s.name for s in inputs],
         output_names=list(output_names) if output_names else None,
         dynamic_shapes=dynamic,
+        progress=progress,
     )
 
 
-def dynamo_export(module, args: tuple, **export_kwargs) -> ir.Model:
+def dynamo_export(module, args: tuple, progress: ProgressReporter = SILENT, **export_kwargs) -> ir.Model:
     """torch.onnx.export(dynamo=True, optimize=True), quiet, with a one-line ExportError on failure.
 
     The exporter's logs and stdout chatter are silenced; its host/torch metadata is dropped so the artifact
     does not depend on them.
     """
     torch = import_torch()
+    progress.step(f"exporting {type(module).__name__} with torch.export (dynamo)")
     for name in ("torch.onnx", "torch._export", "torch.export", "torch._dynamo"):
         logging.getLogger(name).setLevel(logging.CRITICAL)  # failures surface as one ExportError line
     try:

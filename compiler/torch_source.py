@@ -13,11 +13,18 @@ from precast.compiler.source import Source
 from precast.compiler.torch_export import export_module, import_torch, sample_dims, torch_reference
 from precast.runtime.errors import ModelLoadError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = ["load_torch_callable"]
 
 
-def load_torch_callable(spec: str, inputs: list[TensorSpec], dims: dict[str, int] | None = None) -> Source:
+def load_torch_callable(
+    spec: str,
+    inputs: list[TensorSpec],
+    dims: dict[str, int] | None = None,
+    progress: ProgressReporter = SILENT,
+) -> Source:
+    progress.step("importing torch")
     torch = import_torch()
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
@@ -50,7 +57,7 @@ def load_torch_callable(spec: str, inputs: list[TensorSpec], dims: dict[str, int
         raise ModelLoadError(f"'{spec}' returned {type(module).__name__}, expected a torch.nn.Module")
     module.eval()
     dims = sample_dims(inputs, dims)
-    model = export_module(module, inputs, None, dims)
+    model = export_module(module, inputs, None, dims, progress)
     output_names = [v.name for v in model.graph.outputs]
     digest = hashlib.sha256(ir.serde.serialize_model(model).SerializeToString(deterministic=True)).hexdigest()
     ref = torch_reference(module, [s.name for s in inputs], output_names)

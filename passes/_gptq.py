@@ -20,13 +20,15 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from precast.runtime.progress import SILENT, ProgressReporter
+
 __all__ = ["collect_hessians", "gptq_weight", "gptq_model"]
 
 _MAXQ = 15  # 4-bit levels 0..15
 
 
 def collect_hessians(
-    proto: onnx.ModelProto, names: Sequence[str], batches: Sequence[dict]
+    proto: onnx.ModelProto, names: Sequence[str], batches: Sequence[dict], progress: ProgressReporter = SILENT
 ) -> dict[str, np.ndarray]:
     """H = 2/n sum x^T x for each activation ``name`` (the MatMul's first input), over all calibration rows."""
     import onnxruntime as ort
@@ -40,7 +42,8 @@ def collect_hessians(
     sess = ort.InferenceSession(probe.SerializeToString(), providers=["CPUExecutionProvider"])
     sums: dict[str, np.ndarray] = {}
     rows: dict[str, int] = {}
-    for feeds in batches:
+    for b, feeds in enumerate(batches):
+        progress.advance(b, len(batches), f"Hessians: calibration batch {b + 1} of {len(batches)}")
         outs = sess.run(list(names), dict(feeds))
         for name, x in zip(names, outs):
             x = np.asarray(x, dtype=np.float64).reshape(-1, x.shape[-1])
@@ -113,8 +116,11 @@ def gptq_model(
     accuracy_level: int,
     exclude: Sequence[str] = (),
     percdamp: float = 0.01,
+    progress: ProgressReporter = SILENT,
 ) -> tuple[onnx.ModelProto, int]:
-    """Replace each MatMul with a constant 2-D fp32 weight by a GPTQ-quantized MatMulNBits."""
+    """Replace each MatMul with a constant 2-D fp32 weight by a GPTQ-quantized MatMulNBits.
+
+    ``progress`` hears each calibration batch of the Hessians, then ``advance(i, n, MatMul)`` per layer."""
     from onnxruntime.quantization.neural_compressor.weight_only import make_matmul_weight_only_node
 
     inits = {t.name: t for t in proto.graph.initializer}
@@ -135,10 +141,11 @@ def gptq_model(
     ]
     if not targets:
         return proto, 0
-    hessians = collect_hessians(proto, sorted({t.input[0] for _, t in targets}), batches)
+    hessians = collect_hessians(proto, sorted({t.input[0] for _, t in targets}), batches, progress)
     replaced: dict[int, onnx.NodeProto] = {}
     new_inits: list[onnx.TensorProto] = []
-    for i, node in targets:
+    for n, (i, node) in enumerate(targets):
+        progress.advance(n, len(targets), f"MatMul '{node.name}' ({n + 1} of {len(targets)})")
         weight = numpy_helper.to_array(inits[node.input[1]]).astype(np.float64)
         q, scales, zeros = gptq_weight(weight, hessians[node.input[0]], group, symmetric, percdamp)
         k_blocks = q.shape[0] // group
@@ -157,6 +164,7 @@ def gptq_model(
         new_inits.extend(made)
         uses[node.input[1]] -= 1
     nodes = [replaced.get(i, n) for i, n in enumerate(proto.graph.node)]
+    progress.advance(len(targets), len(targets), "writing MatMulNBits")
     out = onnx.ModelProto()
     out.CopyFrom(proto)
     del out.graph.node[:]

@@ -91,7 +91,9 @@ class QuantizeInt4(Pass):
             stats.update({"calibration": source, "calibration_batches": len(batches)})
             if source == "sample-feeds":
                 stats["note"] = "no --calibration data: GPTQ's Hessians come from the random sample feeds"
-            qproto, _ = gptq_model(proto, batches, o.block, o.symmetric, level, excluded, o.percdamp)
+            qproto, _ = gptq_model(
+                proto, batches, o.block, o.symmetric, level, excluded, o.percdamp, self.context.progress
+            )
         else:
             quantizer = MatMulNBitsQuantizer(
                 proto,

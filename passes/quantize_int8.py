@@ -128,7 +128,7 @@ class QuantizeInt8(Pass):
         quantize_static(
             proto,
             out,
-            FeedsReader(batches),
+            FeedsReader(batches, self.context.progress),
             quant_format=QuantFormat.QDQ if o.format == "qdq" else QuantFormat.QOperator,
             activation_type=qtype[o.activation],
             calibrate_method=method,

@@ -6,11 +6,19 @@ import numbers
 import re
 from pathlib import Path
 
-from precast.runtime.errors import ArtifactError, TargetUnavailableError, UsageError
+from precast.runtime.errors import ArtifactError, TargetUnavailableError, UnknownTargetError, UsageError
 from precast.runtime.hugepages import collapse_new_memory
 from precast.runtime.manifest import model_path
 
-__all__ = ["check_threads", "create_session", "ort_session_options", "OPT_LEVELS", "explain_ort_error"]
+__all__ = [
+    "check_threads",
+    "check_target_name",
+    "create_session",
+    "ort_session_options",
+    "OPT_LEVELS",
+    "TARGET_NAMES",
+    "explain_ort_error",
+]
 
 OPT_LEVELS = {
     "disable": "ORT_DISABLE_ALL",
@@ -21,6 +29,22 @@ OPT_LEVELS = {
 
 
 MAX_THREADS = 256
+
+# Every target precast compiles (precast.targets registers the same names; the runtime may not import it, and
+# tests/runtime keeps the two equal).
+TARGET_NAMES = ("ort-cpu", "openvino", "ort-qnn", "tensorrt", "triton")
+
+
+def check_target_name(name: str, what: str = "to prefer") -> None:
+    """A target name the caller typed (``--prefer``): not one precast knows -> UnknownTargetError (exit 4) with
+    the closest known name. Whether the artifact has it is the loader's question."""
+    if name in TARGET_NAMES:
+        return
+    import difflib
+
+    close = difflib.get_close_matches(str(name), TARGET_NAMES, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise UnknownTargetError(f"unknown target '{name}' {what}{hint} (targets: {', '.join(TARGET_NAMES)})")
 
 
 def check_threads(threads) -> None:

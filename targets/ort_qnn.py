@@ -28,6 +28,7 @@ import onnx_ir as ir
 from precast.compiler.calibration import FeedsReader
 from precast.runtime.ep_plugin import plugin_available, plugin_session_options
 from precast.runtime.errors import PassFailedError, TargetUnavailableError, UsageError
+from precast.runtime.progress import SILENT
 from precast.targets.base import Availability, Target, register_target
 
 __all__ = ["OrtQnn"]
@@ -154,7 +155,7 @@ class OrtQnn(Target):
         batches, how = self._calibration(proto)
         src, dst = tmpdir / "fp32.onnx", tmpdir / "qdq.onnx"
         onnx.save(proto, src)
-        reader = FeedsReader(batches)
+        reader = FeedsReader(batches, getattr(self.context, "progress", SILENT))
         try:
             with _quiet():
                 config = get_qnn_qdq_config(

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from precast.runtime.errors import InputError
+from precast.runtime.progress import SILENT, ProgressReporter, reporter
 
 __all__ = [
     "PerplexityResult",
@@ -88,8 +89,11 @@ def score_windows(
     windows: Sequence[tuple[int, int, int]],
     batch: int = 16,
     on_step: Callable[[int], None] | None = None,
+    progress: ProgressReporter = SILENT,
 ) -> WindowScores:
-    """Score the windows with ``runner`` (a ModelRunner), ``batch`` windows per step."""
+    """Score the windows with ``runner`` (a ModelRunner), ``batch`` windows per step.
+
+    ``progress`` hears ``advance(steps done, steps in all, "windows a-b of n")`` after each step."""
     tokens = np.asarray(tokens, dtype=np.int64)
     spec = runner.spec
     if batch < 1:
@@ -105,9 +109,11 @@ def score_windows(
         raise InputError(f"the runner's {runner.num_blocks} KV blocks cannot hold a {longest}-token window")
     logprobs, argmax = [], []
     steps = 0
+    total = sum(_group_steps(windows[g : g + batch]) for g in range(0, len(windows), batch))
     for g in range(0, len(windows), batch):
         # Longest first: requests that run out drop off the end of the batch.
         group = sorted(windows[g : g + batch], key=lambda w: -(w[1] - w[0]))
+        what = _windows_label(g + 1, g + len(group), len(windows))
         seqs = [tokens[b:e] for b, e, _ in group]
         lens = np.array([len(s) for s in seqs])
         tables = np.arange(len(group) * maxb, dtype=np.int64).reshape(len(group), maxb)
@@ -123,6 +129,7 @@ def score_windows(
             done, steps = ctx, steps + 1
             if on_step:
                 on_step(steps)
+            progress.advance(steps, total, what)
         for t in range(done, int(lens.max()) - 1):
             live = int(np.count_nonzero(lens - 1 > t))
             ids = np.array([[s[t]] for s in seqs[:live]], dtype=np.int64)
@@ -140,6 +147,7 @@ def score_windows(
             steps += 1
             if on_step:
                 on_step(steps)
+            progress.advance(steps, total, what)
         order = sorted(range(len(group)), key=lambda r: group[r][0])
         for r in order:
             b, _, f = group[r]
@@ -149,8 +157,25 @@ def score_windows(
     return WindowScores(np.concatenate(logprobs), np.concatenate(argmax))
 
 
+def _windows_label(first: int, last: int, n: int) -> str:
+    return f"window {first} of {n}" if first == last else f"windows {first}-{last} of {n}"
+
+
+def _group_steps(group: Sequence[tuple[int, int, int]]) -> int:
+    """How many runner steps score_windows takes for one group: one prefill of the shared context (when it is
+    2 tokens or more), then one decode step per remaining position of the longest window."""
+    ctx = min(f - b for b, _, f in group) - 1
+    done = ctx if ctx >= 2 else 0
+    return (1 if ctx >= 2 else 0) + max(0, max(e - b for b, e, _ in group) - 1 - done)
+
+
 def perplexity(
-    runner, tokens: Sequence[int], window: int | None = None, stride: int | None = None, batch: int = 16
+    runner,
+    tokens: Sequence[int],
+    window: int | None = None,
+    stride: int | None = None,
+    batch: int = 16,
+    progress: ProgressReporter = SILENT,
 ) -> tuple[PerplexityResult, WindowScores]:
     """Perplexity of ``tokens``; window defaults to the model's max context (at most 1024), stride to window."""
     t0 = time.perf_counter()
@@ -159,7 +184,8 @@ def perplexity(
     if window > runner.spec.max_context:
         raise InputError(f"--window {window} exceeds the model's max context {runner.spec.max_context}")
     windows = make_windows(len(tokens), window, stride)
-    scores = score_windows(runner, tokens, windows, batch)
+    progress.step(f"scoring {len(tokens)} tokens in {len(windows)} windows of {window} (stride {stride})")
+    scores = score_windows(runner, tokens, windows, batch, progress=progress)
     nll = float(-scores.logprobs.mean())
     result = PerplexityResult(
         perplexity=math.exp(nll),
@@ -181,14 +207,18 @@ def perplexity_of_text(
     max_tokens: int | None = None,
     batch: int = 16,
     threads: int | None = None,
+    progress: ProgressReporter | Callable[[str], None] | None = None,
 ) -> PerplexityResult:
     """Load a causal-lm artifact, tokenize ``text`` with its tokenizer, and measure perplexity."""
     from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
     from precast.runtime.llm.tokenizer import TextTokenizer
     from precast.runtime.model import load
 
+    report = reporter(progress)
+    report.step(f"loading {artifact}")
     model = load(artifact, threads=threads)
     spec = LLMSpec.from_manifest(model.manifest, str(artifact))
+    report.step(f"tokenizing {len(text)} characters")
     tok = TextTokenizer.from_file(model.path / spec.tokenizer)
     ids = tok.encode(text)
     if max_tokens is not None:
@@ -199,5 +229,5 @@ def perplexity_of_text(
     s = max(1, int(stride if stride is not None else w))
     nb = max(1, min(batch, -(-len(ids) // s))) * spec.blocks_for(max(2, min(w, len(ids))))
     runner = ModelRunner(model._session, spec, nb, model.path)
-    result, _ = perplexity(runner, ids, window, stride, batch)
+    result, _ = perplexity(runner, ids, window, stride, batch, progress=report)
     return result

@@ -94,3 +94,22 @@ def test_compile_with_wrong_pass_fails_and_names_it(model_file, tmp_path, capsys
     failure = suite.find("testcase/failure")
     assert WRONG in failure.get("message")
     assert json.loads(report.read_text())["exit_code"] == EXIT_PARITY
+
+
+def test_bisect_reports_each_prefix(model_file):
+    from precast.compiler.driver import compile_model
+    from precast.runtime.errors import ParityError
+    from tests.fake_progress import RecordingProgress
+
+    rec = RecordingProgress()
+    bisect_model(str(model_file), CompileOptions(passes=BAD_PIPELINE), progress=rec)
+    assert rec.steps[-1] == "bisecting 4 passes against onnxruntime on the source graph"
+    prefixes = rec.advances("bisecting")
+    assert [(d, t) for d, t, _ in prefixes] == [(0, 4), (1, 4), (2, 4)]  # stops at the culprit
+    assert prefixes[2][2] == f"prefix 3: ..,{WRONG}"
+
+    rec = RecordingProgress()  # the compile driver's own bisection reports the same way
+    with pytest.raises(ParityError):
+        compile_model(str(model_file), model_file.parent / "art", CompileOptions(passes=BAD_PIPELINE), rec)
+    assert "[ort-cpu] parity failed; bisecting the pipeline" in rec.steps
+    assert [(d, t) for d, t, _ in rec.advances("bisecting")] == [(0, 4), (1, 4), (2, 4)]

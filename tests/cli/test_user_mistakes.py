@@ -140,7 +140,18 @@ def test_run_output_name_and_prefer(cli, artifact, tmp_path):
     assert r.code == 0, r.err
     assert (tmp_path / "res.txt").is_file() and not (tmp_path / "res.txt.npz").exists()
     assert np.load(tmp_path / "res.txt")["y"].shape == (2, 4)
-    _error(cli("run", artifact, "-i", tmp_path / "feeds.npz", "--prefer", "bogus"), 3, "no target 'bogus'")
+    _error(
+        cli("run", artifact, "-i", tmp_path / "feeds.npz", "--prefer", "openvino"), 3, "no target 'openvino'"
+    )
+    _error(
+        cli("run", artifact, "-i", tmp_path / "feeds.npz", "--prefer", "tensorrtt"),
+        4,
+        "unknown target 'tensorrtt'",
+        "did you mean 'tensorrt'?",
+    )
+    _error(
+        cli("run", artifact, "-i", tmp_path / "feeds.npz", "--prefer", "bogus"), 4, "unknown target 'bogus'"
+    )
     _error(cli("run", artifact, "-i", tmp_path / "feeds.npz", "--threads", "0"), 1, "--threads")
 
 

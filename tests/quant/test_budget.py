@@ -67,6 +67,18 @@ def test_budget_exceeded_fails_without_artifact(tmp_path, mlp_file):
     assert not (tmp_path / "b").exists()
 
 
+def test_budget_failure_names_every_violated_metric(tmp_path, mlp_file):
+    opts = CompileOptions(
+        passes="default,quantize-int4{block=128}", accuracy_budget="cosine>=0.99999,max_abs<=0.00001"
+    )
+    with pytest.raises(ParityError) as info:
+        compile_model(mlp_file, tmp_path / "b", opts)
+    violations = info.value.report["budget"]["violations"]
+    assert [v.split()[0] for v in violations] == ["cosine", "max_abs"]
+    assert str(info.value) == "target 'ort-cpu': accuracy budget exceeded: " + "; ".join(violations)
+    assert "more" not in str(info.value) and "\n" not in str(info.value)
+
+
 def test_budget_on_fp32_pipeline_still_applies(tmp_path, mlp_file):
     res = compile_model(mlp_file, tmp_path / "c", CompileOptions(accuracy_budget="top1>=1,ppl_delta<=0.5"))
     budget = res.manifest["parity"]["budget"]

@@ -7,7 +7,7 @@ import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import ArtifactError, ep_plugin, load
-from precast.runtime.errors import TargetUnavailableError
+from precast.runtime.errors import TargetUnavailableError, UnknownTargetError
 from precast.runtime.model import preference_order
 from precast.runtime.tensorrt_backend import tensorrt_available
 from tests.helpers import ort_run, tiny_mlp
@@ -51,8 +51,19 @@ def test_prefer_overrides_and_unknown_prefer_is_refused(multi, rng):
         np.testing.assert_allclose(
             model.run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-4, atol=1e-4
         )
-    with pytest.raises(ArtifactError, match="no target 'ort-qnnn'"):
+    with pytest.raises(ArtifactError, match="no target 'triton'"):  # a target this artifact lacks
+        load(multi, prefer="triton")
+    with pytest.raises(
+        UnknownTargetError, match="unknown target 'ort-qnnn' to prefer; did you mean 'ort-qnn'"
+    ):
         load(multi, prefer="ort-qnnn")
+
+
+def test_runtime_knows_every_target_name():
+    from precast.runtime.backends import TARGET_NAMES
+    from precast.targets import all_targets
+
+    assert sorted(TARGET_NAMES) == sorted(all_targets())
 
 
 def test_npu_missing_falls_back_to_openvino_with_reason(multi, monkeypatch):
