@@ -85,3 +85,29 @@ def test_float8_outputs_are_not_mistaken_for_an_edited_manifest(tmp_path):
     assert [o["dtype"] for o in result.manifest["io"]["outputs"]] == ["float8_e4m3fn", "float32"]
     x = np.array([0.5, 1.0, -2.0, 3.0], np.float32)
     np.testing.assert_array_equal(load(tmp_path / "art").run({"x": x})["z"], x)  # exact in float8 e4m3
+
+
+def test_string_model_compiles_without_sample_inputs(tmp_path):
+    """Generated sample feeds for a string input (they were a numpy str array the feeds check refused, and
+    object arrays then failed to save: exit 70)."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper
+
+    from precast.compiler.driver import CompileOptions, compile_model
+    from precast.runtime import load
+
+    graph = helper.make_graph(
+        [helper.make_node("Identity", ["x"], ["y"]), helper.make_node("Equal", ["x", "ref"], ["same"])],
+        "s",
+        [helper.make_tensor_value_info("x", TensorProto.STRING, ["n"])],
+        [
+            helper.make_tensor_value_info("y", TensorProto.STRING, ["n"]),
+            helper.make_tensor_value_info("same", TensorProto.BOOL, ["n"]),
+        ],
+        [helper.make_tensor("ref", TensorProto.STRING, [1], [b"ab"])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), tmp_path / "s.onnx")
+    compile_model(str(tmp_path / "s.onnx"), tmp_path / "art", CompileOptions())
+    out = load(tmp_path / "art").run({"x": np.array(["ab", "Cd"])})
+    assert list(out["y"]) == ["ab", "Cd"] and out["same"].tolist() == [True, False]
