@@ -66,7 +66,8 @@ def compile_minilm(folder: Path, output: Path) -> None:
     from precast.cli.output import Progress
     from precast.compiler.driver import CompileOptions, compile_model
 
-    result = compile_model(str(folder), output, CompileOptions(), progress=Progress())
+    with Progress() as progress:  # a live line on a terminal, stopped when the compile ends (or fails)
+        result = compile_model(str(folder), output, CompileOptions(), progress=progress)
     parity = result.manifest["parity"]
     worst = min(r["cosine"] for r in parity["outputs"].values())
     print(
