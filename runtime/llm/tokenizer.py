@@ -32,9 +32,11 @@ class TextTokenizer:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        # encode_batch, not encode: the same ids, but it releases the GIL while it works (encode holds it:
-        # a long prompt would freeze the engine loop and the event loop for seconds).
-        return list(self._tok.encode_batch([text], add_special_tokens=True)[0].ids)
+        # A batch of one, not encode: the same ids, but it releases the GIL while it works (encode holds it:
+        # a long prompt would freeze the engine loop and the event loop for seconds). The _fast variant
+        # (tokenizers >= 0.20) skips the character offsets, which nothing here reads.
+        batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
+        return list(batch([text], add_special_tokens=True)[0].ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
