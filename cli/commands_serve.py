@@ -6,6 +6,7 @@ import click
 
 from precast.cli.main import cli
 from precast.cli.output import THREADS
+from precast.runtime.server.config import ServerConfig
 
 
 @cli.command("serve")
@@ -46,7 +47,7 @@ from precast.cli.output import THREADS
     "--admin-token",
     default=None,
     envvar="PRECAST_ADMIN_TOKEN",
-    help="Token for /admin/* (required to use them when bound beyond loopback).",
+    help="Token for /admin/* (required beyond loopback, and for requests through a proxy; not empty).",
 )
 @click.option("--threads", default=None, type=THREADS, help="ONNX Runtime intra-op threads.")
 @click.option(
@@ -62,6 +63,41 @@ from precast.cli.output import THREADS
     show_default=True,
     type=click.FloatRange(0),
     help="On SIGTERM/SIGINT: seconds to finish in-flight requests.",
+)
+@click.option(
+    "--max-request-bytes",
+    default=ServerConfig.max_request_bytes,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Largest request body accepted (413 beyond it, before the body is read).",
+)
+@click.option(
+    "--max-embedding-inputs",
+    default=ServerConfig.max_embedding_inputs,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Most texts in one /v1/embeddings request.",
+)
+@click.option(
+    "--max-embedding-tokens",
+    default=ServerConfig.max_embedding_tokens,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Most tokens one /v1/embeddings request runs (texts x longest text).",
+)
+@click.option(
+    "--max-text-chars",
+    default=ServerConfig.max_text_chars,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Most characters one request hands the tokenizer (embeddings inputs, or a prompt).",
+)
+@click.option(
+    "--max-connections",
+    default=ServerConfig.max_connections,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Open connections and requests at once (503 beyond them).",
 )
 @click.option("--no-verify", is_flag=True, help="Skip re-running the stored parity feeds on load/reload.")
 @click.option("--num-blocks", default=None, type=click.IntRange(1), help="LLM: KV cache blocks in the pool.")
@@ -84,12 +120,17 @@ def serve_cmd(
     threads,
     instances,
     drain_timeout,
+    max_request_bytes,
+    max_embedding_inputs,
+    max_embedding_tokens,
+    max_text_chars,
+    max_connections,
     no_verify,
     num_blocks,
     log_level,
 ):
     """Serve ARTIFACT over HTTP until SIGINT/SIGTERM; SIGHUP or POST /admin/reload hot-reloads it."""
-    from precast.runtime.server import ServerConfig, serve
+    from precast.runtime.server import serve
     from precast.runtime.server.host import check_path
 
     check_path(artifact)
@@ -108,6 +149,11 @@ def serve_cmd(
             threads=threads,
             instances=instances,
             drain_timeout=drain_timeout,
+            max_request_bytes=max_request_bytes,
+            max_embedding_inputs=max_embedding_inputs,
+            max_embedding_tokens=max_embedding_tokens,
+            max_text_chars=max_text_chars,
+            max_connections=max_connections,
             verify=not no_verify,
             log_level=log_level,
             llm=llm,

@@ -10,7 +10,7 @@ import socket
 
 from precast.runtime.server.config import ServerConfig
 
-__all__ = ["ServerConfig", "create_app", "serve"]
+__all__ = ["ServerConfig", "create_app", "serve", "uvicorn_config"]
 
 
 def create_app(config: ServerConfig):
@@ -28,15 +28,30 @@ def serve(config: ServerConfig) -> None:
 
     with _bind(config.host, config.port) as sock:  # before the model loads: a taken port fails at once
         app = create_app(config)
-        uv = uvicorn.Config(
-            app,
-            host=config.host,
-            port=config.port,
-            log_level=config.log_level,
-            timeout_graceful_shutdown=int(max(1, config.drain_timeout)),
-            lifespan="on",
-        )
-        uvicorn.Server(uv).run(sockets=[sock])
+        try:
+            uvicorn.Server(uvicorn_config(app, config)).run(sockets=[sock])
+        finally:  # the lifespan's shutdown closes the models; this covers a server that never started
+            app.state.precast.close()
+
+
+def uvicorn_config(app, config: ServerConfig, **overrides):
+    """uvicorn's settings for ``app``: the limits that belong to the HTTP layer are uvicorn's own."""
+    import uvicorn
+
+    settings = dict(
+        host=config.host,
+        port=config.port,
+        log_level=config.log_level,
+        timeout_graceful_shutdown=int(max(1, config.drain_timeout)),
+        lifespan="on",
+        # request.client must be the socket peer: admin access is decided from it (admin.py). uvicorn would
+        # otherwise take X-Forwarded-For from a proxy on 127.0.0.1 as the client.
+        proxy_headers=False,
+        limit_concurrency=config.max_connections,  # 503 beyond this many connections + tasks
+        h11_max_incomplete_event_size=16 * 1024,  # request line + headers (h11's default, stated)
+    )
+    settings.update(overrides)
+    return uvicorn.Config(app, **settings)
 
 
 def _bind(host: str, port: int) -> socket.socket:

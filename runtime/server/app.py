@@ -8,26 +8,38 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hmac
-import json
 import signal
 import threading
 import time
-from contextlib import asynccontextmanager
+from contextlib import asynccontextmanager, contextmanager
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import ClientDisconnect
 
 from precast.runtime.errors import InputError, PrecastError
+from precast.runtime.server.admin import add_admin_routes
 from precast.runtime.server.batcher import BatchConfig, Batcher, QueueFullError
-from precast.runtime.server.config import ServerConfig, is_loopback
-from precast.runtime.server.embeddings import check_dimensions, mean_pool_normalize, parse_inputs, tokenize
+from precast.runtime.server.bodies import json_response, openai_error, read_json, v2_error
+from precast.runtime.server.body_limit import BodyLimitMiddleware
+from precast.runtime.server.config import ServerConfig
+from precast.runtime.server.embeddings import (
+    check_dimensions,
+    check_embedding_work,
+    mean_pool_normalize,
+    parse_inputs,
+    tokenize,
+)
 from precast.runtime.server.host import ModelHost, ReloadBusyError, ReloadError
 from precast.runtime.server.kserve import decode_request, encode_response, model_metadata, requested_outputs
 from precast.runtime.server.metrics import ServerMetrics
 
 __all__ = ["ServerState", "create_app", "openai_error", "read_json", "v2_error"]
+
+# The status a request is counted under when its client went away before an answer (nginx's code).
+CLIENT_CLOSED = 499
 
 
 class ServerState:
@@ -40,7 +52,7 @@ class ServerState:
             config.artifact, threads=config.threads, verify=config.verify, llm_options=config.llm
         )
         self.batcher = Batcher(
-            lambda: self.host.current.model,
+            self._lease_model,
             BatchConfig(config.max_batch_size, config.max_queue_delay_ms / 1000.0, config.max_queue),
             on_batch=self.metrics.on_batch,
             instances=config.instances,
@@ -53,8 +65,15 @@ class ServerState:
     def name(self) -> str:
         return self.config.name
 
+    @contextmanager
+    def _lease_model(self):
+        """For the batcher: the current model, held until its batch is done (a reload closes it after)."""
+        with self.host.lease() as served:
+            yield served.model
+
     def ready(self) -> bool:
-        return not self.shutting_down
+        """Serving works: not draining, and the served model's endpoints can answer."""
+        return not self.shutting_down and self.host.ready()
 
     def reload(self, path: str | None = None):
         try:
@@ -75,36 +94,13 @@ class ServerState:
             llm.bind_metrics(self.metrics)
 
     def close(self) -> None:
+        """Idempotent: drain the batcher, then close every model (which removes unpacked temp dirs)."""
         self.shutting_down = True
         self.batcher.stop(self.config.drain_timeout)
-        self.host.close()
+        self.host.close(drain=min(5.0, self.config.drain_timeout))
 
 
-# -- error bodies ------------------------------------------------------------------------------------
-def v2_error(status: int, message: str, headers: dict | None = None):
-    return JSONResponse({"error": message}, status_code=status, headers=headers)
-
-
-def openai_error(
-    status: int,
-    message: str,
-    kind: str = "invalid_request_error",
-    param: str | None = None,
-    headers: dict | None = None,
-):
-    body = {"error": {"message": message, "type": kind, "param": param, "code": status}}
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def read_json(request) -> object:
-    """The request body as JSON, or InputError('malformed JSON ...')."""
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise InputError(f"malformed JSON body: {e}") from e
-
-
+# -- request bodies ---------------------------------------------------------------------------------
 async def read_openai_body(request, served_name: str, error_cls: type[PrecastError] = InputError):
     """An OpenAI-style request body: a JSON object naming this server's model (or none).
 
@@ -138,6 +134,12 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
 
     app = FastAPI(title="precast serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.precast = state
+    # Added first = innermost: the metrics middleware outside it counts the 413s and 503s it answers.
+    app.add_middleware(
+        BodyLimitMiddleware,
+        max_request_bytes=config.max_request_bytes,
+        max_inflight_bytes=config.max_inflight_bytes,
+    )
     app.add_middleware(_MetricsMiddleware, metrics=state.metrics)
 
     def check_model(name: str):
@@ -200,11 +202,8 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
             return v2_error(404, f"model '{name}' has no version {version}; serving version {served.version}")
         try:
             body = await read_json(request)
-            feeds = decode_request(body)
-            from precast.runtime.feeds import check_feeds
-
-            feeds = check_feeds(feeds, served.model.inputs)  # fail fast, before queueing
-            wanted = requested_outputs(body, [o.name for o in served.model.outputs])
+            # Off the event loop: turning up to max_request_bytes of JSON numbers into arrays takes a while.
+            feeds, wanted = await run_in_threadpool(_decode_infer, body, served.model)
             outputs = await state.batcher.submit(feeds, timeout=state.config.request_timeout)
         except QueueFullError as e:
             return v2_error(429, str(e), headers=_busy_headers(e))
@@ -215,7 +214,10 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
         if wanted is not None:
             outputs = {n: outputs[n] for n in wanted}
         rid = body.get("id") if isinstance(body.get("id"), str) else None
-        return encode_response(state.name, str(served.version), outputs, rid)
+        try:
+            return await json_response(encode_response(state.name, str(served.version), outputs, rid))
+        except ValueError:
+            return v2_error(500, f"model '{name}' produced NaN or infinity, which JSON cannot carry")
 
     # -- OpenAI-style embeddings and model list ---------------------------------------------------------
     @app.get("/v1/models")
@@ -242,12 +244,13 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
                     f"model '{state.name}' is not a text encoder (needs input_ids/attention_mask "
                     f"inputs and tokenizer/tokenizer.json); use /v2/models/{state.name}/infer",
                 )
-            texts = parse_inputs(body)
+            texts = parse_inputs(body, state.config.max_embedding_inputs, state.config.max_text_chars)
             fmt = body.get("encoding_format", "float")
             if fmt not in ("float", "base64"):
                 raise InputError(f"encoding_format must be 'float' or 'base64', got {fmt!r}")
             check_dimensions(body, spec.dim)
-            feeds, n_tokens = tokenize(spec, texts)
+            feeds, n_tokens = await run_in_threadpool(tokenize, spec, texts)  # GIL released: see tokenize
+            check_embedding_work(feeds, state.config.max_embedding_tokens)
             pad = (
                 None if spec.static else {"input_ids": spec.pad_id, "attention_mask": 0, "token_type_ids": 0}
             )
@@ -274,79 +277,32 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
                 else v.astype(np.float32).tolist()
             )
             data.append({"object": "embedding", "index": i, "embedding": emb})
-        return {
+        body = {
             "object": "list",
             "data": data,
             "model": state.name,
             "usage": {"prompt_tokens": n_tokens, "total_tokens": n_tokens},
         }
-
-    # -- admin -----------------------------------------------------------------------------------------
-    def admin_denied(request: Request):
-        token = state.config.admin_token
-        if token is None:
-            if is_loopback(state.config.host):
-                return None
-            return v2_error(
-                403,
-                "admin endpoints are disabled on a non-loopback bind without a token: "
-                "start with --admin-token or PRECAST_ADMIN_TOKEN",
-            )
-        auth = request.headers.get("authorization", "")
-        given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-admin-token", "")
-        if not hmac.compare_digest(given.encode(), token.encode()):
-            return v2_error(401, "admin token missing or wrong (Authorization: Bearer <token>)")
-        return None
-
-    @app.post("/admin/reload")
-    async def admin_reload(request: Request):
-        if (err := admin_denied(request)) is not None:
-            return err
-        path = None
-        raw = await request.body()
-        if raw.strip():
-            try:
-                body = json.loads(raw)
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                return v2_error(400, f"malformed JSON body: {e}")
-            if not isinstance(body, dict) or not isinstance(body.get("path", ""), str):
-                return v2_error(400, 'reload body must be {"path": "<artifact dir>"} or empty')
-            path = body.get("path") or None
         try:
-            served = await asyncio.to_thread(state.reload, path)
-        except ReloadBusyError as e:
-            return v2_error(409, str(e))
-        except ReloadError as e:
-            return v2_error(422, str(e))
-        return {
-            "ok": True,
-            "model": state.name,
-            "version": served.version,
-            "path": str(served.path),
-            "seconds": state.host.last_reload.get("seconds"),
-        }
+            return await json_response(body)
+        except ValueError:
+            return openai_error(
+                500, "the model produced NaN or infinity, which JSON cannot carry", "server_error"
+            )
 
-    @app.get("/admin/status")
-    async def admin_status(request: Request):
-        if (err := admin_denied(request)) is not None:
-            return err
-        served = state.host.current
-        return {
-            "model": state.name,
-            "version": served.version,
-            "path": str(served.path),
-            "digest": served.digest,
-            "target": served.model.target,
-            "last_reload": state.host.last_reload,
-            "queue_depth": state.batcher.depth,
-            "batches": state.batcher.batches,
-        }
-
+    add_admin_routes(app, state)
     if state.host.current.llm is not None or config.llm.get("force_routes"):
         from precast.runtime.server.llm_api import add_llm_routes
 
         add_llm_routes(app, state)
     return app
+
+
+def _decode_infer(body: object, model) -> tuple[dict, list[str] | None]:
+    from precast.runtime.feeds import check_feeds
+
+    feeds = check_feeds(decode_request(body), model.inputs)  # fail fast, before queueing
+    return feeds, requested_outputs(body, [o.name for o in model.outputs])
 
 
 def _install_sighup(state: ServerState) -> None:
@@ -372,7 +328,10 @@ def _install_sighup(state: ServerState) -> None:
 
 
 class _MetricsMiddleware:
-    """Pure ASGI (streaming- and disconnect-safe): counts requests by route and status, times them."""
+    """Pure ASGI (streaming- and disconnect-safe): counts requests by route and status, times them.
+
+    A client that goes away before it is answered (a reset during the upload) is counted as 499, not as
+    a server error, and its ClientDisconnect ends here instead of printing a traceback."""
 
     def __init__(self, app, metrics: ServerMetrics):
         self.app = app
@@ -381,17 +340,21 @@ class _MetricsMiddleware:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        status = {"code": 500}
+        status = {"code": 500, "started": False}
         t0 = time.perf_counter()
 
         async def send_wrapper(message):
             if message["type"] == "http.response.start":
                 status["code"] = message["status"]
+                status["started"] = True
             await send(message)
 
         self.metrics.inflight.inc()
         try:
             await self.app(scope, receive, send_wrapper)
+        except ClientDisconnect:
+            if not status["started"]:
+                status["code"] = CLIENT_CLOSED
         finally:
             self.metrics.inflight.dec()
             route = scope.get("route")

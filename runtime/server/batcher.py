@@ -2,7 +2,8 @@
 
     submit(feeds) -> bounded queue -> worker thread: take the oldest request, wait up to
     ``max_queue_delay`` for compatible ones (same dtypes and non-batch dims) until ``max_batch_size``
-    rows, concatenate along dim 0, run once on the model current *at that moment*, split the outputs.
+    rows, concatenate along dim 0, run once on the model current *at that moment* (leased for the
+    batch, so a hot reload closes the old model only after it), split the outputs.
 
 Only models whose inputs and outputs share one symbolic leading dim can batch; others run request by
 request. Requests may also be "padded" (token inputs of different lengths): they are right-padded along
@@ -17,6 +18,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -82,12 +84,13 @@ class Batcher:
 
     def __init__(
         self,
-        get_model: Callable[[], object],
+        lease_model: Callable[[], AbstractContextManager],
         config: BatchConfig,
         on_batch: Callable[[int, list[float], float], None] | None = None,
         instances: int = 1,
     ):
-        self._get_model = get_model  # called per batch: a hot reload takes effect at the next batch
+        # Entered per batch, yielding the model: a hot reload takes effect at the next batch.
+        self._lease_model = lease_model
         self.config = config
         self._on_batch = on_batch or (lambda rows, waits, seconds: None)
         self._queue: queue.Queue[WorkItem | None] = queue.Queue()
@@ -155,35 +158,38 @@ class Batcher:
             head = backlog.popleft() if backlog else self._queue.get()
             if head is None:
                 return
-            batch = [head]
-            model = self._get_model()
-            limit = self.config.max_batch_size if batch_dim(model) is not None else 1
-            rows = head.rows
-            key = head.key()
-            deadline = head.enqueued + self.config.max_queue_delay
-            # Compatible requests already set aside, then new arrivals until full or the delay runs out.
-            for other in list(backlog):
-                if rows >= limit:
-                    break
-                if other.key() == key and rows + other.rows <= limit:
-                    backlog.remove(other)
-                    batch.append(other)
-                    rows += other.rows
-            while rows < limit:
-                wait = deadline - time.perf_counter()
-                try:
-                    nxt = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._queue.put(None)  # let the loop above see it after this batch
-                    break
-                if nxt.key() == key and rows + nxt.rows <= limit:
-                    batch.append(nxt)
-                    rows += nxt.rows
-                else:
-                    backlog.append(nxt)
-            self._run(model, batch)
+            with self._lease_model() as model:
+                self._collect_and_run(model, head, backlog)
+
+    def _collect_and_run(self, model, head: WorkItem, backlog: deque[WorkItem]) -> None:
+        batch = [head]
+        limit = self.config.max_batch_size if batch_dim(model) is not None else 1
+        rows = head.rows
+        key = head.key()
+        deadline = head.enqueued + self.config.max_queue_delay
+        # Compatible requests already set aside, then new arrivals until full or the delay runs out.
+        for other in list(backlog):
+            if rows >= limit:
+                break
+            if other.key() == key and rows + other.rows <= limit:
+                backlog.remove(other)
+                batch.append(other)
+                rows += other.rows
+        while rows < limit:
+            wait = deadline - time.perf_counter()
+            try:
+                nxt = self._queue.get(timeout=wait) if wait > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if nxt is None:
+                self._queue.put(None)  # let the loop above see it after this batch
+                break
+            if nxt.key() == key and rows + nxt.rows <= limit:
+                batch.append(nxt)
+                rows += nxt.rows
+            else:
+                backlog.append(nxt)
+        self._run(model, batch)
 
     def _run(self, model, batch: list[WorkItem]) -> None:
         live = [it for it in batch if not it.cancelled and not it.future.done()]

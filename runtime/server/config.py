@@ -1,4 +1,26 @@
-"""Server settings (what `precast serve` flags fill in)."""
+"""Server settings (what `precast serve` flags fill in), including the per-request limits.
+
+The limits bound what one request may cost, so that no single client can stall or exhaust the server:
+
+========================  ========  =======================================================================
+field                     default   refused with
+========================  ========  =======================================================================
+max_request_bytes         8 MiB     413 before the body is read (Content-Length) or as soon as a streamed
+                                    (chunked) body passes it
+max_inflight_bytes        64 MiB    503 + Retry-After: request bodies held in memory at once, all requests
+                                    together (default: 8 x max_request_bytes)
+max_connections           1024      503 from uvicorn (its ``limit_concurrency``): open connections + tasks
+max_embedding_inputs      128       400: texts in one /v1/embeddings request
+max_embedding_tokens      8192      400: tokens one /v1/embeddings request runs (inputs x longest, padded)
+max_text_chars            262144    400: characters one request hands the tokenizer (all embeddings inputs
+                                    together, or a completion prompt / the chat messages); tokenizing
+                                    costs ~50-100 bytes of memory per character while it runs
+max_stop_strings          16        400: 'stop' strings in one completion request
+max_stop_chars            256       400: characters in one 'stop' string
+========================  ========  =======================================================================
+
+HTTP headers are bounded by h11 (16 KiB), JSON nesting by the parser (about 1000 levels).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +32,19 @@ from pathlib import Path
 __all__ = ["ADMIN_TOKEN_ENV", "ServerConfig", "is_loopback"]
 
 ADMIN_TOKEN_ENV = "PRECAST_ADMIN_TOKEN"
+MiB = 1 << 20
+
+# Fields that must be positive integers (checked in __post_init__, so a library caller gets one line too).
+_COUNTS = (
+    "max_request_bytes",
+    "max_inflight_bytes",
+    "max_connections",
+    "max_embedding_inputs",
+    "max_embedding_tokens",
+    "max_text_chars",
+    "max_stop_strings",
+    "max_stop_chars",
+)
 
 
 @dataclass
@@ -22,18 +57,48 @@ class ServerConfig:
     max_queue_delay_ms: float = 2.0
     max_queue: int = 256
     request_timeout: float = 60.0  # seconds; 504 after that
-    admin_token: str | None = None  # default: $PRECAST_ADMIN_TOKEN
+    admin_token: str | None = None  # default: $PRECAST_ADMIN_TOKEN (empty there = unset)
     threads: int | None = None  # ORT intra-op threads per session
     instances: int = 1  # batcher worker threads (model calls in parallel)
     drain_timeout: float = 30.0  # graceful shutdown: seconds to finish in-flight requests
     verify: bool = True  # re-run stored parity feeds on load and reload
     log_level: str = "info"
     llm: dict = field(default_factory=dict)  # options handed to the LLM engine (num_blocks, max_tokens, ...)
+    # Per-request limits (see the table above).
+    max_request_bytes: int = 8 * MiB
+    max_inflight_bytes: int | None = None  # default: 8 x max_request_bytes
+    max_connections: int = 1024
+    max_embedding_inputs: int = 128
+    max_embedding_tokens: int = 8192
+    max_text_chars: int = 256 * 1024
+    max_stop_strings: int = 16
+    max_stop_chars: int = 256
 
     def __post_init__(self) -> None:
+        from precast.runtime.errors import UsageError
+
         self.artifact = Path(self.artifact)
         if self.admin_token is None:
             self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+        elif not isinstance(self.admin_token, str):
+            raise UsageError(f"admin_token must be a string, got {type(self.admin_token).__name__}")
+        elif not self.admin_token.strip():
+            # An empty token would match an empty Authorization header: admin open to anyone.
+            raise UsageError(
+                "--admin-token must not be empty (an empty token would let anyone in); "
+                "omit it to keep admin endpoints loopback-only"
+            )
+        if self.max_inflight_bytes is None and isinstance(self.max_request_bytes, int):
+            self.max_inflight_bytes = 8 * self.max_request_bytes
+        for name in _COUNTS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        if self.max_inflight_bytes < self.max_request_bytes:
+            raise UsageError(
+                f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "
+                f"max_request_bytes ({self.max_request_bytes})"
+            )
 
     @property
     def name(self) -> str:

@@ -1,8 +1,14 @@
-"""The model being served, and hot reload: load -> verify -> warm up -> swap, or keep the old one.
+"""The model being served, and hot reload: load -> verify -> warm up -> check the API -> swap, or keep the old one.
 
-Readers take ``host.current`` once per batch (or per LLM request) and keep that reference, so a swap
-never changes the model under a running call: in-flight work finishes on the old version, and the old
-model is freed when its last user lets go.
+Readers take ``host.current`` once per request (the batcher leases it once per batch, ``lease()``) and
+keep that reference, so a swap never changes the model under a running call: in-flight work finishes
+on the old version. The old version is then closed: at once when nothing uses it, else by its last
+lease (an LLM drains its running requests first). Closing removes the temp dir a packed artifact was
+unpacked into, so a server reloading a packed artifact holds one copy, not one per reload.
+
+A reload must keep the served API: an artifact of another kind (LLM / embeddings / tensor) or with
+other inputs is refused (ReloadKindError, HTTP 409), since the routes and clients were set up for the
+first one.
 """
 
 from __future__ import annotations
@@ -10,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +25,13 @@ import numpy as np
 from precast.runtime.errors import ArtifactError, PrecastError
 from precast.runtime.manifest import read_manifest
 
-__all__ = ["ModelHost", "ReloadBusyError", "ReloadError", "Served"]
+__all__ = ["ModelHost", "ReloadBusyError", "ReloadError", "ReloadKindError", "Served"]
+
+_ENDPOINTS = {
+    "llm": "/v1/completions and /v1/chat/completions",
+    "embeddings": "/v1/embeddings and /v2 infer",
+    "tensor": "/v2 infer",
+}
 
 
 class ReloadError(PrecastError):
@@ -29,19 +42,52 @@ class ReloadBusyError(PrecastError):
     """Another reload is in progress."""
 
 
-@dataclass
+class ReloadKindError(ReloadError):
+    """The new artifact would change the served API (kind or inputs); the previous model keeps serving."""
+
+
+@dataclass(eq=False)
 class Served:
-    model: object  # precast.runtime.Model
-    path: Path
+    model: object  # precast.runtime.Model (or the LLM service's view of its IO)
+    path: Path  # what was asked for: an artifact dir or a packed file
     version: int
     digest: str  # sha256 of manifest.json: identifies the artifact build
     encoder: object | None = None  # embeddings.EncoderSpec
-    llm: object | None = None  # llm_api.LLMService
+    llm: object | None = None  # llm_service.LLMService
     loaded_at: float = field(default_factory=time.time)
+    unpacked: Path | None = None  # the temp dir a packed artifact was unpacked into: close() removes it
+    users: int = 0  # leases held (batches running on this model)
+    retired: bool = False  # swapped out: closed by its last lease
+    closed: bool = False
+    _close_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def manifest(self) -> dict:
         return self.model.manifest
+
+    @property
+    def kind(self) -> str:
+        return "llm" if self.llm is not None else "embeddings" if self.encoder is not None else "tensor"
+
+    def signature(self) -> list[str]:
+        return [f"{s.name}:{s.dtype}" for s in self.model.inputs]
+
+    def close(self, drain: float = 0.0) -> None:
+        """Stop it (an LLM waits up to ``drain`` s for its requests) and remove its unpacked copy. Idempotent."""
+        with self._close_lock:  # the last lease, a retire thread and shutdown may race here
+            if self.closed:
+                return
+            self.closed = True
+        try:
+            if self.llm is not None:
+                self.llm.close(drain)
+            elif hasattr(self.model, "close"):
+                self.model.close()
+        finally:
+            if self.unpacked is not None:
+                from precast.runtime.archive import remove_temp
+
+                remove_temp(self.unpacked)
 
 
 def _warm_up(model) -> None:
@@ -53,6 +99,21 @@ def _warm_up(model) -> None:
     }
     if feeds:
         model.run(feeds)
+
+
+def api_change(old: Served, new: Served) -> str | None:
+    """What a swap from ``old`` to ``new`` would break for clients, or None."""
+    if new.kind != old.kind:
+        return (
+            f"it is a {new.kind} artifact ({_ENDPOINTS[new.kind]}), this server serves a {old.kind} model "
+            f"({_ENDPOINTS[old.kind]}); start a new server for it"
+        )
+    if new.kind != "llm" and new.signature() != old.signature():
+        return (
+            f"its inputs ({', '.join(new.signature())}) differ from the served model's "
+            f"({', '.join(old.signature())}); start a new server for it"
+        )
+    return None
 
 
 class ModelHost:
@@ -68,13 +129,31 @@ class ModelHost:
         self.verify = verify
         self.llm_options = llm_options or {}
         self._reload_lock = threading.Lock()
+        self._lock = threading.Lock()  # guards users / retired of every Served, and _retiring
+        self._retiring: list[Served] = []  # swapped out, not closed yet
         self.last_reload: dict = {}
         self.current: Served = self._load(Path(path), version=1)
 
+    # -- loading -----------------------------------------------------------------------------------
     def _load(self, path: Path, version: int) -> Served:
+        if not path.is_file():
+            return self._load_dir(path, path, version)
+        # A packed artifact: unpacked once (every checksum checked) into a temp dir this Served owns.
+        from precast.runtime.archive import remove_temp, unpack_to_temp
+
+        root = unpack_to_temp(path)
+        try:
+            served = self._load_dir(root, path, version)
+        except BaseException:
+            remove_temp(root)
+            raise
+        served.unpacked = root
+        return served
+
+    def _load_dir(self, root: Path, path: Path, version: int) -> Served:
         from precast.runtime.model import load
 
-        manifest = read_manifest(path) if path.is_dir() else None
+        manifest = read_manifest(root) if root.is_dir() else None
         is_llm = bool(manifest and manifest.get("llm"))
         if self.llm_options and not is_llm:
             from precast.runtime.errors import UsageError
@@ -85,24 +164,45 @@ class ModelHost:
         if self.verify and manifest is not None and (manifest.get("parity") or {}).get("inputs"):
             from precast.runtime.verify import verify_artifact
 
-            report = verify_artifact(path, threads=self.threads)
+            report = verify_artifact(root, threads=self.threads)
             bad = _parity_failures(report)
             if bad:
                 raise ReloadError(f"{path}: parity check failed on {bad}")
         if is_llm:
             from precast.runtime.server.llm_service import LLMService
 
-            llm = LLMService.from_artifact(path, **self.llm_options)
-            served = Served(llm.model_view(), path, version, _digest(path), llm=llm)
-            return served
-        model = load(path, threads=self.threads)
-        _warm_up(model)
-        from precast.runtime.server.embeddings import encoder_spec
+            llm = LLMService.from_artifact(root, **self.llm_options)
+            return Served(llm.model_view(), path, version, _digest(root), llm=llm)
+        model = load(root, threads=self.threads)
+        try:
+            _warm_up(model)
+            from precast.runtime.server.embeddings import encoder_spec
 
-        return Served(model, path, version, _digest(path), encoder=encoder_spec(model))
+            encoder = encoder_spec(model)
+        except BaseException:
+            model.close()
+            raise
+        return Served(model, path, version, _digest(root), encoder=encoder)
+
+    # -- serving -----------------------------------------------------------------------------------
+    @contextmanager
+    def lease(self):
+        """The current Served, kept open until the block ends (a swap meanwhile closes it afterwards)."""
+        with self._lock:
+            served = self.current
+            served.users += 1
+        try:
+            yield served
+        finally:
+            with self._lock:
+                served.users -= 1
+                last = served.retired and served.users == 0
+            if last:
+                self._close_retired(served)
 
     def reload(self, path: str | Path | None = None) -> Served:
-        """Load a new version (default: the same path again); swap only if it loads, verifies and warms up."""
+        """Load a new version (default: the same path again); swap only if it loads, verifies, warms up
+        and keeps the served API."""
         if not self._reload_lock.acquire(blocking=False):
             raise ReloadBusyError("a reload is already in progress")
         try:
@@ -111,19 +211,30 @@ class ModelHost:
             t0 = time.perf_counter()
             try:
                 new = self._load(target, version=old.version + 1)
-            except PrecastError as e:
-                self.last_reload = {"ok": False, "path": str(target), "error": str(e)}
-                raise ReloadError(
-                    f"reload from {target} failed, still serving version {old.version}: {e}"
-                ) from e
             except Exception as e:
-                self.last_reload = {"ok": False, "path": str(target), "error": f"{type(e).__name__}: {e}"}
+                why = str(e) if isinstance(e, PrecastError) else f"{type(e).__name__}: {e}"
+                self.last_reload = {"ok": False, "path": str(target), "error": why}
                 raise ReloadError(
-                    f"reload from {target} failed, still serving version {old.version}: {type(e).__name__}: {e}"
+                    f"reload from {target} failed, still serving version {old.version}: {why}"
                 ) from e
-            self.current = new  # the atomic swap: one reference assignment
-            if old.llm is not None:
-                old.llm.retire()  # stops taking new work; finishes what it runs
+            problem = api_change(old, new)
+            if problem is not None:
+                new.close()
+                self.last_reload = {"ok": False, "path": str(target), "error": problem}
+                raise ReloadKindError(
+                    f"reload from {target} refused, still serving version {old.version}: {problem}"
+                )
+            with self._lock:
+                self.current = new  # the swap: one reference assignment, under the lease lock
+                old.retired = True
+                idle = old.users == 0
+                self._retiring.append(old)
+            if old.llm is not None:  # its requests drain in the background, then its engine stops
+                threading.Thread(
+                    target=self._close_retired, args=(old, 600.0), name="precast-retire", daemon=True
+                ).start()
+            elif idle:
+                self._close_retired(old)
             self.last_reload = {
                 "ok": True,
                 "path": str(target),
@@ -134,13 +245,28 @@ class ModelHost:
         finally:
             self._reload_lock.release()
 
-    def close(self) -> None:
-        if self.current.llm is not None:
-            self.current.llm.retire()
+    def _close_retired(self, served: Served, drain: float = 0.0) -> None:
+        served.close(drain)
+        with self._lock:
+            if served in self._retiring:
+                self._retiring.remove(served)
+
+    def ready(self) -> bool:
+        """Whether the served endpoints can answer (an LLM's engine loop is running)."""
+        served = self.current
+        return not served.closed and (served.llm is None or served.llm.healthy())
+
+    def close(self, drain: float = 0.0) -> None:
+        """Close the current model and every retired one still open (shutdown: SIGTERM, SIGINT, lifespan)."""
+        with self._lock:
+            everything = [self.current, *self._retiring]
+            self._retiring.clear()
+        for served in everything:
+            served.close(drain)
 
 
-def _digest(path: Path) -> str:
-    m = path / "manifest.json"
+def _digest(root: Path) -> str:
+    m = root / "manifest.json"
     return hashlib.sha256(m.read_bytes()).hexdigest()[:16] if m.is_file() else "packed"
 
 

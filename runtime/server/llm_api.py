@@ -4,6 +4,10 @@ Supported request fields: model, prompt | messages (roles system, user, assistan
 (max_completion_tokens), temperature, top_p, top_k, seed, stop, repetition_penalty, ignore_eos, stream,
 stream_options.include_usage, n == 1, priority (also the ``X-Priority`` header). Anything else OpenAI defines
 is ignored. A client that disconnects cancels its request in the engine, which frees its KV blocks.
+
+Everything a request is checked for happens before a response starts (a 400, never a cut stream), and
+off the event loop: the chat template, the prompt's checks and its tokenization run in a worker thread,
+outside the engine's lock, so one large prompt does not stall the other requests.
 """
 
 from __future__ import annotations
@@ -15,16 +19,19 @@ import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from precast.runtime.errors import LLMRequestError, PrecastError
-from precast.runtime.server.app import openai_error, read_openai_body
+from precast.runtime.server.app import read_openai_body
 from precast.runtime.server.batcher import QueueFullError
+from precast.runtime.server.bodies import openai_error
 from precast.runtime.server.llm_service import parse_priority
 
 __all__ = ["add_llm_routes", "sampling_params"]
 
 
-def sampling_params(body: dict):
+def sampling_params(body: dict, max_stop_strings: int | None = None, max_stop_chars: int | None = None):
+    """SamplingParams from an OpenAI body; stop strings bounded (every step searches the output for each)."""
     from precast.runtime.llm.sampler import SamplingParams
 
     def num(key, default, kind=float):
@@ -43,8 +50,18 @@ def sampling_params(body: dict):
         stop = ()
     elif isinstance(stop, str):  # "" is kept: validate() rejects it, as the CLI's --stop ''
         stop = (stop,)
-    if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) for s in stop):
+    if not isinstance(stop, (list, tuple)):
         raise LLMRequestError("'stop' must be a string or a list of strings")
+    if max_stop_strings is not None and len(stop) > max_stop_strings:
+        raise LLMRequestError(f"'stop' has {len(stop)} strings; this server takes at most {max_stop_strings}")
+    if not all(isinstance(s, str) for s in stop):
+        raise LLMRequestError("'stop' must be a string or a list of strings")
+    if max_stop_chars is not None:
+        longest = max(map(len, stop), default=0)
+        if longest > max_stop_chars:
+            raise LLMRequestError(
+                f"'stop' has a string of {longest} characters; this server takes at most {max_stop_chars}"
+            )
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
     params = SamplingParams(
         max_tokens=16 if max_tokens is None else _int("max_tokens", max_tokens),
@@ -66,6 +83,50 @@ def _int(key, v) -> int:
     return v
 
 
+def _stream_options(body: dict) -> tuple[bool, bool]:
+    """(stream, include_usage), checked before anything is sent: a wrong type found while streaming
+    could only cut the stream."""
+    stream = body.get("stream")
+    if stream is not None and not isinstance(stream, bool):
+        raise LLMRequestError(f"'stream' must be true or false, got {stream!r}")
+    opts = body.get("stream_options")
+    if opts is None:
+        return bool(stream), False
+    if not isinstance(opts, dict):
+        raise LLMRequestError(f"'stream_options' must be an object, got {type(opts).__name__}")
+    usage = opts.get("include_usage", False)
+    if usage is not None and not isinstance(usage, bool):
+        raise LLMRequestError(f"'stream_options.include_usage' must be true or false, got {usage!r}")
+    return bool(stream), bool(usage)
+
+
+def _prepare(svc, body: dict, chat: bool, header_priority, config):
+    """(prompt, params, priority, stream, include_usage) of one request, or LLMRequestError (worker thread)."""
+    if chat:
+        prompt = svc.chat_prompt(body.get("messages"), config.max_text_chars)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list) and len(prompt) >= svc.max_context:  # before looking at each id
+            raise LLMRequestError(
+                f"prompt has {len(prompt)} tokens; the model's context is {svc.max_context}"
+            )
+        ok_ids = isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
+        if not (isinstance(prompt, str) and prompt) and not ok_ids:
+            raise LLMRequestError("'prompt' must be a non-empty string or a list of token ids")
+    if isinstance(prompt, str) and len(prompt) > config.max_text_chars:  # tokenizing costs time and memory
+        what = "the rendered chat prompt" if chat else "'prompt'"
+        raise LLMRequestError(
+            f"{what} has {len(prompt)} characters; this server tokenizes at most {config.max_text_chars} "
+            "per request (--max-text-chars)"
+        )
+    params = sampling_params(body, config.max_stop_strings, config.max_stop_chars)
+    priority = parse_priority(body.get("priority", header_priority))
+    stream, include_usage = _stream_options(body)
+    return prompt, params, priority, stream, include_usage
+
+
 def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
 
@@ -80,18 +141,9 @@ def add_llm_routes(app, state) -> None:
             body = await read_openai_body(request, state.name, LLMRequestError)
             if isinstance(body, JSONResponse):
                 return body
-            if chat:
-                prompt = svc.chat_prompt(body.get("messages"))
-            else:
-                prompt = body.get("prompt")
-                if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                    prompt = prompt[0]
-                ok_ids = isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt)
-                if not (isinstance(prompt, str) and prompt) and not ok_ids:
-                    raise LLMRequestError("'prompt' must be a non-empty string or a list of token ids")
-            params = sampling_params(body)
-            priority = parse_priority(body.get("priority", request.headers.get("x-priority")))
-            stream_opts = body.get("stream_options") or {}
+            prompt, params, priority, streaming, include_usage = await run_in_threadpool(
+                _prepare, svc, body, chat, request.headers.get("x-priority"), state.config
+            )
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
             stream = await svc.start(prompt, params, priority, rid)
         except QueueFullError as e:
@@ -111,7 +163,7 @@ def add_llm_routes(app, state) -> None:
                 "total_tokens": stream.prompt_tokens + stream.n_out,
             }
 
-        if body.get("stream"):
+        if streaming:
 
             async def events():
                 deadline = time.monotonic() + timeout
@@ -142,7 +194,7 @@ def add_llm_routes(app, state) -> None:
                         yield _sse(_chunk(rid, created, state.name, delta, ev.finish_reason, chat))
                         if ev.finish_reason is not None:
                             break
-                    if stream_opts.get("include_usage"):
+                    if include_usage:
                         yield _sse(
                             {
                                 "id": rid,

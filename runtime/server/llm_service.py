@@ -86,8 +86,12 @@ class LLMService:
         from precast.runtime.llm.engine import Engine
 
         engine = Engine.load(path, num_blocks=num_blocks)
-        service = cls(engine, Path(path), read_manifest(path), max_active=max_active)
-        service.warm_up()
+        try:
+            service = cls(engine, Path(path), read_manifest(path), max_active=max_active)
+            service.warm_up()
+        except BaseException:
+            engine.close()  # a failed (re)load leaves no engine thread behind
+            raise
         return service
 
     @property
@@ -115,19 +119,26 @@ class LLMService:
         metrics.kv_free.set(m.kv_blocks_free)
 
     def retire(self) -> None:
-        """Take no new requests; stop the engine loop once the running ones are done (in a thread)."""
+        """Take no new requests; close once the running ones are done (in a thread)."""
         self.retired = True
+        threading.Thread(target=self.close, args=(600.0,), name="precast-llm-retire", daemon=True).start()
 
-        def drain() -> None:
-            deadline = time.monotonic() + 600
-            while self.engine.has_unfinished() and time.monotonic() < deadline:
-                time.sleep(0.05)
-            self.engine.stop()
+    def close(self, drain: float = 0.0) -> None:
+        """Take no new requests, wait up to ``drain`` s for the running ones, then close the engine
+        (its loop stops; a temp dir it unpacked is removed). Idempotent."""
+        self.retired = True
+        deadline = time.monotonic() + drain
+        while self.engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.engine.close()
 
-        threading.Thread(target=drain, name="precast-llm-retire", daemon=True).start()
+    def healthy(self) -> bool:
+        """Takes requests and its engine loop runs (a loop that died would leave every request hanging)."""
+        return not self.retired and self.engine.is_running()
 
     # -- prompts ---------------------------------------------------------------------------------
-    def chat_prompt(self, messages: object) -> str:
+    def chat_prompt(self, messages: object, max_chars: int | None = None) -> str:
+        """The prompt the chat template renders; ``max_chars`` bounds the messages' text before rendering."""
         if not isinstance(messages, list) or not messages:
             raise LLMRequestError("'messages' must be a non-empty list")
         clean = []
@@ -147,6 +158,12 @@ class LLMService:
             if not isinstance(content, str):
                 raise LLMRequestError(f"messages[{i}].content must be a string")
             clean.append({"role": m["role"], "content": content})
+        chars = sum(len(m["content"]) for m in clean)
+        if max_chars is not None and chars > max_chars:
+            raise LLMRequestError(
+                f"'messages' hold {chars} characters; this server tokenizes at most {max_chars} per request "
+                "(--max-text-chars)"
+            )
         try:
             return self._template.render(
                 messages=clean, add_generation_prompt=True, bos_token="", eos_token=""

@@ -102,16 +102,18 @@ def tiny_encoder(tmp_path_factory) -> Path:
 
 
 @contextmanager
-def live_server(config):
-    """A real uvicorn server for ``config`` on 127.0.0.1 and a kernel-chosen port; yields (url, state)."""
+def live_server(config, state=None):
+    """A real uvicorn server for ``config`` (and ``state``, default: built from it) on 127.0.0.1 and a
+    kernel-chosen port, with serve()'s uvicorn settings; yields (url, state)."""
     import uvicorn
 
+    from precast.runtime.server import uvicorn_config
     from precast.runtime.server.app import create_app
 
-    app = create_app(config)
+    app = create_app(config, state)
     server = uvicorn.Server(
-        uvicorn.Config(
-            app, host="127.0.0.1", port=0, log_level="warning", lifespan="on", timeout_graceful_shutdown=10
+        uvicorn_config(
+            app, config, host="127.0.0.1", port=0, log_level="warning", timeout_graceful_shutdown=10
         )
     )
     thread = threading.Thread(target=server.run, daemon=True)

@@ -131,7 +131,11 @@ def test_failed_reload_keeps_the_old_model(mlp_a, mlp_tampered):
         assert "still serving version 1" in msg and "model.onnx" in msg, msg
         r = c.post("/admin/reload", json={"path": str(mlp_a.parent / "missing")})
         assert r.status_code == 422 and "artifact not found" in r.json()["error"]
-        assert c.post("/admin/reload", content="{x").status_code == 400
+        assert (
+            c.post("/admin/reload", content="{x", headers={"content-type": "application/json"}).status_code
+            == 400
+        )
+        assert c.post("/admin/reload", content="{x").status_code == 415  # a body must say it is JSON
         r = c.post("/v2/models/mlp/infer", json=v2_body(x))
         assert r.json()["model_version"] == "1"
         np.testing.assert_allclose(

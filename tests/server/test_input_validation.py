@@ -13,14 +13,17 @@ fastapi_testclient = pytest.importorskip("fastapi.testclient")
 
 
 class _Host:
-    """What ServerState needs from a ModelHost: the served LLM, and close()."""
+    """What ServerState needs from a ModelHost: the served LLM, ready() and close()."""
 
     def __init__(self, llm):
         self.current = SimpleNamespace(model=None, llm=llm, encoder=None, version=1)
         self.last_reload = {}
 
-    def close(self):
-        self.current.llm.retire()
+    def ready(self):
+        return self.current.llm.healthy()
+
+    def close(self, drain=0.0):
+        self.current.llm.close(drain)
 
 
 @pytest.fixture
