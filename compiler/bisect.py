@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from precast.compiler.driver import CompileOptions, _tolerance, bisect_parity, source_of
-from precast.compiler.parity import io_signature, make_sample_feeds, ort_run_model
+from precast.compiler.driver import CompileOptions, _tolerance, bisect_parity, sample_feeds, source_of
+from precast.compiler.parity import io_signature, ort_run_model
 from precast.compiler.pipeline import parse_pipeline
 from precast.compiler.source import Source
-from precast.runtime.feeds import check_feeds
 from precast.runtime.progress import reporter
 from precast.targets.base import get_target
 
@@ -55,17 +54,14 @@ def bisect_model(
     report.step(f"loading {model if isinstance(model, str) else model.name}")
     source = source_of(model, opts, report)
     inputs, _ = io_signature(source.model)
-    if opts.sample_inputs is not None:
-        feeds = check_feeds(opts.sample_inputs, inputs)
-    else:
-        feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
+    feeds = sample_feeds(source, inputs, opts)  # the compile's own choice, so both see the same graph inputs
     tol = _tolerance(target_cls, opts)
     report.step("running the reference (onnxruntime on the source graph)")
     expected = ort_run_model(source.model, feeds)
     names = [str(s) for s in specs]
     result = BisectResult(names, {"atol": tol.atol, "rtol": tol.rtol, "min_cosine": tol.min_cosine})
     report.step(f"bisecting {len(specs)} passes against onnxruntime on the source graph")
-    found = bisect_parity(source.model, specs, feeds, expected, tol, progress=report)
+    found = bisect_parity(source.model, specs, feeds, expected, tol, progress=report, dont_cares=source.info)
     if found is not None:
         result.index, result.error = found
         result.after = names[: result.index]

@@ -6,7 +6,7 @@ import math
 import platform
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -187,23 +187,37 @@ def bisect_parity(
     tol: Tolerance,
     context: PassContext | None = None,
     progress: Progress | None = None,
+    dont_cares: Mapping | None = None,
 ) -> tuple[int, str] | None:
     """Re-run the pipeline prefix by prefix; (index, message) of the first pass that breaks tolerance.
 
     ``context`` gives the passes the same calibration data as the compile, so a quantize pass re-runs as it did.
-    ``progress`` hears ``advance(i, len(specs), pass)`` as each prefix starts.
+    ``progress`` hears ``advance(i, len(specs), pass)`` as each prefix starts. ``dont_cares``: the source's
+    masking rules (``Source.info``: padded positions, a causal LM's unwritten KV rows), as verification uses.
     """
     tell = reporter(progress)
     model = clone_model(source_model)
     context = context or PassContext(sample_feeds=feeds)
+    rules = dont_cares or {}
+    expected = mask_dont_cares(expected, feeds, rules)
     for i, spec in enumerate(specs):
         tell.advance(i, len(specs), f"prefix {i + 1}: ..,{spec}")
         model = PassManager([spec], context=context).run(model, copy_input=False)
-        report = compare_outputs(expected, ort_run_model(model, feeds), tol)
+        report = compare_outputs(expected, mask_dont_cares(ort_run_model(model, feeds), feeds, rules), tol)
         bad = _first_failure(report)
         if bad:
             return i, _describe(bad[0], bad[1], tol)
     return None
+
+
+def sample_feeds(source: Source, inputs: Sequence[TensorSpec], opts: CompileOptions) -> dict:
+    """The feeds a compile (and ``precast bisect``) verifies on: the user's, else the source's own (a causal
+    LM's step feeds, consistent with its KV layout), else generated from the IO signature."""
+    if opts.sample_inputs is not None:
+        return check_feeds(opts.sample_inputs, inputs)  # zero-size tensors are valid ONNX feeds
+    if source.sample_feeds is not None:
+        return source.sample_feeds
+    return make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
 
 
 def source_of(model: str | Source, opts: CompileOptions, progress: Progress | None = None) -> Source:
@@ -277,12 +291,7 @@ def compile_model(
     if unknown_dims:
         have = ", ".join(sorted(symbolic)) or "none"
         raise UsageError(f"--dim '{unknown_dims[0]}' is not a symbolic input dim of the model (has: {have})")
-    if opts.sample_inputs is not None:
-        feeds = check_feeds(opts.sample_inputs, inputs)  # zero-size tensors are valid ONNX feeds
-    else:
-        feeds = source.sample_feeds
-        if feeds is None:
-            feeds = make_sample_feeds(source.model, inputs, opts.dims, seed=opts.seed)
+    feeds = sample_feeds(source, inputs, opts)
     cache_key, cache_status = None, None
     if opts.cache_dir:
         from precast.compiler import cache
@@ -472,7 +481,9 @@ def _build_one(
             progress.step(f"[{target.name}] parity failed; bisecting the pipeline")
             # Bisect against ORT on the source graph: that isolates the passes from the exporter.
             base_expected = ort_run_model(source.model, feeds) if source.reference is not None else expected
-            culprit = bisect_parity(source.model, specs, feeds, base_expected, tol, context, progress)
+            culprit = bisect_parity(
+                source.model, specs, feeds, base_expected, tol, context, progress, dont_cares=source.info
+            )
             if culprit:
                 i, why = culprit
                 done = [s.name for s in specs[:i]]

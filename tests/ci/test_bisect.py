@@ -113,3 +113,17 @@ def test_bisect_reports_each_prefix(model_file):
         compile_model(str(model_file), model_file.parent / "art", CompileOptions(passes=BAD_PIPELINE), rec)
     assert "[ort-cpu] parity failed; bisecting the pipeline" in rec.steps
     assert [(d, t) for d, t, _ in rec.advances("bisecting")] == [(0, 4), (1, 4), (2, 4)]
+
+
+@pytest.mark.slow
+def test_bisect_on_a_causal_lm_matches_the_compile(tmp_path):
+    """`precast bisect FOLDER --task causal-lm` crashed (exit 70: GroupQueryAttention's length check) because it
+    generated its own feeds instead of the causal LM's step feeds, and compared the unwritten KV rows. It now
+    shares the compile's feed choice and masking: the default pipeline keeps parity, a wrong pass is named."""
+    from tests.llm.fixtures import build_llama
+
+    folder = build_llama(tmp_path / "tiny-llama")
+    ok = bisect_model(str(folder), CompileOptions(task="causal-lm"))
+    assert ok.index is None and ok.error is None and len(ok.passes) > 5
+    bad = bisect_model(str(folder), CompileOptions(task="causal-lm", passes=BAD_PIPELINE))
+    assert bad.culprit == WRONG and bad.after == ["infer-shapes", "fold-constants"]
