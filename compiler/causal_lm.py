@@ -338,6 +338,11 @@ def load_causal_lm(
     kv_layout: str | None = None,
     progress: ProgressReporter = SILENT,
 ) -> Source:
+    if dims:  # refused, not ignored: the step graph's shapes are the engine's, not sample sizes
+        raise UsageError(
+            f"--dim {next(iter(dims))}=... does not apply to --task causal-lm: the step graph takes any batch "
+            "of tokens and its context length comes from the model's config; drop --dim"
+        )
     model_type = _check_architecture(folder, config)
     if not sorted(folder.glob("*.safetensors")):
         raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")

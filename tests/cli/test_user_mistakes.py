@@ -241,3 +241,13 @@ def test_calibration_nothing_uses_is_a_warning(cli, mlp_path, tmp_path):
     )  # fmt: skip
     assert r.code == 0, r.err
     assert "warning" not in r.err
+
+
+def test_dim_on_a_causal_lm_is_refused_not_ignored(cli, tmp_path):
+    """--dim was accepted and silently ignored for --task causal-lm; now a one-line error before any export."""
+    from tests.llm.fixtures import build_llama
+
+    folder = build_llama(tmp_path / "tiny-llama")
+    r = cli("compile", folder, "--task", "causal-lm", "--dim", "batch=2", "-o", tmp_path / "o")
+    _error(r, 1, "--dim batch", "does not apply to --task causal-lm")
+    assert not (tmp_path / "o").exists()
