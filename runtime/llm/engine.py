@@ -255,6 +255,7 @@ class Engine:
                 for chunk, row in zip(group, logits):
                     produced += self._advance(chunk, row)
             self.counters.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
+            self.counters.prefix_query_tokens = self.scheduler.prefix_query_tokens
             self._cond.notify_all()
             return produced
 

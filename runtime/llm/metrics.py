@@ -18,6 +18,7 @@ class EngineCounters:
     generation_tokens: int = 0  # tokens out
     computed_tokens: int = 0  # tokens run through the model (prefill + decode + recompute)
     prefix_hit_tokens: int = 0  # prompt tokens served from the prefix cache
+    prefix_query_tokens: int = 0  # prompt tokens looked up in it (each admission)
     preemptions: int = 0
     cow_copies: int = 0
     steps: int = 0

@@ -33,6 +33,7 @@ class Request:
     finish_reason: str | None = None
     num_preemptions: int = 0
     num_cached_prompt_tokens: int = 0  # prefix-cache hits on first admission
+    t_scheduled: float | None = None  # perf_counter() at first admission (its queue time ends there)
     rng: np.random.Generator | None = None
     # Incremental detokenization (engine-owned): output text so far, and the output offsets it was decoded at
     detok: tuple = ("", 0, 0)

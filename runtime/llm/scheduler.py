@@ -9,6 +9,7 @@ are freed and it goes back to the waiting queue to be recomputed later (its pref
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from precast.runtime.errors import UsageError
@@ -66,6 +67,7 @@ class Scheduler:
         self.step_count = 0
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0  # tokens looked up in the prefix cache (hits / queries = hit rate)
         self._seq = 0
 
     # -- queue ---------------------------------------------------------------------------------
@@ -131,7 +133,10 @@ class Scheduler:
             self.waiting.pop(0)
             if req.num_preemptions == 0:
                 req.num_cached_prompt_tokens = cached
+            if req.t_scheduled is None:
+                req.t_scheduled = time.perf_counter()
             self.prefix_hit_tokens += cached
+            self.prefix_query_tokens += len(req.token_ids)
             req.num_computed = cached
             req.status = Status.RUNNING
             self.running.append(req)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import errno
 import socket
+import sys
 
-from precast.runtime.server.config import ServerConfig
+from precast.runtime.server.config import ServerConfig, is_loopback
 
-__all__ = ["ServerConfig", "create_app", "serve", "uvicorn_config"]
+__all__ = ["ServerConfig", "create_app", "serve", "startup_line", "uvicorn_config"]
 
 
 def create_app(config: ServerConfig):
@@ -28,10 +29,45 @@ def serve(config: ServerConfig) -> None:
 
     with _bind(config.host, config.port) as sock:  # before the model loads: a taken port fails at once
         app = create_app(config)
+        print(startup_line(config, app.state.precast), file=sys.stderr, flush=True)
         try:
             uvicorn.Server(uvicorn_config(app, config)).run(sockets=[sock])
         finally:  # the lifespan's shutdown closes the models; this covers a server that never started
             app.state.precast.close()
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):g}MiB"
+
+
+def startup_line(config: ServerConfig, state) -> str:
+    """One line saying what is served, where, from which build, and the limits in force."""
+    served = state.host.current
+    manifest = served.manifest
+    source = (manifest.get("source") or {}).get("sha256") or "?"
+    target = (manifest.get("target") or {}).get("name", "?")
+    host = f"[{config.host}]" if ":" in config.host else config.host
+    admin = "token" if config.admin_token else ("loopback only" if is_loopback(config.host) else "off")
+    limits = [
+        f"max_batch_size={config.max_batch_size}",
+        f"max_queue={config.max_queue}",
+        f"request_timeout={config.request_timeout:g}s",
+        f"max_request_bytes={_mib(config.max_request_bytes)}",
+        f"max_connections={config.max_connections}",
+    ]
+    if served.kind == "embeddings":
+        limits += [
+            f"max_embedding_inputs={config.max_embedding_inputs}",
+            f"max_embedding_tokens={config.max_embedding_tokens}",
+        ]
+    if served.kind == "llm":
+        limits += [f"max_text_chars={config.max_text_chars}", f"max_stop_strings={config.max_stop_strings}"]
+        limits += [f"{k}={v}" for k, v in sorted(config.llm.items())]
+    return (
+        f"precast serve: http://{host}:{config.port} model '{config.name}' ({served.kind}) from {config.artifact} "
+        f"(version {served.version}, build {served.digest[:12]}, source {str(source)[:12]}, target {target}); "
+        f"admin {admin}; limits {' '.join(limits)}"
+    )
 
 
 def uvicorn_config(app, config: ServerConfig, **overrides):

@@ -163,6 +163,7 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
     @app.get("/metrics")
     async def metrics():
         state.metrics.queue_depth.set(state.batcher.depth)
+        state.metrics.queue_capacity.set(state.config.max_queue)
         llm = state.host.current.llm
         if llm is not None:
             llm.export_gauges(state.metrics)
@@ -349,14 +350,17 @@ class _MetricsMiddleware:
                 status["started"] = True
             await send(message)
 
-        self.metrics.inflight.inc()
+        scrape = scope.get("path") == "/metrics"  # the scrape must not count itself as a request in flight
+        if not scrape:
+            self.metrics.inflight.inc()
         try:
             await self.app(scope, receive, send_wrapper)
         except ClientDisconnect:
             if not status["started"]:
                 status["code"] = CLIENT_CLOSED
         finally:
-            self.metrics.inflight.dec()
+            if not scrape:
+                self.metrics.inflight.dec()
             route = scope.get("route")
             endpoint = getattr(route, "path", None) or "unmatched"
             if endpoint != "/metrics":

@@ -75,6 +75,7 @@ class LLMService:
         self.max_active = max_active
         self.active = 0
         self.metrics = None
+        self._exported: dict[str, int] = {}  # engine counter values already added to Prometheus
         self.retired = False
         self._template = _load_template(path, manifest)
         engine.start()
@@ -117,6 +118,17 @@ class LLMService:
         metrics.llm_waiting.set(m.waiting)
         metrics.kv_used.set(m.kv_blocks_used)
         metrics.kv_free.set(m.kv_blocks_free)
+        metrics.queue_capacity.set(self.max_active)
+        # The engine's counters are its own (a reloaded model starts at 0): add what grew since the last scrape.
+        seen = self._exported
+        for counter, now, key in (
+            (metrics.preemptions, m.preemptions, "preemptions"),
+            (metrics.prefix_queries, m.prefix_query_tokens, "queries"),
+            (metrics.prefix_hits, m.prefix_hit_tokens, "hits"),
+        ):
+            if now > seen.get(key, 0):
+                counter.inc(now - seen.get(key, 0))
+            seen[key] = now
 
     def retire(self) -> None:
         """Take no new requests; close once the running ones are done (in a thread)."""
@@ -244,6 +256,13 @@ class TokenStream:
                 m.ttft.observe(self._t_first - self.t0)
                 if self.n_out > 1:
                     m.tpot.observe((self._t_last - self._t_first) / (self.n_out - 1))
+            if self.handle is not None:
+                m.llm_e2e.observe((self._t_last or time.perf_counter()) - self.t0)
+                m.llm_prompt_tokens.observe(self.prompt_tokens)
+                m.llm_generation_tokens.observe(self.n_out)
+                scheduled = self.handle.request.t_scheduled
+                if scheduled is not None:
+                    m.llm_queue_time.observe(max(0.0, scheduled - self.handle.t_submit))
 
 
 def _load_template(path: Path, manifest: dict):

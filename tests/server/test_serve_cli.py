@@ -97,6 +97,12 @@ def test_cli_serves_reloads_on_sighup_and_drains_on_sigterm(mlp_a):
             -2000:
         ]  # uvicorn re-raises the signal it drained on
         assert "Traceback" not in out, out[-2000:]
+        starts = [ln for ln in out.splitlines() if ln.startswith("precast serve: http")]
+        assert len(starts) == 1, out[-3000:]  # one startup line
+        start = starts[0]
+        for needle in (url, "model 'mlp' (tensor)", "version 1, build ", "target ort-cpu", "admin loopback only",
+                       "max_batch_size=64", "max_request_bytes=8MiB", "request_timeout=60s"):  # fmt: skip
+            assert needle in start, (needle, start)
     finally:
         if proc.poll() is None:
             proc.kill()
