@@ -229,7 +229,8 @@ def print_report(report) -> None:
                 f"concurrency {lv.concurrency}: {lv.errors} failed requests, first: {lv.first_error}"
             )
     h = report.host
-    busy = " - the machine was busy, re-run when it is idle" if max(h.load_start, h.load_end) > h.cpus else ""
+    # At the start only: by the end the bench's own threads are in the load average.
+    busy = " - other work was running, re-run when the machine is idle" if h.load_start > h.cpus / 2 else ""
     notes.append(
         f"1-min load average {h.load_start:.1f} at start, {h.load_end:.1f} at end, {h.cpus} CPUs{busy}"
     )
