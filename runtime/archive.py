@@ -337,11 +337,16 @@ def read_packed_manifest(archive: str | os.PathLike, *, pubkey: str | os.PathLik
 _TEMP_DIRS: list[str] = []
 
 
+@atexit.register  # once: whatever is still unpacked goes when the process exits
+def _remove_all_temp() -> None:
+    for d in list(_TEMP_DIRS):
+        shutil.rmtree(d, ignore_errors=True)
+    _TEMP_DIRS.clear()
+
+
 def unpack_to_temp(archive: str | os.PathLike, *, pubkey: str | os.PathLike | None = None) -> Path:
     """Unpack into a fresh private temp dir (removed when the process exits); return the artifact dir."""
     tmp = tempfile.mkdtemp(prefix="precast-")
-    if not _TEMP_DIRS:
-        atexit.register(lambda: [shutil.rmtree(d, ignore_errors=True) for d in _TEMP_DIRS])
     _TEMP_DIRS.append(tmp)
     dest = Path(tmp) / "artifact"
     try:
