@@ -179,8 +179,13 @@ def register_plugin(ep: str, package: str | None = None) -> str:
     return lib
 
 
-def plugin_session_options(ep: str, provider_options: Mapping[str, object], backend_lib: str | None):
-    """SessionOptions with the plugin EP's devices added (and the backend library resolved to a path)."""
+def plugin_session_options(
+    ep: str, provider_options: Mapping[str, object], backend_lib: str | None, *, cpu_fallback: bool = False
+):
+    """SessionOptions with the plugin EP's devices added (and the backend library resolved to a path).
+
+    ``cpu_fallback=True`` is for the compiler's placement check only (which nodes would the EP refuse?):
+    artifacts always run with the fallback off."""
     import onnxruntime as ort
 
     spec = _spec(ep)
@@ -203,7 +208,7 @@ def plugin_session_options(ep: str, provider_options: Mapping[str, object], back
         opts["backend_path"] = str(plugin_library(ep, backend_lib))
     so = ort.SessionOptions()
     so.add_provider_for_devices(devices, opts)
-    so.add_session_config_entry("session.disable_cpu_ep_fallback", "1")
+    so.add_session_config_entry("session.disable_cpu_ep_fallback", "0" if cpu_fallback else "1")
     return so
 
 

@@ -19,6 +19,7 @@ __all__ = [
     "UnknownPassError",
     "PassOptionError",
     "PassFailedError",
+    "NativeCrashError",
     "UnsupportedOpError",
     "TargetUnavailableError",
     "UnknownTargetError",
@@ -87,6 +88,16 @@ class PassFailedError(PrecastError):
     """A pass raised while transforming the model."""
 
     exit_code = EXIT_COMPILE
+
+
+class NativeCrashError(PassFailedError):
+    """A vendor library crashed (a signal such as SIGSEGV), exited or hung in the child process precast ran it
+    in (``precast.compiler.isolated``); the compile is refused with the target, the stage and the signal."""
+
+    def __init__(self, message: str, *, signal: str = "", stderr_tail: str = ""):
+        super().__init__(message)
+        self.signal = signal
+        self.stderr_tail = stderr_tail
 
 
 class UnsupportedOpError(PrecastError):

@@ -7,6 +7,11 @@ The HTP runs static shapes only, so every symbolic dim is pinned to the compile'
 (``--dim`` picks them). The EP-context binary is compiled offline on x86 Linux with the ``onnxruntime-qnn``
 package (it installs beside plain onnxruntime) and reloads on the device, or on x86 through HTP emulation.
 
+The vendor steps run in child processes (``precast.compiler.isolated``; QNN's HTP compiler segfaults on some
+graphs): first a **placement check** -- a session that may fall back to the CPU, recording which EP each node
+lands on -- and only when every node lands on the HTP the EP-context compile. A refused node, a vendor error
+or a crash in either stage is exit 5 naming the target, the stage (and the signal) and the refused nodes.
+
 The default pipeline quantizes with the ``quantize-int8{mode=static,format=qdq}`` pass (calibrated on
 ``--calibration`` data or, without it, the sample feeds; its options set types and per-channel). A pipeline
 without a quantize pass still gets INT8: the build then applies ONNX Runtime's QNN recipe
@@ -18,7 +23,9 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import re
 import tempfile
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -26,8 +33,15 @@ import onnx
 import onnx_ir as ir
 
 from precast.compiler.calibration import FeedsReader
-from precast.runtime.ep_plugin import plugin_available, plugin_session_options
-from precast.runtime.errors import PassFailedError, TargetUnavailableError, UsageError
+from precast.compiler.isolated import run_isolated
+from precast.runtime.ep_plugin import plugin_available
+from precast.runtime.errors import (
+    NativeCrashError,
+    PassFailedError,
+    TargetUnavailableError,
+    UnsupportedOpError,
+    UsageError,
+)
 from precast.runtime.progress import SILENT
 from precast.targets.base import Availability, Target, register_target
 
@@ -90,6 +104,7 @@ class OrtQnn(Target):
         "htp_arch": "73",  # v73 (Snapdragon 8 Gen 2 / X Elite); 68, 69, 73, 75, 79, 81
         "soc_model": "0",  # 0 = let QNN pick; e.g. 60 (SM8650), 57 (SM8550)
         "shapes": "",  # NAME=2x8;... ; default: the sample feeds' shapes
+        "timeout_s": 900,  # per vendor step (placement check, EP-context compile) in its child process
     }
 
     @classmethod
@@ -116,6 +131,7 @@ class OrtQnn(Target):
             shapes = self._static_shapes(proto)
             proto = _fix_shapes(proto, shapes)
             onnx.save(proto, tmpdir / "static_qdq.onnx")
+            placement = self._check_placement(tmpdir / "static_qdq.onnx")
             self._compile(tmpdir / "static_qdq.onnx", out_dir / "model.onnx")
         return {
             "name": self.name,
@@ -130,11 +146,15 @@ class OrtQnn(Target):
             "static_shapes": shapes,
             "quantization": quantization,
             "htp": {"arch": self.options["htp_arch"], "soc_model": self.options["soc_model"]},
+            "placement": placement,
             "requires": {
                 "onnxruntime": _version("onnxruntime"),
                 "onnxruntime-qnn": _version("onnxruntime-qnn"),
             },
-            "notes": [f"INT8 QDQ by {quantization['by']}; HTP input shapes pinned to {shapes}"],
+            "notes": [
+                f"INT8 QDQ by {quantization['by']}; HTP input shapes pinned to {shapes}; "
+                f"placement check: {placement['on_htp']} of {placement['nodes']} nodes on the HTP"
+            ],
         }
 
     def _calibration(self, proto: onnx.ModelProto) -> tuple[list[dict[str, np.ndarray]], str]:
@@ -189,29 +209,94 @@ class OrtQnn(Target):
             )
         return shapes
 
-    def _compile(self, src: Path, dst: Path) -> None:
-        import onnxruntime as ort
+    def _provider_options(self) -> dict[str, str]:
+        return {"htp_arch": self.options["htp_arch"], "soc_model": self.options["soc_model"]}
 
-        options = {"htp_arch": self.options["htp_arch"], "soc_model": self.options["soc_model"]}
+    def _isolated(self, entry: str, stage: str, payload: dict):
+        """Run a QNN step in a child; a crash or hang is exit 5 naming the stage and QNN's refused nodes."""
+        what = f"target 'ort-qnn' stage '{stage}'"
         try:
-            so = plugin_session_options(EP, options, "QnnHtp")
+            return what, run_isolated(entry, payload, what=what, timeout=self.options["timeout_s"])
+        except NativeCrashError as e:
+            refused = unsupported_in_log(e.stderr_tail)
+            msg = f"{e.message}; QNN listed {_refused(refused)}" if refused else e.message
+            raise NativeCrashError(msg, signal=e.signal, stderr_tail=e.stderr_tail) from None
         except TargetUnavailableError as e:
-            raise TargetUnavailableError(f"target 'ort-qnn' cannot be built on this host: {e}") from e
-        so.log_severity_level = 3
-        flags = ort.OrtCompileApiFlags.ERROR_IF_NO_NODES_COMPILED
-        try:
-            compiler = ort.ModelCompiler(so, str(src), embed_compiled_data_into_model=True, flags=flags)
-            compiler.compile_to_file(str(dst))
-        except Exception as e:
-            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            raise PassFailedError(f"target 'ort-qnn': QNN EP-context compile failed: {first}") from e
+            raise TargetUnavailableError(f"target 'ort-qnn' cannot be built on this host: {e}") from None
+
+    def _check_placement(self, model: Path) -> dict[str, int]:
+        """Every node must land on the HTP; otherwise exit 5 naming the ones that would not (nothing compiled)."""
+        payload = {"model": str(model), "provider_options": self._provider_options()}
+        what, child = self._isolated("qnn-placement", "placement check", payload)
+        assignment, error = child.value["assignment"], child.value["error"]
+        if assignment is None:
+            refused = unsupported_in_log(child.stderr_tail)
+            if refused:
+                raise UnsupportedOpError(
+                    f"{what}: {_refused(refused)}, and QNN failed on the rest: {error}; nothing was compiled"
+                )
+            raise PassFailedError(
+                f"{what}: QNN accepted every node but failed to build the HTP graph: {error}"
+            )
+        total = sum(len(nodes) for nodes in assignment.values())
+        elsewhere = [node for ep, nodes in assignment.items() if ep != EP for node in nodes]
+        if elsewhere:
+            raise UnsupportedOpError(
+                f"{what}: {_refused(elsewhere, total)} (they would fall back to the CPU); nothing was compiled"
+            )
+        return {"on_htp": len(assignment.get(EP, [])), "nodes": total}
+
+    def _compile(self, src: Path, dst: Path) -> None:
+        payload = {"src": str(src), "dst": str(dst), "provider_options": self._provider_options()}
+        what, child = self._isolated("qnn-compile", "EP-context compile", payload)
+        if child.value["error"]:
+            refused = unsupported_in_log(child.stderr_tail)
+            extra = f"; QNN listed {_refused(refused)}" if refused else ""
+            raise PassFailedError(f"{what} failed: {child.value['error']}{extra}")
         leftover = [
             f"{n.name} ({n.op_type})" for n in onnx.load(str(dst)).graph.node if n.op_type != "EPContext"
         ]
         if leftover:
-            raise PassFailedError(
-                f"target 'ort-qnn': {len(leftover)} node(s) not supported by the QNN HTP: {', '.join(leftover[:5])}"
-            )
+            raise UnsupportedOpError(f"{what}: {_refused(leftover)}")
+
+
+_PASS = re.compile(r"GetCapability pass \d+")
+_FAILED = re.compile(
+    r"Validation FAILED for \d+ nodes in OrtNodeUnit \((\S+)\) :\n((?:\tOperator type: .*\n)+)\tREASON : (.*)"
+)
+_UNIT_NODE = re.compile(r"\tOperator type: (\S+) Node name: (.*?) Node index: \d+")
+_UNSUPPORTED_LINE = re.compile(r"Unsupported nodes in QNN EP: (.*)")
+_NODE = re.compile(r"\{ name: ([^,]*), type: ([^ }]*) \}")
+
+
+def unsupported_in_log(log: str) -> list[str]:
+    """'name (Op)' of each node QNN's last capability pass refused ([] when none), read from its log:
+
+    verbose:  Validation FAILED for 5 nodes in OrtNodeUnit (LayerNormalization) :
+              <tab>Operator type: LayerNormalization Node name: node_layer_norm Node index: 142 ...
+    error:    Unsupported nodes in QNN EP: { name: node_view_1, type: Reshape }{ name: ...
+    """
+    last_pass = list(_PASS.finditer(log))
+    verbose = log[last_pass[-1].start() :] if last_pass else log
+    refused = []
+    for unit_op, members, _reason in _FAILED.findall(verbose):
+        nodes = _UNIT_NODE.findall(members)
+        # A QDQ node unit lists its Q/DQ neighbours too: name the unit's own op
+        name = next((n for op, n in nodes if op == unit_op), nodes[0][1])
+        refused.append(f"{name} ({unit_op})")
+    if refused:
+        return list(dict.fromkeys(refused))
+    lines = _UNSUPPORTED_LINE.findall(log)
+    return [f"{name} ({op})" for name, op in _NODE.findall(lines[-1])] if lines else []
+
+
+def _refused(nodes: list[str], total: int | None = None) -> str:
+    """'3 node(s) not supported by the QNN HTP (Reshape 2, Shape 1): a (Reshape), ... and 1 more'."""
+    ops = Counter(node.rsplit("(", 1)[-1].rstrip(")") for node in nodes)
+    by_op = ", ".join(f"{op} {n}" for op, n in ops.most_common())
+    shown = ", ".join(nodes[:5]) + (f" and {len(nodes) - 5} more" if len(nodes) > 5 else "")
+    of = f" of {total}" if total else ""
+    return f"{len(nodes)}{of} node(s) not supported by the QNN HTP ({by_op}): {shown}"
 
 
 def _fix_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:

@@ -1,6 +1,9 @@
 """ort-qnn: static INT8 QDQ -> QNN EP-context model, run on x86 through HTP emulation, checked against fp32."""
 
 import json
+import os
+import time
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -88,3 +91,62 @@ def test_budget_can_fail(mlp_path, tmp_path):
 def test_bad_options(mlp_path, tmp_path, opt, msg):
     with pytest.raises(UsageError, match=msg):
         compile_model(str(mlp_path), tmp_path / "a", CompileOptions(targets=["ort-qnn"], target_options=opt))
+
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def child_entry(monkeypatch):
+    """Point one of precast's isolated entries at tests/targets/crash_entries.py (the child imports it)."""
+    from precast.compiler import isolated
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
+
+    def use(entry: str, func: str) -> None:
+        assert entry in isolated.ENTRIES
+        monkeypatch.setitem(isolated.ENTRIES, entry, f"tests.targets.crash_entries:{func}")
+
+    return use
+
+
+def _error_line(r) -> str:
+    lines = r.err.strip().splitlines()
+    assert len(lines) == 1, r.err  # -q: the error is the only line
+    return lines[0]
+
+
+def test_segfault_in_ep_context_compile_is_exit_5_naming_target_and_stage(cli, mlp_path, tmp_path, child_entry):
+    child_entry("qnn-compile", "segfault")
+    r = cli("compile", mlp_path, "--target", "ort-qnn", "-o", tmp_path / "a", "-q")
+    assert r.code == 5, r.err
+    assert _error_line(r) == "error: target 'ort-qnn' stage 'EP-context compile' crashed (SIGSEGV)"
+    assert not (tmp_path / "a").exists()
+
+
+def test_crash_names_the_nodes_qnn_refused_before_it(cli, mlp_path, tmp_path, child_entry):
+    child_entry("qnn-placement", "segfault_after_qnn_log")
+    child_entry("qnn-compile", "hang")  # never reached: a crashed placement check stops the build
+    t0 = time.perf_counter()
+    r = cli("compile", mlp_path, "--target", "ort-qnn", "-o", tmp_path / "a", "-q")
+    assert r.code == 5, r.err
+    assert _error_line(r) == (
+        "error: target 'ort-qnn' stage 'placement check' crashed (SIGSEGV); QNN listed 2 node(s) not supported "
+        "by the QNN HTP (Shape 1, GatherND 1): node_Shape_4 (Shape), node_GatherND_75 (GatherND)"
+    )
+    assert time.perf_counter() - t0 < 60
+
+
+def test_hung_vendor_step_is_killed_at_the_timeout(cli, mlp_path, tmp_path, child_entry):
+    child_entry("qnn-placement", "hang")
+    t0 = time.perf_counter()
+    r = cli("compile", mlp_path, "-t", "ort-qnn", "--target-option", "timeout_s=2", "-o", tmp_path / "a", "-q")
+    assert r.code == 5, r.err
+    assert _error_line(r) == "error: target 'ort-qnn' stage 'placement check' did not finish in 2 s and was killed"
+    assert time.perf_counter() - t0 < 60
+
+
+def test_manifest_records_placement(qnn_art):
+    block = json.loads((qnn_art / "manifest.json").read_text())["target"]
+    assert block["placement"] == {"on_htp": block["placement"]["nodes"], "nodes": block["placement"]["nodes"]}
+    assert block["placement"]["nodes"] >= 5  # Q, MatMul/Gemm + DQ pairs, Relu, ... as ORT partitioned them
