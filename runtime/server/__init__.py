@@ -94,7 +94,12 @@ def _bind(host: str, port: int) -> socket.socket:
     """The server's socket, bound here (as uvicorn would) so a bad address is one line, not a traceback."""
     from precast.runtime.errors import UsageError
 
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the listening socket
+    # says it is TCP. Without it Nagle held every keep-alive response body until the client's delayed ACK:
+    # +40 ms per request after the first on a connection (tiny MLP p50 48 ms -> 4.5 ms).
+    sock = socket.socket(
+        socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP
+    )
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

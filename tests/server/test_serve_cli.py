@@ -168,3 +168,33 @@ def test_load_generator_reports_and_loses_nothing(mlp_a, tmp_path):
 
     (row,) = json.loads(out.read_text())
     assert row["ok"] == 20 and row["failed"] == 0 and row["p99"] >= row["p50"] > 0
+
+
+def test_keep_alive_responses_are_not_held_by_nagle(mlp_a):
+    """serve's socket was created with protocol 0, so asyncio never set TCP_NODELAY on its connections and
+    every response after the first on a keep-alive connection waited ~40 ms for the client's delayed ACK."""
+    from precast.runtime.server import _bind
+
+    with _bind("127.0.0.1", 0) as sock:
+        assert sock.proto == socket.IPPROTO_TCP
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "precast", "serve", str(mlp_a), "--port", str(port), "--model-name", "mlp",
+         "--max-queue-delay-ms", "0", "--log-level", "warning"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(lambda: httpx.get(f"{url}/ready", timeout=2).status_code == 200, 60, "/ready")
+        body = v2_body(np.ones((2, 8), np.float32))
+        with httpx.Client(timeout=10) as c:  # one keep-alive connection
+            c.post(f"{url}/v2/models/mlp/infer", json=body)
+            times = []
+            for _ in range(15):
+                t0 = time.perf_counter()
+                assert c.post(f"{url}/v2/models/mlp/infer", json=body).status_code == 200
+                times.append(time.perf_counter() - t0)
+        assert sorted(times)[len(times) // 2] < 0.035, times  # Nagle + delayed ACK made every one >= 40 ms
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
