@@ -6,7 +6,26 @@ import click
 
 from precast.cli.main import cli
 from precast.cli.output import THREADS
-from precast.runtime.server.config import ServerConfig
+from precast.runtime.llm.scheduler import SchedulerConfig
+from precast.runtime.server.config import API_KEY_ENV, ServerConfig
+
+
+class _MemorySize(click.ParamType):
+    name = "size"
+
+    def convert(self, value, param, ctx):
+        from precast.runtime.errors import UsageError
+        from precast.runtime.server.kv_memory import parse_size
+
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except UsageError as e:
+            self.fail(str(e), param, ctx)
+
+
+MEMORY_SIZE = _MemorySize()
 
 
 @cli.command("serve")
@@ -102,6 +121,31 @@ from precast.runtime.server.config import ServerConfig
 @click.option("--no-verify", is_flag=True, help="Skip re-running the stored parity feeds on load/reload.")
 @click.option("--num-blocks", default=None, type=click.IntRange(1), help="LLM: KV cache blocks in the pool.")
 @click.option(
+    "--kv-cache-memory",
+    default=None,
+    type=MEMORY_SIZE,
+    help="LLM: KV cache size instead of --num-blocks, e.g. 512MiB, 2GiB, 1.5GB (converted to whole blocks).",
+)
+@click.option(
+    "--max-num-seqs",
+    default=None,
+    type=click.IntRange(1),
+    help=f"LLM: requests in the running batch at once (default {SchedulerConfig.max_num_seqs}).",
+)
+@click.option(
+    "--max-num-batched-tokens",
+    default=None,
+    type=click.IntRange(1),
+    help=f"LLM: token budget of one engine step (default {SchedulerConfig.max_num_batched_tokens}).",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar=API_KEY_ENV,
+    help="Key the inference endpoints (/v1/*, /v2/models/*/infer) require as 'Authorization: Bearer <key>' "
+    "(not empty; /health, /ready, /metrics stay open).",
+)
+@click.option(
     "--log-level",
     default="info",
     show_default=True,
@@ -127,6 +171,10 @@ def serve_cmd(
     max_connections,
     no_verify,
     num_blocks,
+    kv_cache_memory,
+    max_num_seqs,
+    max_num_batched_tokens,
+    api_key,
     log_level,
 ):
     """Serve ARTIFACT over HTTP until SIGINT/SIGTERM; SIGHUP or POST /admin/reload hot-reloads it."""
@@ -134,7 +182,18 @@ def serve_cmd(
     from precast.runtime.server.host import check_path
 
     check_path(artifact)
-    llm = {"num_blocks": num_blocks} if num_blocks else {}
+    if num_blocks is not None and kv_cache_memory is not None:
+        raise click.UsageError("--kv-cache-memory and --num-blocks both size the KV pool: give one of them")
+    llm = {
+        k: v
+        for k, v in {
+            "num_blocks": num_blocks,
+            "kv_cache_memory": kv_cache_memory,
+            "max_num_seqs": max_num_seqs,
+            "max_num_batched_tokens": max_num_batched_tokens,
+        }.items()
+        if v is not None
+    }
     serve(
         ServerConfig(
             artifact,
@@ -146,6 +205,7 @@ def serve_cmd(
             max_queue=max_queue,
             request_timeout=request_timeout,
             admin_token=admin_token,
+            api_key=api_key,
             threads=threads,
             instances=instances,
             drain_timeout=drain_timeout,

@@ -28,7 +28,7 @@ from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.metrics import EngineCounters, EngineMetrics
 from precast.runtime.llm.prompt import prompt_ids
 from precast.runtime.llm.request import Request, Status
-from precast.runtime.llm.sampler import SamplingParams, is_int, sample
+from precast.runtime.llm.sampler import SamplingParams, is_int, sample, token_logprobs
 from precast.runtime.llm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, checked_config
 
 __all__ = ["Engine"]
@@ -360,7 +360,7 @@ class Engine:
         handle = self._handles[req.request_id]
         p = req.params
         try:
-            tok = sample(logits, p, req.token_ids, req.rng)
+            tok = sample(logits, p, req.token_ids, req.rng, len(req.prompt_ids))
         except LLMRequestError as e:  # (NaN logits) this request fails, the others go on
             handle._fail(str(e), e)
             self._fail(req)
@@ -377,7 +377,8 @@ class Engine:
             self.counters.requests_finished += 1
             self._forget(req.request_id)
         holdback = max(map(len, p.stop)) - 1 if p.stop else 0
-        handle._push(tok, text, holdback)
+        lp = None if p.logprobs is None else token_logprobs(logits, tok, p.logprobs)  # (opt-in: costs a softmax)
+        handle._push(tok, text, holdback, lp)
         if handle.error is not None:  # its on_token callback raised
             self._fail(req)
         return 1

@@ -30,6 +30,13 @@ class TokenEvent(NamedTuple):  # (a NamedTuple: built once per token per request
     text: str  # new text this token made visible ('' while a stop string or a UTF-8 sequence is pending)
     index: int  # 0-based index among the output tokens
     finish_reason: str | None = None  # set on the last event
+    # With SamplingParams.logprobs = k: (logprob of token_id, ((id, logprob) of the top k, best first)), on
+    # a _LogprobEvent; a plain event says None (and stays the 4-tuple it always was).
+    logprobs = None
+
+
+class _LogprobEvent(TokenEvent):
+    """A TokenEvent carrying ``logprobs`` (only requests that ask for them pay for the attribute)."""
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,7 @@ class RequestHandle:
         return None if self.t_first_token is None else self.t_first_token - self.t_submit
 
     # -- engine side ---------------------------------------------------------------------------
-    def _push(self, token_id: int, visible_text: str | None, stop_holdback: int) -> None:
+    def _push(self, token_id: int, visible_text: str | None, stop_holdback: int, logprobs=None) -> None:
         """Record one new output token; visible_text = the decoded output so far (None: no tokenizer)."""
         if self.t_first_token is None:
             self.t_first_token = time.perf_counter()
@@ -93,7 +100,12 @@ class RequestHandle:
         delta = self.text[self._emitted : max(end, self._emitted)]
         self._emitted = max(end, self._emitted)
         r = self.request  # (index without slicing the output list every token)
-        ev = TokenEvent(token_id, delta, len(r.token_ids) - len(r.prompt_ids) - 1, r.finish_reason)
+        index = len(r.token_ids) - len(r.prompt_ids) - 1
+        if logprobs is None:
+            ev = TokenEvent(token_id, delta, index, r.finish_reason)
+        else:
+            ev = _LogprobEvent(token_id, delta, index, r.finish_reason)
+            ev.logprobs = logprobs
         self._events.append(ev)
         if self.on_token is not None:
             try:

@@ -1,8 +1,12 @@
 """Sampling parameters and the sampler: one request's logits -> one token id.
 
-Order (as in Hugging Face's logits processors): repetition penalty, temperature, top-k, top-p, then a draw
-from the request's own numpy Generator (seeded per request, so a request's tokens do not depend on what
-else runs in the batch). temperature == 0 means greedy.
+Order (as in Hugging Face's logits processors): repetition penalty, OpenAI's presence / frequency penalties,
+temperature, top-k, top-p, then a draw from the request's own numpy Generator (seeded per request, so a
+request's tokens do not depend on what else runs in the batch). temperature == 0 means greedy.
+
+Log-probabilities (``logprobs``, opt-in per request) are the model's own: the log-softmax of the raw logits,
+before any penalty, temperature or top-k/top-p (what OpenAI reports, and vLLM's default). So a greedy token
+without penalties always has the largest logprob.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import numpy as np
 
 from precast.runtime.errors import LLMRequestError
 
-__all__ = ["SamplingParams", "filtered_probs", "is_int", "sample"]
+__all__ = ["SamplingParams", "filtered_probs", "is_int", "sample", "token_logprobs"]
+
+MAX_LOGPROBS = 20  # top alternatives one token may report (OpenAI's top_logprobs cap)
 
 
 @dataclass(frozen=True)
@@ -25,11 +31,14 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0  # OpenAI's: logit - (count > 0) * presence, over the generated tokens
+    frequency_penalty: float = 0.0  # OpenAI's: logit - count * frequency, over the generated tokens
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     detokenize: bool = True  # False: token ids only (no text, no stop strings), less work per token
+    logprobs: int | None = None  # k >= 0: each token's logprob and the top k (TokenEvent.logprobs)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -42,7 +51,7 @@ class SamplingParams:
             object.__setattr__(self, "stop", tuple(stop))
         if isinstance(ids, Iterable) and not isinstance(ids, (str, bytes, dict)):
             object.__setattr__(self, "stop_token_ids", tuple(int(t) if is_int(t) else t for t in ids))
-        for name in ("max_tokens", "top_k", "seed"):
+        for name in ("max_tokens", "top_k", "seed", "logprobs"):
             if is_int(getattr(self, name)):
                 object.__setattr__(self, name, int(getattr(self, name)))
 
@@ -59,6 +68,13 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not _is_real(rp) or not (rp > 0 and np.isfinite(rp)):
             raise LLMRequestError(f"repetition_penalty must be a number > 0, got {rp!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise LLMRequestError(f"{name} must be a number in [-2, 2], got {v!r}")
+        lp = self.logprobs
+        if lp is not None and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise LLMRequestError(f"logprobs must be None or an integer 0-{MAX_LOGPROBS}, got {lp!r}")
         seed = self.seed
         if seed is not None and (not is_int(seed) or seed < 0):
             raise LLMRequestError(f"seed must be a non-negative integer, got {seed!r}")
@@ -76,6 +92,13 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def plain(self) -> bool:
+        """No penalty changes the logits."""
+        return (
+            self.repetition_penalty == 1.0 and self.presence_penalty == 0.0 and self.frequency_penalty == 0.0
+        )
 
 
 def is_int(v) -> bool:
@@ -98,9 +121,33 @@ def _apply_repetition_penalty(logits: np.ndarray, history: Sequence[int], penalt
     return logits
 
 
-def filtered_probs(logits: np.ndarray, params: SamplingParams, history: Sequence[int] = ()) -> np.ndarray:
-    """The distribution a non-greedy draw samples from (zeros outside the top-k / top-p support)."""
-    x = _apply_repetition_penalty(np.asarray(logits, dtype=np.float64), history, params.repetition_penalty)
+def _apply_openai_penalties(
+    logits: np.ndarray, generated: Sequence[int], params: SamplingParams
+) -> np.ndarray:
+    """logit[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty (OpenAI's definition)."""
+    if (params.presence_penalty == 0.0 and params.frequency_penalty == 0.0) or not len(generated):
+        return logits
+    ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+    logits = np.array(logits, dtype=np.float64)
+    logits[ids] -= counts * params.frequency_penalty + params.presence_penalty
+    return logits
+
+
+def _penalized(
+    logits: np.ndarray, params: SamplingParams, history: Sequence[int], num_prompt: int
+) -> np.ndarray:
+    x = _apply_repetition_penalty(logits, history, params.repetition_penalty)
+    if params.presence_penalty == 0.0 and params.frequency_penalty == 0.0:
+        return x
+    return _apply_openai_penalties(x, history[num_prompt:], params)
+
+
+def filtered_probs(
+    logits: np.ndarray, params: SamplingParams, history: Sequence[int] = (), num_prompt: int = 0
+) -> np.ndarray:
+    """The distribution a non-greedy draw samples from (zeros outside the top-k / top-p support).
+    ``history[num_prompt:]`` are the generated tokens (presence / frequency penalties count those)."""
+    x = _penalized(np.asarray(logits, dtype=np.float64), params, history, num_prompt)
     # Shift before dividing: the max logit becomes 0, so a tiny temperature sends the others to -inf (one-hot on
     # the argmax) instead of overflowing everything to inf and the softmax to NaN.
     with np.errstate(over="ignore"):
@@ -124,18 +171,36 @@ def filtered_probs(logits: np.ndarray, params: SamplingParams, history: Sequence
 
 
 def sample(
-    logits: np.ndarray, params: SamplingParams, history: Sequence[int], rng: np.random.Generator
+    logits: np.ndarray,
+    params: SamplingParams,
+    history: Sequence[int],
+    rng: np.random.Generator,
+    num_prompt: int = 0,
 ) -> int:
-    """Pick the next token of one request. history = prompt + generated ids (for the repetition penalty)."""
+    """Pick the next token of one request. history = prompt + generated ids (for the penalties; the first
+    ``num_prompt`` are the prompt's, which presence / frequency penalties leave out)."""
     if params.greedy:
-        if params.repetition_penalty == 1.0:
+        if params.plain:
             return int(np.asarray(logits).argmax())
-        x = _apply_repetition_penalty(np.asarray(logits), history, params.repetition_penalty)
-        return int(np.argmax(x))
-    p = filtered_probs(logits, params, history)
+        return int(np.argmax(_penalized(np.asarray(logits), params, history, num_prompt)))
+    p = filtered_probs(logits, params, history, num_prompt)
     if not np.isfinite(p).all():  # NaN logits from the model: no distribution to draw from
         raise LLMRequestError(f"cannot sample: the logits are not finite (temperature {params.temperature})")
     # inverse-CDF draw: one uniform per token, so the stream of draws is reproducible from the seed
     c = np.cumsum(p)
     idx = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
     return idx if idx < p.shape[-1] else int(np.flatnonzero(p)[-1])
+
+
+def token_logprobs(logits: np.ndarray, token: int, k: int) -> tuple[float, tuple[tuple[int, float], ...]]:
+    """(logprob of ``token``, the top ``k`` (id, logprob) by descending logprob) under the model's raw logits."""
+    x = np.asarray(logits, dtype=np.float64)
+    m = x.max()
+    lp = x - (m + np.log(np.exp(x - m).sum()))
+    top: tuple[tuple[int, float], ...] = ()
+    if k > 0:
+        k = min(k, lp.shape[-1])
+        idx = np.argpartition(-lp, k - 1)[:k]
+        idx = idx[np.argsort(-lp[idx], kind="stable")]
+        top = tuple((int(i), float(lp[i])) for i in idx)
+    return float(lp[token]), top

@@ -40,3 +40,42 @@ class TextTokenizer:
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def token_bytes(self, token_id: int) -> bytes | None:
+        """The bytes one token stands for, when its piece spells them (byte-level BPE, or a SentencePiece
+        byte-fallback piece like <0xE2>); None otherwise. Alone, such a token may be part of a character."""
+        piece = self._tok.id_to_token(int(token_id))
+        if piece is None:
+            return None
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return bytes([int(piece[3:5], 16)])
+            except ValueError:
+                return None
+        table = _byte_level_table()
+        if all(c in table for c in piece):
+            return bytes(table[c] for c in piece)
+        return None
+
+
+_BYTE_LEVEL: dict[str, int] | None = None
+
+
+def _byte_level_table() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character standing for each byte -> that byte."""
+    global _BYTE_LEVEL
+    if _BYTE_LEVEL is None:
+        keep = [
+            *range(ord("!"), ord("~") + 1),
+            *range(ord("\xa1"), ord("\xac") + 1),
+            *range(ord("\xae"), 256),
+        ]
+        chars, extra = {}, 0
+        for b in range(256):
+            if b in keep:
+                chars[chr(b)] = b
+            else:
+                chars[chr(256 + extra)] = b
+                extra += 1
+        _BYTE_LEVEL = chars
+    return _BYTE_LEVEL

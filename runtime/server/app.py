@@ -140,6 +140,10 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
         max_request_bytes=config.max_request_bytes,
         max_inflight_bytes=config.max_inflight_bytes,
     )
+    if config.api_key is not None:  # outside the body limit: no key, no body read
+        from precast.runtime.server.api_key import ApiKeyMiddleware
+
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
     app.add_middleware(_MetricsMiddleware, metrics=state.metrics)
 
     def check_model(name: str):

@@ -29,9 +29,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ADMIN_TOKEN_ENV", "ServerConfig", "is_loopback"]
+__all__ = ["ADMIN_TOKEN_ENV", "API_KEY_ENV", "ServerConfig", "is_loopback"]
 
 ADMIN_TOKEN_ENV = "PRECAST_ADMIN_TOKEN"
+API_KEY_ENV = "PRECAST_API_KEY"
 MiB = 1 << 20
 
 # Fields that must be positive integers (checked in __post_init__, so a library caller gets one line too).
@@ -58,6 +59,7 @@ class ServerConfig:
     max_queue: int = 256
     request_timeout: float = 60.0  # seconds; 504 after that
     admin_token: str | None = None  # default: $PRECAST_ADMIN_TOKEN (empty there = unset)
+    api_key: str | None = None  # inference endpoints need "Bearer <key>"; default: $PRECAST_API_KEY
     threads: int | None = None  # ORT intra-op threads per session
     instances: int = 1  # batcher worker threads (model calls in parallel)
     drain_timeout: float = 30.0  # graceful shutdown: seconds to finish in-flight requests
@@ -87,6 +89,14 @@ class ServerConfig:
             raise UsageError(
                 "--admin-token must not be empty (an empty token would let anyone in); "
                 "omit it to keep admin endpoints loopback-only"
+            )
+        if self.api_key is None:
+            self.api_key = os.environ.get(API_KEY_ENV) or None
+        elif not isinstance(self.api_key, str):
+            raise UsageError(f"api_key must be a string, got {type(self.api_key).__name__}")
+        elif not self.api_key.strip():
+            raise UsageError(
+                "--api-key must not be empty (an empty key would let anyone in); omit it for open endpoints"
             )
         if self.max_inflight_bytes is None and isinstance(self.max_request_bytes, int):
             self.max_inflight_bytes = 8 * self.max_request_bytes

@@ -1,9 +1,13 @@
 """OpenAI-compatible /v1/completions and /v1/chat/completions (JSON or server-sent events) for LLM artifacts.
 
-Supported request fields: model, prompt | messages (roles system, user, assistant), max_tokens
-(max_completion_tokens), temperature, top_p, top_k, seed, stop, repetition_penalty, ignore_eos, stream,
-stream_options.include_usage, n == 1, priority (also the ``X-Priority`` header). Anything else OpenAI defines
-is ignored. A client that disconnects cancels its request in the engine, which frees its KV blocks.
+Which request fields are supported, and which are a 400, is openai_params.py's docstring. ``n`` > 1 and a
+list of prompts submit one engine request per choice (prefix caching shares the prompt's KV blocks);
+streamed choices interleave, each chunk carrying its choice's ``index``. A client that disconnects
+cancels its requests in the engine, which frees their KV blocks.
+
+Logprobs are the model's own (log-softmax of the raw logits, before penalties and temperature: what
+OpenAI reports). Token strings are each token decoded alone; one that is part of a multi-byte character is named
+by its bytes ('bytes:\\xe2\\x80', OpenAI's habit); ``bytes`` are the token's bytes.
 
 Everything a request is checked for happens before a response starts (a 400, never a cut stream), and
 off the event loop: the chat template, the prompt's checks and its tokenization run in a worker thread,
@@ -25,110 +29,105 @@ from precast.runtime.errors import LLMRequestError, PrecastError
 from precast.runtime.server.app import read_openai_body
 from precast.runtime.server.batcher import QueueFullError
 from precast.runtime.server.bodies import openai_error
-from precast.runtime.server.llm_service import parse_priority
+from precast.runtime.server.openai_params import prepare, sampling_params
 
 __all__ = ["add_llm_routes", "sampling_params"]
 
 
-def sampling_params(body: dict, max_stop_strings: int | None = None, max_stop_chars: int | None = None):
-    """SamplingParams from an OpenAI body; stop strings bounded (every step searches the output for each)."""
-    from precast.runtime.llm.sampler import SamplingParams
-
-    def num(key, default, kind=float):
-        v = body.get(key)
-        if v is None:
-            return default
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (kind is int and not isinstance(v, int)):
-            raise LLMRequestError(f"'{key}' must be {'an integer' if kind is int else 'a number'}, got {v!r}")
-        return kind(v)
-
-    n = body.get("n", 1)
-    if n != 1:
-        raise LLMRequestError(f"'n' must be 1 (one choice per request), got {n!r}")
-    stop = body.get("stop")
-    if stop is None:
-        stop = ()
-    elif isinstance(stop, str):  # "" is kept: validate() rejects it, as the CLI's --stop ''
-        stop = (stop,)
-    if not isinstance(stop, (list, tuple)):
-        raise LLMRequestError("'stop' must be a string or a list of strings")
-    if max_stop_strings is not None and len(stop) > max_stop_strings:
-        raise LLMRequestError(f"'stop' has {len(stop)} strings; this server takes at most {max_stop_strings}")
-    if not all(isinstance(s, str) for s in stop):
-        raise LLMRequestError("'stop' must be a string or a list of strings")
-    if max_stop_chars is not None:
-        longest = max(map(len, stop), default=0)
-        if longest > max_stop_chars:
-            raise LLMRequestError(
-                f"'stop' has a string of {longest} characters; this server takes at most {max_stop_chars}"
-            )
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    params = SamplingParams(
-        max_tokens=16 if max_tokens is None else _int("max_tokens", max_tokens),
-        temperature=num("temperature", 1.0),
-        top_p=num("top_p", 1.0),
-        top_k=num("top_k", 0, int),
-        repetition_penalty=num("repetition_penalty", 1.0),
-        seed=num("seed", None, int),
-        stop=tuple(stop),
-        ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension, handy for benchmarks
-    )
-    params.validate()
-    return params
-
-
-def _int(key, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise LLMRequestError(f"'{key}' must be an integer, got {v!r}")
-    return v
-
-
-def _stream_options(body: dict) -> tuple[bool, bool]:
-    """(stream, include_usage), checked before anything is sent: a wrong type found while streaming
-    could only cut the stream."""
-    stream = body.get("stream")
-    if stream is not None and not isinstance(stream, bool):
-        raise LLMRequestError(f"'stream' must be true or false, got {stream!r}")
-    opts = body.get("stream_options")
-    if opts is None:
-        return bool(stream), False
-    if not isinstance(opts, dict):
-        raise LLMRequestError(f"'stream_options' must be an object, got {type(opts).__name__}")
-    usage = opts.get("include_usage", False)
-    if usage is not None and not isinstance(usage, bool):
-        raise LLMRequestError(f"'stream_options.include_usage' must be true or false, got {usage!r}")
-    return bool(stream), bool(usage)
-
-
-def _prepare(svc, body: dict, chat: bool, header_priority, config):
-    """(prompt, params, priority, stream, include_usage) of one request, or LLMRequestError (worker thread)."""
-    if chat:
-        prompt = svc.chat_prompt(body.get("messages"), config.max_text_chars)
-    else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list) and len(prompt) >= svc.max_context:  # before looking at each id
-            raise LLMRequestError(
-                f"prompt has {len(prompt)} tokens; the model's context is {svc.max_context}"
-            )
-        ok_ids = isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)
-        if not (isinstance(prompt, str) and prompt) and not ok_ids:
-            raise LLMRequestError("'prompt' must be a non-empty string or a list of token ids")
-    if isinstance(prompt, str) and len(prompt) > config.max_text_chars:  # tokenizing costs time and memory
-        what = "the rendered chat prompt" if chat else "'prompt'"
-        raise LLMRequestError(
-            f"{what} has {len(prompt)} characters; this server tokenizes at most {config.max_text_chars} "
-            "per request (--max-text-chars)"
-        )
-    params = sampling_params(body, config.max_stop_strings, config.max_stop_chars)
-    priority = parse_priority(body.get("priority", header_priority))
-    stream, include_usage = _stream_options(body)
-    return prompt, params, priority, stream, include_usage
-
-
 def _sse(obj) -> bytes:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+class _Choices:
+    """The token streams of one request's choices, merged: next() gives (index, TokenEvent) as they come."""
+
+    def __init__(self, streams: list):
+        self.streams = streams
+        self.live = set(range(len(streams)))
+        self._pending: dict[asyncio.Future, int] = {}
+
+    async def next(self, timeout: float):
+        """(index, event); (index, None) when that stream ended unfinished (cancelled); None on timeout."""
+        waiting = set(self._pending.values())
+        for i in self.live - waiting:
+            self._pending[asyncio.ensure_future(self.streams[i].__anext__())] = i
+        done, _ = await asyncio.wait(self._pending, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        if not done:
+            return None
+        task = next(iter(done))
+        i = self._pending.pop(task)
+        try:
+            ev = task.result()
+        except StopAsyncIteration:
+            self.live.discard(i)
+            return i, None
+        if ev.finish_reason is not None:
+            self.live.discard(i)
+        return i, ev
+
+    def close(self) -> None:
+        for task in self._pending:
+            task.cancel()
+        self._pending.clear()
+        for s in self.streams:
+            s.close()  # a disconnect lands here too: the engine drops the request
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(s.n_out for s in self.streams)
+
+
+class _Logprobs:
+    """One choice's logprobs in OpenAI's shape: chat ``{"content": [...]}`` or completions' four lists."""
+
+    def __init__(self, tokenizer, chat: bool):
+        self.tokenizer = tokenizer
+        self.chat = chat
+        self.offset = 0  # completions' text_offset of the next token
+        self.content: list = []
+        self.legacy = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+
+    def _token(self, token_id: int) -> tuple[str, list[int]]:
+        """(token string, its bytes). A token that is part of a character alone is named by its bytes,
+        'bytes:\\xe2\\x80' (OpenAI's habit), so that distinct tokens stay distinct."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}", []
+        text = self.tokenizer.decode([token_id])
+        if "\ufffd" in text:
+            raw = self.tokenizer.token_bytes(token_id)
+            if raw is not None:
+                return "bytes:" + "".join(f"\\x{b:02x}" for b in raw), list(raw)
+        return text, list(text.encode())
+
+    def add(self, ev) -> dict | None:
+        """Record ``ev``'s logprobs; returns the same for this event alone (a streamed chunk's)."""
+        if ev.logprobs is None:
+            return None
+        lp, top = ev.logprobs
+        token, raw = self._token(ev.token_id)
+        if self.chat:
+            alternatives = []
+            for i, v in top:
+                t, b = self._token(i)
+                alternatives.append({"token": t, "logprob": v, "bytes": b})
+            entry = {"token": token, "logprob": lp, "bytes": raw, "top_logprobs": alternatives}
+            self.content.append(entry)
+            return {"content": [entry], "refusal": None}
+        alternatives = {self._token(i)[0]: v for i, v in top}
+        alternatives.setdefault(token, lp)  # OpenAI: the sampled token is always among them
+        one = {
+            "tokens": [token],
+            "token_logprobs": [lp],
+            "top_logprobs": [alternatives],
+            "text_offset": [self.offset],
+        }
+        for key, value in one.items():
+            self.legacy[key].extend(value)
+        self.offset += len(token)
+        return one
+
+    def result(self) -> dict:
+        return {"content": self.content, "refusal": None} if self.chat else self.legacy
 
 
 def add_llm_routes(app, state) -> None:
@@ -137,64 +136,79 @@ def add_llm_routes(app, state) -> None:
         svc = served.llm
         if svc is None:
             return openai_error(400, f"model '{state.name}' is not an LLM; use /v2/models/{state.name}/infer")
+        streams: list = []
         try:
             body = await read_openai_body(request, state.name, LLMRequestError)
             if isinstance(body, JSONResponse):
                 return body
-            prompt, params, priority, streaming, include_usage = await run_in_threadpool(
-                _prepare, svc, body, chat, request.headers.get("x-priority"), state.config
+            req = await run_in_threadpool(
+                prepare, svc, body, chat, request.headers.get("x-priority"), state.config
             )
             rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-            stream = await svc.start(prompt, params, priority, rid)
+            for p, ids in enumerate(req.prompts):
+                for j in range(req.n):
+                    k = p * req.n + j
+                    sub = rid if k == 0 else f"{rid}-{k}"
+                    streams.append(await svc.start(ids, req.choice_params(k), req.priority, sub))
         except QueueFullError as e:
+            for s in streams:
+                s.close()
             return openai_error(
                 429, str(e), kind="rate_limit_error", headers={"Retry-After": str(int(e.retry_after))}
             )
         except PrecastError as e:
-            return openai_error(400, str(e))
+            for s in streams:
+                s.close()
+            return openai_error(400, str(e), param=getattr(e, "param", None))
+        choices = _Choices(streams)
         created = int(time.time())
         obj = "chat.completion" if chat else "text_completion"
         timeout = state.config.request_timeout
+        tokenizer = svc.engine.tokenizer
+        logprobs = [_Logprobs(tokenizer, chat) if req.logprobs is not None else None for _ in streams]
+        prompt_tokens = sum(map(len, req.prompts))
 
         def usage() -> dict:
+            done = choices.completion_tokens
             return {
-                "prompt_tokens": stream.prompt_tokens,
-                "completion_tokens": stream.n_out,
-                "total_tokens": stream.prompt_tokens + stream.n_out,
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": done,
+                "total_tokens": prompt_tokens + done,
             }
 
-        if streaming:
+        def chunk(k: int, delta, finish, lp=None) -> dict:
+            return {
+                "id": rid,
+                "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created,
+                "model": state.name,
+                "choices": [_choice_chunk(k, delta, finish, lp, chat)],
+            }
+
+        if req.stream:
 
             async def events():
                 deadline = time.monotonic() + timeout
                 try:
                     if chat:
-                        yield _sse(
-                            _chunk(rid, created, state.name, {"role": "assistant", "content": ""}, None, chat)
-                        )
-                    while True:
-                        try:
-                            ev = await asyncio.wait_for(
-                                stream.__anext__(), max(0.0, deadline - time.monotonic())
-                            )
-                        except StopAsyncIteration:
+                        for k in range(len(streams)):
+                            yield _sse(chunk(k, {"role": "assistant", "content": ""}, None))
+                    while choices.live:
+                        got = await choices.next(max(0.0, deadline - time.monotonic()))
+                        if got is None:
+                            error = {
+                                "message": f"request timed out after {timeout:g} s",
+                                "type": "timeout",
+                                "code": 504,
+                            }
+                            yield _sse({"error": error})
                             break
-                        except asyncio.TimeoutError:
-                            yield _sse(
-                                {
-                                    "error": {
-                                        "message": f"request timed out after {timeout:g} s",
-                                        "type": "timeout",
-                                        "code": 504,
-                                    }
-                                }
-                            )
-                            break
-                        delta = {"content": ev.text} if chat else ev.text
-                        yield _sse(_chunk(rid, created, state.name, delta, ev.finish_reason, chat))
-                        if ev.finish_reason is not None:
-                            break
-                    if include_usage:
+                        k, ev = got
+                        if ev is None:
+                            continue
+                        lp = logprobs[k].add(ev) if logprobs[k] is not None else None
+                        yield _sse(chunk(k, {"content": ev.text} if chat else ev.text, ev.finish_reason, lp))
+                    if req.include_usage:
                         yield _sse(
                             {
                                 "id": rid,
@@ -207,7 +221,7 @@ def add_llm_routes(app, state) -> None:
                         )
                     yield b"data: [DONE]\n\n"
                 finally:
-                    stream.close()  # a disconnect lands here too: the engine drops the request
+                    choices.close()
 
             return StreamingResponse(
                 events(),
@@ -217,41 +231,48 @@ def add_llm_routes(app, state) -> None:
 
         # Non-streaming: collect, but watch for the client going away and for the timeout.
         deadline = time.monotonic() + timeout
-        text, finish = [], None
+        texts: list[list[str]] = [[] for _ in streams]
+        finish: list[str | None] = [None] * len(streams)
         try:
-            while finish is None:
-                try:
-                    ev = await asyncio.wait_for(stream.__anext__(), 0.25)
-                except asyncio.TimeoutError:
+            while choices.live:
+                got = await choices.next(0.25)
+                if got is None:
                     if await request.is_disconnected():
                         return openai_error(499, "client disconnected")
                     if time.monotonic() > deadline:
                         return openai_error(504, f"request timed out after {timeout:g} s", kind="timeout")
                     continue
-                except StopAsyncIteration:
-                    finish = "cancelled"
-                    break
-                text.append(ev.text)
-                finish = ev.finish_reason
+                k, ev = got
+                if ev is None:
+                    finish[k] = "cancelled"
+                    continue
+                texts[k].append(ev.text)
+                finish[k] = ev.finish_reason
+                if logprobs[k] is not None:
+                    logprobs[k].add(ev)
         finally:
-            stream.close()
-        out = "".join(text)
-        choice = (
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": out},
-                "finish_reason": finish,
-                "logprobs": None,
-            }
-            if chat
-            else {"index": 0, "text": out, "finish_reason": finish, "logprobs": None}
-        )
+            choices.close()
+        out = []
+        for k, parts in enumerate(texts):
+            lp = logprobs[k].result() if logprobs[k] is not None else None
+            text = "".join(parts)
+            if chat:
+                out.append(
+                    {
+                        "index": k,
+                        "message": {"role": "assistant", "content": text},
+                        "finish_reason": finish[k],
+                        "logprobs": lp,
+                    }
+                )
+            else:
+                out.append({"index": k, "text": text, "finish_reason": finish[k], "logprobs": lp})
         return {
             "id": rid,
             "object": obj,
             "created": created,
             "model": state.name,
-            "choices": [choice],
+            "choices": out,
             "usage": usage(),
         }
 
@@ -264,25 +285,12 @@ def add_llm_routes(app, state) -> None:
         return await handle(request, chat=True)
 
 
-def _chunk(rid: str, created: int, model: str, delta, finish: str | None, chat: bool) -> dict:
+def _choice_chunk(index: int, delta, finish: str | None, logprobs: dict | None, chat: bool) -> dict:
     if chat:
-        choice = {
-            "index": 0,
+        return {
+            "index": index,
             "delta": delta if finish is None or delta.get("content") else {},
             "finish_reason": finish,
-            "logprobs": None,
+            "logprobs": logprobs,
         }
-        return {
-            "id": rid,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [choice],
-        }
-    return {
-        "id": rid,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [{"index": 0, "text": delta, "finish_reason": finish, "logprobs": None}],
-    }
+    return {"index": index, "text": delta, "finish_reason": finish, "logprobs": logprobs}

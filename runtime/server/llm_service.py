@@ -82,11 +82,22 @@ class LLMService:
 
     @classmethod
     def from_artifact(
-        cls, path: Path, num_blocks: int | None = None, max_active: int = 256, **_ignored
+        cls,
+        path: Path,
+        num_blocks: int | None = None,
+        max_active: int = 256,
+        *,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        kv_cache_memory: int | None = None,
+        **_ignored,
     ) -> LLMService:
+        """``kv_cache_memory`` (bytes) sizes the KV pool instead of ``num_blocks``; the two scheduler
+        options override SchedulerConfig's defaults (`precast serve --max-num-seqs ...`)."""
         from precast.runtime.llm.engine import Engine
 
-        engine = Engine.load(path, num_blocks=num_blocks)
+        options = _engine_options(path, num_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_memory)
+        engine = Engine.load(path, **options)
         try:
             service = cls(engine, Path(path), read_manifest(path), max_active=max_active)
             service.warm_up()
@@ -263,6 +274,31 @@ class TokenStream:
                 scheduled = self.handle.request.t_scheduled
                 if scheduled is not None:
                     m.llm_queue_time.observe(max(0.0, scheduled - self.handle.t_submit))
+
+
+def _engine_options(path, num_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_memory) -> dict:
+    """Engine.load's num_blocks and config from the serve options (UsageError naming a bad one)."""
+    from precast.runtime.errors import UsageError
+    from precast.runtime.llm.model_runner import LLMSpec
+    from precast.runtime.llm.scheduler import SchedulerConfig, checked_config
+    from precast.runtime.server.kv_memory import blocks_for_memory
+
+    spec = LLMSpec.from_manifest(read_manifest(path), str(path))
+    if kv_cache_memory is not None:
+        if num_blocks is not None:
+            raise UsageError("--kv-cache-memory and --num-blocks both size the KV pool: give one of them")
+        num_blocks = blocks_for_memory(spec, kv_cache_memory)
+    sizes = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+    config = checked_config(SchedulerConfig(**{k: v for k, v in sizes.items() if v is not None}))
+    if spec.kv_layout == "mapped" and config.max_num_seqs > _MAPPED_SLOTS:
+        raise UsageError(
+            f"--max-num-seqs {config.max_num_seqs}: this artifact's mapped KV pool runs at most "
+            f"{_MAPPED_SLOTS} requests at once"
+        )
+    return {"num_blocks": num_blocks, "config": config}
+
+
+_MAPPED_SLOTS = 64  # MappedModelRunner's request slots (its default; Engine.load does not change it)
 
 
 def _load_template(path: Path, manifest: dict):

@@ -1,0 +1,67 @@
+"""KV cache memory as a size (``--kv-cache-memory 2GiB``) -> blocks of the artifact's KV pool.
+
+One block holds ``block_size`` tokens of K and V for every layer and KV head, in float32 (what both model
+runners allocate):  layers x 2 x kv_heads x block_size x head_size x 4 bytes. A ``mapped`` pool may round
+the block size up to whole pages on this host (mapped_kv.page_block_size), and is sized with that.
+"""
+
+from __future__ import annotations
+
+import mmap
+import re
+
+from precast.runtime.errors import UsageError
+
+__all__ = ["KV_ITEMSIZE", "block_bytes", "blocks_for_memory", "parse_size"]
+
+KV_ITEMSIZE = 4  # float32 K/V pools
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 1 << 10,
+    "MIB": 1 << 20,
+    "GIB": 1 << 30,
+    "TIB": 1 << 40,
+}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'512MiB', '2GiB', '1.5GB', '4096B' -> bytes; anything else (no unit, negative, 'lots') -> UsageError."""
+    m = _SIZE.fullmatch(text.strip()) if isinstance(text, str) else None
+    if m is None:
+        raise UsageError(
+            f"not a memory size: {text!r} (write a number and a unit: 512MiB, 2GiB, 1.5GB; units B, KB, MB, "
+            "GB, TB, KiB, MiB, GiB, TiB)"
+        )
+    n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if n < 1:
+        raise UsageError(f"memory size must be at least 1 byte, got {text!r}")
+    return n
+
+
+def block_bytes(spec) -> int:
+    """Bytes of one KV block of ``spec`` (an LLMSpec) on this host."""
+    block_size = spec.block_size
+    if spec.kv_layout == "mapped" and (block_size * spec.head_size * KV_ITEMSIZE) % mmap.PAGESIZE:
+        from precast.runtime.llm.mapped_kv import page_block_size
+
+        block_size = page_block_size(spec.head_size, at_least=block_size)
+    return spec.layers * 2 * spec.kv_heads * block_size * spec.head_size * KV_ITEMSIZE
+
+
+def blocks_for_memory(spec, nbytes: int) -> int:
+    """The most KV blocks that fit in ``nbytes`` (at least one, else UsageError). A pool smaller than the
+    context still serves short requests; a prompt too long for it is a 400."""
+    per_block = block_bytes(spec)
+    blocks = nbytes // per_block
+    if blocks < 1:
+        raise UsageError(
+            f"--kv-cache-memory {nbytes} bytes holds no KV block (one block is {per_block} bytes: "
+            f"{spec.layers} layers x 2 x {spec.kv_heads} KV heads x block {spec.block_size} x head {spec.head_size} "
+            f"x {KV_ITEMSIZE} bytes)"
+        )
+    return int(blocks)
