@@ -34,7 +34,31 @@ __all__ = [
 ]
 
 LLAMA_FAMILY = ("llama", "mistral", "qwen2")
-SUPPORTED = (*LLAMA_FAMILY, "gpt2")
+# Through the generic path (generic_decoder.py: the model's own forward, precast's paged attention), each
+# one tested token for token against transformers. Other architectures may try it: a wrong one fails the
+# pre-export check against the model's own forward (exit 2).
+GENERIC = (
+    "qwen3",
+    "phi3",
+    "gemma",
+    "granite",
+    "gemma2",
+    "olmo",
+    "olmo2",
+    "stablelm",
+    "gpt_neox",
+    "gptj",
+    "phi",
+    "starcoder2",
+    "opt",
+    "gemma3_text",
+)
+SUPPORTED = (*LLAMA_FAMILY, "gpt2", *GENERIC)
+# Known not to fit: their attention does not go through transformers' attention interface.
+REFUSED = {
+    "falcon": "its attention does not go through transformers' attention interface",
+    "bloom": "ALiBi attention (bloom's own attention code, not transformers' attention interface)",
+}
 BLOCK_SIZE = 16
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -46,10 +70,10 @@ _TOKENIZER_FILES = (
 
 def _check_architecture(folder: Path, config: dict) -> str:
     model_type = config.get("model_type", "?")
-    if model_type not in SUPPORTED:
+    if model_type in REFUSED or model_type == "?":
         raise ModelLoadError(
             f"{folder}: architecture '{model_type}' is not supported for task causal-lm "
-            f"(supported: {', '.join(SUPPORTED)})"
+            f"({REFUSED.get(model_type, 'no model_type in config.json')}; supported: {', '.join(SUPPORTED)})"
         )
     scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
     kind = (
@@ -59,10 +83,6 @@ def _check_architecture(folder: Path, config: dict) -> str:
         # The graph computes rotary with the model's own rotary module at fixed frequencies; types that
         # rescale by sequence length at run time (dynamic, longrope, yarn's attention factor) are refused.
         raise ModelLoadError(f"{folder}: rope_scaling type '{kind}' is not supported for task causal-lm")
-    if model_type == "qwen2" and config.get("use_sliding_window"):
-        raise ModelLoadError(
-            f"{folder}: qwen2 with use_sliding_window=true is not supported for task causal-lm"
-        )
     return model_type
 
 
@@ -73,11 +93,24 @@ def _ids(value) -> list[int]:
 
 
 def _context(config: dict) -> int:
-    ctx = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    """The mapped Llama family's context: MappedLlama does not mask windows, so Mistral stops at its window."""
+    ctx = _max_positions(config)
     window = config.get("sliding_window")
     if window and config.get("model_type") == "mistral":
         ctx = min(ctx, int(window))  # beyond the window Mistral attends differently; refuse longer contexts
     return ctx
+
+
+def _max_positions(config: dict) -> int:
+    return int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+
+
+def _windowed(config: dict) -> bool:
+    """A sliding window that a full-context request would outgrow (the generic path masks it)."""
+    window = config.get("sliding_window")
+    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window"):
+        return False
+    return bool(window) and int(window) < _max_positions(config)
 
 
 def llm_block(folder: Path, config: dict, module) -> dict:
@@ -90,11 +123,14 @@ def llm_block(folder: Path, config: dict, module) -> dict:
     eos = _ids(gen.get("eos_token_id", config.get("eos_token_id")))
     pad = gen.get("pad_token_id", config.get("pad_token_id"))
     pad = int(pad) if pad is not None else (eos[0] if eos else 0)
-    ctx = _context(config)
+    ctx = getattr(module, "max_context", None) or _context(config)
     layers = len(module.layers) if hasattr(module, "layers") else len(module.blocks)
     mapped = module.kv_layout == "mapped"
+    arch = (
+        "generic" if hasattr(module, "shape") else "gpt2" if config.get("model_type") == "gpt2" else "llama"
+    )
     return {
-        "architecture": "gpt2" if config.get("model_type") == "gpt2" else "llama",
+        "architecture": arch,
         "model_type": config.get("model_type"),
         "layers": layers,
         "heads": module.heads,
@@ -155,6 +191,16 @@ def build_paged_decoder(
         raise ModelLoadError(
             f"{folder}: transformers cannot load the model ({' '.join(str(e).split())[:300]})"
         ) from e
+    config = json.loads((folder / "config.json").read_text())
+    generic = model_type not in (*LLAMA_FAMILY, "gpt2") or (
+        model_type in LLAMA_FAMILY and _windowed(config) and kv_layout != "mapped"
+    )
+    if generic:
+        if kv_layout == "mapped":
+            raise UsageError(
+                f"{folder}: --kv-layout mapped needs a Llama-family model; '{model_type}' takes 'paged'"
+            )
+        return hf, _generic(folder, hf, config, progress)
     if model_type == "gpt2":
         if kv_layout == "mapped":
             raise UsageError(f"{folder}: --kv-layout mapped needs a Llama-family model; GPT-2 takes 'paged'")
@@ -166,9 +212,20 @@ def build_paged_decoder(
             f"this model's is {head}"
         )
     if kv_layout != "paged" and supports_gqa(head):  # one GroupQueryAttention per layer, in place
-        ctx = _context(json.loads((folder / "config.json").read_text()))
-        return hf, MappedLlama(hf, max_context=ctx).eval()
+        return hf, MappedLlama(hf, max_context=_context(config)).eval()
     return hf, PagedLlama(hf).eval()
+
+
+def _generic(folder: Path, hf, config: dict, progress: ProgressReporter):
+    """The generic decoder over the model's own forward, checked against that forward before export."""
+    from precast.compiler.generic_decoder import GenericDecoder, check_against_hf, probe
+
+    progress.step("probing the model's attention layers")
+    shape = probe(hf, str(folder))
+    module = GenericDecoder(hf, shape, max_context=_max_positions(config)).eval()
+    progress.step("checking the paged decoder against the model's own forward")
+    check_against_hf(module, "eager", str(folder), BLOCK_SIZE)
+    return module
 
 
 def _kv_input_names(i: int, mapped: bool) -> tuple[str, str]:

@@ -10,7 +10,15 @@ import sys
 import sysconfig
 from pathlib import Path
 
-__all__ = ["GPT2_TINY", "LLAMA_TINY", "build_gpt2", "build_llama", "train_tokenizer"]
+__all__ = [
+    "GENERIC_TINY",
+    "GPT2_TINY",
+    "LLAMA_TINY",
+    "build_causal_lm",
+    "build_gpt2",
+    "build_llama",
+    "train_tokenizer",
+]
 
 LLAMA_TINY = {
     "hidden_size": 64,
@@ -83,4 +91,78 @@ def build_gpt2(folder: Path, seed: int = 0, **overrides) -> Path:
     config = transformers.GPT2Config(**{**GPT2_TINY, **overrides}, bos_token_id=eos, eos_token_id=eos)
     torch.manual_seed(seed)
     model = transformers.GPT2LMHeadModel(config).eval()
+    return _save(model, tok, folder)
+
+
+_TINY = {
+    "num_hidden_layers": 2,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_attention_heads": 4,
+    "vocab_size": 512,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.1,
+}
+# Per architecture: what differs from _TINY (names, GQA where the family has it, the feature under test).
+GENERIC_TINY = {
+    "qwen3": {"num_key_value_heads": 2, "head_dim": 16},
+    "phi3": {"num_key_value_heads": 2, "pad_token_id": 0},
+    "gemma": {"num_key_value_heads": 2, "head_dim": 16},
+    "granite": {
+        "num_key_value_heads": 2,
+        "embedding_multiplier": 2.0,
+        "logits_scaling": 4.0,
+        "residual_multiplier": 0.5,
+        "attention_multiplier": 0.3,
+    },
+    # alternating sliding (window 8) / global layers, attention and final logit softcaps
+    "gemma2": {
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0,
+    },
+    "olmo": {"num_key_value_heads": 2, "clip_qkv": 2.0},
+    "olmo2": {"num_key_value_heads": 2},
+    "stablelm": {"num_key_value_heads": 2, "partial_rotary_factor": 0.25},
+    "gpt_neox": {"rotary_pct": 0.5},
+    "gptj": {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 256, "rotary_dim": 8},
+    "phi": {"partial_rotary_factor": 0.5, "qk_layernorm": True},
+    "starcoder2": {"num_key_value_heads": 2, "sliding_window": 8},
+    "opt": {"ffn_dim": 128, "word_embed_proj_dim": 64, "pad_token_id": 1},
+    "gemma3_text": {
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    "mistral": {"num_key_value_heads": 2, "sliding_window": 8},
+    "qwen2": {
+        "num_key_value_heads": 2,
+        "use_sliding_window": True,
+        "sliding_window": 8,
+        "max_window_layers": 1,
+        "layer_types": ["full_attention", "sliding_attention"],
+    },
+}
+
+
+def build_causal_lm(folder: Path, model_type: str, seed: int = 0, **overrides) -> Path:
+    """A tiny ``model_type`` folder (GENERIC_TINY) with seeded N(0, 0.1) weights; norms' weights perturbed too,
+    so a model that reads them wrongly shows."""
+    import torch
+    import transformers
+
+    tok = train_tokenizer()
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    kw = {**_TINY, "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos}
+    kw.update(GENERIC_TINY.get(model_type, {}), **overrides)
+    config = transformers.AutoConfig.for_model(model_type, **kw)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:  # norms and biases: not their constant init
+                p.add_(torch.randn_like(p) * 0.1)
     return _save(model, tok, folder)
