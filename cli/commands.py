@@ -294,11 +294,14 @@ def inspect(artifact, as_json):
         return
     if manifest.get("kind") == "multi-target":
         out_console.print(
-            f"[bold]{artifact}[/bold]: multi-target artifact, fallback order {manifest['fallback_order']}"
+            f"[bold]{artifact}[/bold]: multi-target artifact, fallback order {manifest.get('fallback_order', '?')}"
         )
         for name, entry in manifest["targets"].items():
             out_console.print(f"\n[bold]== {name} ==[/bold]")
-            _inspect_one(Path(artifact) / entry["dir"], read_manifest(Path(artifact) / entry["dir"]))
+            _inspect_one(
+                Path(artifact) / entry.get("dir", name),
+                read_manifest(Path(artifact) / entry.get("dir", name)),
+            )
         return
     _inspect_one(Path(artifact), manifest)
 

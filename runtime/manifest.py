@@ -188,11 +188,45 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
         if p.is_absolute() or ".." in p.parts or rel in (MANIFEST_NAME, ""):
             raise ArtifactError(f"{mpath}: unsafe file entry {rel!r}")
     try:
+        _check_types(manifest)
         for what, rel in _named_paths(manifest):
             artifact_path(root, rel, what)
     except ArtifactError as e:
         raise ArtifactError(f"{mpath}: {e.message.removeprefix(f'artifact {root}: ')}") from None
     return manifest
+
+
+_TOLERANCE_KEYS = {"atol", "rtol", "min_cosine"}
+
+
+def _check_types(manifest: dict) -> None:
+    """The shapes of the fields the runtime reads, so a malformed one is exit 3 naming it, not a TypeError."""
+    target = manifest["target"]
+    providers = target.get("providers", [])
+    if not isinstance(providers, list) or not all(isinstance(p, str) for p in providers):
+        raise ArtifactError("'target.providers' must be a list of execution provider names")
+    for key in ("model", "backend", "name"):
+        if key in target and not isinstance(target[key], str):
+            raise ArtifactError(f"'target.{key}' must be a string")
+    io = manifest["io"]
+    for key in ("inputs", "outputs"):
+        if key in io and (not isinstance(io[key], list) or not all(isinstance(t, dict) for t in io[key])):
+            raise ArtifactError(f"'io.{key}' must be a list of tensor entries")
+    parity = manifest.get("parity")
+    if parity is None:
+        return
+    if not isinstance(parity, dict):
+        raise ArtifactError("'parity' must be a JSON object")
+    for key in ("inputs", "expected"):
+        if key in parity and not isinstance(parity[key], dict):
+            raise ArtifactError(f"'parity.{key}' must map tensor names to stored files")
+    tol = parity.get("tolerance")
+    if tol is not None:
+        if not isinstance(tol, dict) or set(tol) - _TOLERANCE_KEYS:
+            raise ArtifactError(f"'parity.tolerance' must be an object with keys {sorted(_TOLERANCE_KEYS)}")
+        for k, v in tol.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ArtifactError(f"'parity.tolerance.{k}' must be a number")
 
 
 def check_integrity(artifact_dir: str | os.PathLike, manifest: dict) -> None:
@@ -210,6 +244,14 @@ def check_integrity(artifact_dir: str | os.PathLike, manifest: dict) -> None:
                 f"artifact {root}: file '{rel}' was modified (sha256 {actual[:12]}..., manifest says {digest[:12]}...)"
             )
     listed = set(manifest["files"]) | {MANIFEST_NAME, BUILD_INFO_NAME}
+    for dirpath, dirnames, filenames in os.walk(root):  # does not follow links: each one is reported
+        for name in dirnames + filenames:
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                rel = path.relative_to(root).as_posix()
+                raise IntegrityError(
+                    f"artifact {root}: '{rel}' is a symlink (an artifact holds plain files and folders only)"
+                )
     for path in sorted(root.rglob("*")):
         if path.is_dir():
             continue

@@ -170,7 +170,9 @@ def _compare_sequences(ref, got, tol: Tolerance) -> dict:
         return {"ok": False, "error": "a sequence on one side only"}
     if len(ref) != len(got):
         return {"ok": False, "error": f"sequence of {len(got)} elements != reference {len(ref)}"}
-    elems = compare_outputs({str(i): r for i, r in enumerate(ref)}, {str(i): g for i, g in enumerate(got)}, tol)
+    elems = compare_outputs(
+        {str(i): r for i, r in enumerate(ref)}, {str(i): g for i, g in enumerate(got)}, tol
+    )
     bad = next(((i, r) for i, r in elems.items() if not r["ok"]), None)
     if bad is None:
         return {"ok": True, "elements": len(ref)}
@@ -196,7 +198,7 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     manifest = read_manifest(root)
     if manifest.get("kind") == "multi-target":
         return {
-            name: _verify_or_skip(root / entry["dir"], name, threads)
+            name: _verify_or_skip(root / entry.get("dir", name), name, threads)
             for name, entry in sorted(manifest["targets"].items())
         }
     model = load(root, threads=threads)

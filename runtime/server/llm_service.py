@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from precast.runtime.errors import LLMRequestError
-from precast.runtime.manifest import TensorSpec, read_manifest
+from precast.runtime.manifest import TensorSpec, artifact_path, read_manifest
 
 __all__ = ["CHAT_ROLES", "DEFAULT_CHAT_TEMPLATE", "PRIORITIES", "LLMService", "TokenStream", "parse_priority"]
 
@@ -308,8 +308,11 @@ def _load_template(path: Path, manifest: dict):
     except ImportError:
         jinja2 = None
     source = DEFAULT_CHAT_TEMPLATE
-    cfg = Path(path) / "tokenizer" / "tokenizer_config.json"
-    if cfg.is_file():
+    rel = "tokenizer/tokenizer_config.json"
+    cfg = artifact_path(path, rel, "chat template")  # inside the artifact, after symlinks
+    if rel not in (manifest.get("files") or {}):  # an unhashed file must not decide what is served
+        cfg = None
+    if cfg is not None and cfg.is_file():
         try:
             tmpl = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
         except (ValueError, UnicodeDecodeError):

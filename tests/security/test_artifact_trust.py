@@ -16,7 +16,7 @@ import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.pack import pack_artifact
-from precast.runtime import ArtifactError, load
+from precast.runtime import ArtifactError, IntegrityError, load
 from precast.runtime.errors import PrecastError
 from precast.runtime.signing import generate_keypair
 from tests.helpers import save, tiny_mlp
@@ -275,3 +275,55 @@ def test_stage_of_a_killed_unpack_is_cleaned_on_the_next_unpack(artifact, tmp_pa
     unpack_artifact(tmp_path / "a.precast", tmp_path / "out")
     assert (tmp_path / "out" / "manifest.json").is_file()
     assert not stale.exists() and alive.exists()
+
+
+def test_a_symlinked_folder_anywhere_in_the_artifact_is_refused(artifact, tmp_path):
+    """A symlink to a folder outside (unlisted, so its files were never hashed) passed `verify`: rglob does not
+    follow it and the folder check skipped it. An LLM server then read its chat template from outside."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "tokenizer_config.json").write_text('{"chat_template": "evil"}')
+    art = _copy(artifact, tmp_path / "art")
+    (art / "tokenizer").symlink_to(outside, target_is_directory=True)
+    with pytest.raises(IntegrityError, match="'tokenizer' is a symlink"):
+        load(art)
+    proc = subprocess.run(
+        [sys.executable, "-m", "precast", "verify", str(art)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 3 and "symlink" in proc.stderr, proc.stderr
+
+
+def test_unlisted_chat_template_is_not_used(tmp_path):
+    """Even without integrity checks (verify=False), the served chat template must be a hashed file inside."""
+    from precast.runtime.server.llm_service import DEFAULT_CHAT_TEMPLATE, _load_template
+
+    (tmp_path / "tokenizer").mkdir()
+    (tmp_path / "tokenizer" / "tokenizer_config.json").write_text('{"chat_template": "EVIL {{ messages }}"}')
+    unlisted = _load_template(tmp_path, {"files": {}})
+    listed = _load_template(tmp_path, {"files": {"tokenizer/tokenizer_config.json": "x"}})
+    msgs = [{"role": "user", "content": "hi"}]
+    assert "EVIL" not in unlisted.render(messages=msgs, add_generation_prompt=True)
+    assert "EVIL" in listed.render(messages=msgs, add_generation_prompt=True)
+    assert DEFAULT_CHAT_TEMPLATE
+
+
+@pytest.mark.parametrize(
+    "change,why",
+    [
+        (lambda m: m["target"].update(providers=[["CPUExecutionProvider", {}]]), "target.providers"),
+        (lambda m: m.setdefault("parity", {}).update(tolerance={"evil": 1}), "parity.tolerance"),
+        (lambda m: m.setdefault("parity", {}).update(tolerance="x"), "parity.tolerance"),
+        (lambda m: m.setdefault("parity", {}).update(inputs="parity/x.npy"), "parity.inputs"),
+        (lambda m: m["io"].update(inputs=5), "io.inputs"),
+    ],
+    ids=["providers", "tolerance-key", "tolerance-str", "parity-inputs", "io-inputs"],
+)
+def test_malformed_manifest_fields_are_exit_3_not_a_crash(artifact, tmp_path, change, why):
+    art = _edit(_copy(artifact, tmp_path / "art"), change)
+    with pytest.raises(ArtifactError, match=why):
+        load(art)
+    for cmd in ("verify", "inspect"):
+        proc = subprocess.run(
+            [sys.executable, "-m", "precast", cmd, str(art)], capture_output=True, text=True, timeout=120
+        )
+        assert proc.returncode == 3 and "Traceback" not in proc.stderr, (cmd, proc.stderr)
