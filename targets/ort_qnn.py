@@ -98,7 +98,12 @@ class OrtQnn(Target):
     summary = (
         "Qualcomm NPU (HTP) via the onnxruntime-qnn EP plugin: static INT8 QDQ, EP-context compiled offline"
     )
-    default_pipeline = "infer-shapes,fold-constants,eliminate-dead-code,quantize-int8{mode=static,format=qdq}"
+    # Static graph first (pin dims, fold the shape arithmetic), then lower what the HTP refuses, quantize last.
+    # uint8 weights: QNN's HTP LayerNorm refuses an int8 scale (backendValidateOpConfig error 3110).
+    default_pipeline = (
+        "pin-dims,fold-constants,infer-shapes,eliminate-dead-code,lower-gathernd,lower-where-constants,"
+        "quantize-int8{mode=static,format=qdq,weight=uint8}"
+    )
     precision = "int8"
     option_defaults = {
         "htp_arch": "73",  # v73 (Snapdragon 8 Gen 2 / X Elite); 68, 69, 73, 75, 79, 81

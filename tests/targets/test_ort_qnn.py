@@ -12,7 +12,7 @@ import pytest
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import InputError, load
 from precast.runtime.errors import ParityError, UsageError
-from tests.helpers import ort_run, tiny_mlp
+from tests.helpers import make_model, ort_run, save, tiny_mlp
 from tests.targets.conftest import cosine
 
 pytest.importorskip("onnxruntime_qnn")
@@ -116,7 +116,9 @@ def _error_line(r) -> str:
     return lines[0]
 
 
-def test_segfault_in_ep_context_compile_is_exit_5_naming_target_and_stage(cli, mlp_path, tmp_path, child_entry):
+def test_segfault_in_ep_context_compile_is_exit_5_naming_target_and_stage(
+    cli, mlp_path, tmp_path, child_entry
+):
     child_entry("qnn-compile", "segfault")
     r = cli("compile", mlp_path, "--target", "ort-qnn", "-o", tmp_path / "a", "-q")
     assert r.code == 5, r.err
@@ -140,9 +142,14 @@ def test_crash_names_the_nodes_qnn_refused_before_it(cli, mlp_path, tmp_path, ch
 def test_hung_vendor_step_is_killed_at_the_timeout(cli, mlp_path, tmp_path, child_entry):
     child_entry("qnn-placement", "hang")
     t0 = time.perf_counter()
-    r = cli("compile", mlp_path, "-t", "ort-qnn", "--target-option", "timeout_s=2", "-o", tmp_path / "a", "-q")
+    r = cli(
+        "compile", mlp_path, "-t", "ort-qnn", "--target-option", "timeout_s=2", "-o", tmp_path / "a", "-q"
+    )
     assert r.code == 5, r.err
-    assert _error_line(r) == "error: target 'ort-qnn' stage 'placement check' did not finish in 2 s and was killed"
+    assert (
+        _error_line(r)
+        == "error: target 'ort-qnn' stage 'placement check' did not finish in 2 s and was killed"
+    )
     assert time.perf_counter() - t0 < 60
 
 
@@ -150,3 +157,49 @@ def test_manifest_records_placement(qnn_art):
     block = json.loads((qnn_art / "manifest.json").read_text())["target"]
     assert block["placement"] == {"on_htp": block["placement"]["nodes"], "nodes": block["placement"]["nodes"]}
     assert block["placement"]["nodes"] >= 5  # Q, MatMul/Gemm + DQ pairs, Relu, ... as ORT partitioned them
+
+
+@pytest.fixture(scope="module")
+def bool_gathernd_path(tmp_path_factory):
+    """x [batch, 8] -> MatMul -> Greater(0) -> GatherND(bool, constant indices) -> Cast(float): a BERT mask's shape."""
+    from onnx import TensorProto, helper
+
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"], name="mm"),
+        helper.make_node("Greater", ["h", "zero"], ["positive"], name="gt"),
+        helper.make_node("GatherND", ["positive", "idx"], ["picked"], name="pick"),
+        helper.make_node("Cast", ["picked"], ["y"], to=TensorProto.FLOAT, name="cast"),
+    ]
+    inits = {
+        "w": np.random.default_rng(0).standard_normal((8, 16)).astype(np.float32),
+        "zero": np.array(0, np.float32),
+        "idx": np.array([[0, 1], [1, 3]], np.int64),
+    }
+    model = make_model(
+        nodes, [("x", TensorProto.FLOAT, ["batch", 8])], [("y", TensorProto.FLOAT, [2])], inits
+    )
+    return save(model, tmp_path_factory.mktemp("gnd") / "gathernd.onnx")
+
+
+def test_placement_check_refuses_before_compiling(cli, bool_gathernd_path, tmp_path, child_entry):
+    child_entry("qnn-compile", "segfault")  # were the compile reached, this would say 'crashed'
+    passes = "pin-dims,fold-constants,quantize-int8{mode=static,format=qdq,weight=uint8}"  # no lower-gathernd
+    r = cli("compile", bool_gathernd_path, "-t", "ort-qnn", "--passes", passes, "-o", tmp_path / "a", "-q")
+    assert r.code == 5, r.err
+    assert _error_line(r) == (
+        "error: target 'ort-qnn' stage 'placement check': 1 of 9 node(s) not supported by the QNN HTP "
+        "(GatherND 1): pick (GatherND) (they would fall back to the CPU); nothing was compiled"
+    )
+    assert not (tmp_path / "a").exists()
+
+
+def test_default_pipeline_lowers_gathernd_and_lands_all_on_the_htp(bool_gathernd_path, tmp_path, rng):
+    result = compile_model(str(bool_gathernd_path), tmp_path / "a", CompileOptions(targets=["ort-qnn"]))
+    stats = {p["pass"]: p["stats"] for p in result.manifest["passes"]}
+    assert stats["lower-gathernd"] == {"lowered": 1, "gathernd_left": 0}
+    assert stats["pin-dims"]["dims"] == "batch=2"
+    placement = result.manifest["target"]["placement"]
+    assert placement["on_htp"] == placement["nodes"]
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    want = ort_run(onnx.load(str(bool_gathernd_path)), {"x": x})[0]
+    np.testing.assert_array_equal(load(tmp_path / "a").run({"x": x})["y"], want)  # 0/1 values: exact
