@@ -74,6 +74,8 @@ def uvicorn_config(app, config: ServerConfig, **overrides):
     """uvicorn's settings for ``app``: the limits that belong to the HTTP layer are uvicorn's own."""
     import uvicorn
 
+    from precast.runtime.server.header_timeout import header_timeout_protocol
+
     settings = dict(
         host=config.host,
         port=config.port,
@@ -85,6 +87,7 @@ def uvicorn_config(app, config: ServerConfig, **overrides):
         proxy_headers=False,
         limit_concurrency=config.max_connections,  # 503 beyond this many connections + tasks
         h11_max_incomplete_event_size=16 * 1024,  # request line + headers (h11's default, stated)
+        http=header_timeout_protocol(config.header_timeout),  # slow headers cannot hold connections
     )
     settings.update(overrides)
     return uvicorn.Config(app, **settings)

@@ -17,6 +17,7 @@ max_text_chars            262144    400: characters one request hands the tokeni
                                     costs ~50-100 bytes of memory per character while it runs
 max_stop_strings          16        400: 'stop' strings in one completion request
 max_stop_chars            256       400: characters in one 'stop' string
+header_timeout            10 s      connection closed: request line + headers not complete by then
 ========================  ========  =======================================================================
 
 HTTP headers are bounded by h11 (16 KiB), JSON nesting by the parser (about 1000 levels).
@@ -75,6 +76,7 @@ class ServerConfig:
     max_text_chars: int = 256 * 1024
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    header_timeout: float = 10.0  # seconds a request may take to send its request line and headers
 
     def __post_init__(self) -> None:
         from precast.runtime.errors import UsageError
@@ -104,6 +106,14 @@ class ServerConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise UsageError(f"{name} must be a positive integer, got {value!r}")
+        if (
+            isinstance(self.header_timeout, bool)
+            or not isinstance(self.header_timeout, (int, float))
+            or not (self.header_timeout > 0)
+        ):
+            raise UsageError(
+                f"header_timeout must be a positive number of seconds, got {self.header_timeout!r}"
+            )
         if self.max_inflight_bytes < self.max_request_bytes:
             raise UsageError(
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "

@@ -126,12 +126,24 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     engine = state.host.current.llm.engine
     cancelled_before = engine.metrics().requests_cancelled
     body = {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True, "temperature": 0}
-    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
-        assert r.status_code == 200
-        lines = r.iter_lines()
-        first = next(line for line in lines if line.startswith("data:"))
-        assert '"text"' in first
-        assert engine.metrics().kv_blocks_used > 0
+    # The tiny model can write 200 tokens before the client reads its first line (then nothing is left to
+    # cancel): slow each engine step down for this test, so the request is surely mid-stream at the disconnect.
+    step = engine.step
+
+    def slow_step():
+        time.sleep(0.02)
+        return step()
+
+    engine.step = slow_step
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(line for line in lines if line.startswith("data:"))
+            assert '"text"' in first
+            assert engine.metrics().kv_blocks_used > 0
+    finally:
+        del engine.step  # back to the class's method
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (engine.metrics().kv_blocks_used or engine.has_unfinished()):
         time.sleep(0.05)
