@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import ipaddress
+import re
 
 from fastapi import Request
 
@@ -37,6 +38,8 @@ FORWARDING_HEADERS = (
     "x-forwarded-proto",
     "x-forwarded-port",
     "x-forwarded-server",
+    "x-forwarded-prefix",
+    "x-original-forwarded-for",
     "x-real-ip",
     "x-client-ip",
     "true-client-ip",
@@ -104,11 +107,14 @@ def _loopback_name(host: str) -> bool:
     return host.lower() == "localhost" or _loopback_address(host)
 
 
+_HOST = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<name>[A-Za-z0-9.-]+))(?::[0-9]{1,5})?$")
+
+
 def _host_part(host: str) -> str:
-    """'127.0.0.1:8000' -> '127.0.0.1', '[::1]:8000' -> '::1'."""
-    if host.startswith("["):
-        return host[1 : host.find("]")] if "]" in host else host
-    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    """'127.0.0.1:8000' -> '127.0.0.1', '[::1]:8000' -> '::1'; '' for anything that is not exactly a host and
+    an optional port ('127.0.0.1:80@evil.com', '[::1]evil.com'), so it cannot pass as loopback."""
+    m = _HOST.match(host)
+    return "" if m is None else (m["v6"] or m["name"])
 
 
 def _json_content_type_problem(request: Request, raw: bytes):

@@ -21,6 +21,10 @@ REFUSED = [
     ({"X-Real-IP": "203.0.113.7"}, None, 403),
     ({"Via": "1.1 proxy.example"}, None, 403),
     ({"Host": "evil.example"}, None, 403),  # DNS rebinding: a page on evil.example resolved to 127.0.0.1
+    ({"Host": "127.0.0.1:80@evil.com"}, None, 403),  # not a host[:port]: was read as 127.0.0.1
+    ({"Host": "[::1]evil.com"}, None, 403),
+    ({"X-Original-Forwarded-For": "203.0.113.7"}, None, 403),
+    ({"X-Forwarded-Prefix": "/app"}, None, 403),
     ({"Origin": "http://evil.example", "Content-Type": "text/plain"}, b"{}", 403),  # cross-origin form POST
     ({"Origin": "null"}, None, 403),  # a sandboxed page or a file:// one
     ({"Sec-Fetch-Site": "cross-site"}, None, 403),
