@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import re
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -63,10 +64,27 @@ def error_body(path: str, status: int, message: str) -> bytes:
     return json.dumps(body).encode()
 
 
+class _NonFinite(Exception):
+    pass
+
+
+def _no_constant(name: str):  # Python's json takes NaN / Infinity, which JSON does not have
+    raise _NonFinite(name)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999
+        raise _NonFinite(f"{text[:20]} (out of range)")
+    return value
+
+
 def parse_json(raw: bytes) -> object:
     """``raw`` as JSON, or InputError with one line naming what is wrong."""
     try:
-        obj = json.loads(raw)
+        obj = json.loads(raw, parse_constant=_no_constant, parse_float=_finite_float)
+    except _NonFinite as e:
+        raise InputError(f"JSON body holds {e}: not a JSON number (inputs must be finite)") from None
     except RecursionError:
         raise InputError("JSON body is nested too deeply (the parser's limit is about 1000 levels)") from None
     except UnicodeDecodeError as e:

@@ -107,6 +107,8 @@ def test_limits_are_checked_in_server_config(tiny_encoder):
         ('{"input": "\\ud800 fox"}', "lone UTF-16 surrogate"),
         ('{"input": ["fox", "\\udfff"]}', "lone UTF-16 surrogate"),
         ('{"input": "fox", "user": "\\ud800"}', "lone UTF-16 surrogate"),  # a field the route ignores
+        ('{"input": "fox", "x": [1.0, NaN]}', "holds NaN"),  # Python's json takes it; JSON has no NaN
+        ('{"input": "fox", "x": [1e999]}', "1e999 (out of range)"),  # a client-made 500 before
     ],
     ids=[
         "deep-nesting",
@@ -114,6 +116,8 @@ def test_limits_are_checked_in_server_config(tiny_encoder):
         "lone-high-surrogate",
         "lone-low-surrogate",
         "surrogate-elsewhere",
+        "nan",
+        "inf",
     ],
 )
 def test_hostile_json_is_a_400_naming_it(tiny_encoder, raw, culprit):
