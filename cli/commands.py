@@ -56,7 +56,7 @@ def _config_defaults(path: str | None) -> dict:
         return {}
     if not isinstance(section, dict):
         raise UsageError(f"{cfg}: 'compile' must be a table ([compile])")
-    allowed = {"passes", "targets", "atol", "rtol", "min_cosine"}
+    allowed = {"passes", "targets", "atol", "rtol", "min_cosine", "all_or_nothing"}
     unknown = set(section) - allowed
     if unknown:
         raise UsageError(
@@ -133,6 +133,12 @@ def _listed(value):
     is_flag=True,
     help="Print the manifest as JSON on stdout, plus 'artifact': its path, bytes and files.",
 )
+@click.option(
+    "--all-or-nothing/--keep-going",
+    "all_or_nothing",
+    default=None,
+    help="Several targets: write nothing if one fails (default --keep-going: write the others, exit non-zero).",
+)
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def compile_cmd(
     model,
@@ -156,12 +162,13 @@ def compile_cmd(
     calibration,
     accuracy_budget,
     as_json,
+    all_or_nothing,
     quiet,
 ):
     """Compile MODEL (.onnx file, Hugging Face folder, or module:callable) into a verified artifact."""
     from precast.compiler.driver import CompileOptions, compile_model
     from precast.compiler.source import parse_input_spec
-    from precast.runtime.errors import ParityError, PrecastError
+    from precast.runtime.errors import ParityError, PartialCompileError, PrecastError
 
     cfg = _config_defaults(config)
     check_output_path(output, "-o", directory=True)
@@ -190,6 +197,7 @@ def compile_cmd(
         kv_layout=None if kv_layout == "auto" else kv_layout,
         cache_dir=cache_dir or None,
         accuracy_budget=accuracy_budget,
+        all_or_nothing=all_or_nothing if all_or_nothing is not None else cfg.get("all_or_nothing", False),
     )
     if accuracy_budget:
         from precast.runtime.accuracy import parse_budget
@@ -211,6 +219,8 @@ def compile_cmd(
             payload = {"ok": False, "error": str(e), "error_type": type(e).__name__, "exit_code": e.exit_code}
             if isinstance(e, ParityError):
                 payload["parity"] = {k: v for k, v in e.report.items() if k not in ("inputs", "expected")}
+            if isinstance(e, PartialCompileError):  # the targets that verified were written
+                payload.update(failed=e.failed, output=str(e.result.output), manifest=e.result.manifest)
             Path(report).write_text(json.dumps(payload, indent=2, sort_keys=True) + "\n")
         raise
     for warning in result.warnings:  # also with --quiet or --json: stderr, and not progress

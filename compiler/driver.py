@@ -50,7 +50,14 @@ from precast.compiler.pipeline import (
 from precast.compiler.registry import PassContext, get_pass
 from precast.compiler.source import Source, load_source
 from precast.runtime.backends import explain_ort_error
-from precast.runtime.errors import InputError, ParityError, PrecastError, UnsupportedOpError, UsageError
+from precast.runtime.errors import (
+    InputError,
+    ParityError,
+    PartialCompileError,
+    PrecastError,
+    UnsupportedOpError,
+    UsageError,
+)
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
 from precast.runtime.model import preference_order
@@ -83,6 +90,9 @@ class CompileOptions:
         None  # 'cosine>=0.99,top1>=0.95'; quantized pipelines default to cosine>=0.99
     )
     cache_dir: str | None = None  # compile cache (compiler/cache.py); the CLI also reads PRECAST_CACHE_DIR
+    # Several targets: False writes those that verify (and the index names the failed ones, then
+    # PartialCompileError); True writes nothing when any target fails.
+    all_or_nothing: bool = False
 
     def __post_init__(self) -> None:
         # Options also come from precast.toml, so types are checked here, not only by click.
@@ -90,6 +100,8 @@ class CompileOptions:
             raise UsageError(f"targets must be a list of target names, got {self.targets!r}")
         if self.passes is not None and not isinstance(self.passes, str):
             raise UsageError(f"passes must be a pipeline string, got {self.passes!r}")
+        if not isinstance(self.all_or_nothing, bool):
+            raise UsageError(f"all_or_nothing must be true or false, got {self.all_or_nothing!r}")
         for name in ("atol", "rtol", "min_cosine"):
             value = getattr(self, name)
             if value is None:
@@ -314,54 +326,90 @@ def compile_model(
         entries = {}
         manifests = {}
         all_records: dict[str, list[PassRecord]] = {}
+        failed: dict[str, PrecastError] = {}
         for target in targets:
             sub = stage if len(targets) == 1 else stage / target.name
             sub.mkdir(exist_ok=True)
             all_records[target.name] = []
-            manifests[target.name] = _build_one(
-                source,
-                target,
-                pipelines[target.name],
-                sub,
-                inputs,
-                outputs,
-                feeds,
-                expected,
-                opts,
-                progress,
-                timings,
-                all_records[target.name],
-            )
+            try:
+                manifests[target.name] = _build_one(
+                    source,
+                    target,
+                    pipelines[target.name],
+                    sub,
+                    inputs,
+                    outputs,
+                    feeds,
+                    expected,
+                    opts,
+                    progress,
+                    timings,
+                    all_records[target.name],
+                )
+            except PrecastError as e:
+                # One target's failure (a vendor crash is one too: it ran in a child) costs that target only
+                if len(targets) == 1 or opts.all_or_nothing:
+                    raise
+                failed[target.name] = e
+                shutil.rmtree(sub)
+                progress.note(f"[{target.name}] failed (exit {e.exit_code}): {e}")
+                continue
             entries[target.name] = {"dir": target.name, "target": target.name, "precision": target.precision}
+        if failed and not manifests:
+            raise next(iter(failed.values()))
         if len(targets) > 1:
+            first = next(iter(manifests.values()))
             index = {
                 "schema_version": SCHEMA_VERSION,
                 "kind": "multi-target",
                 "precast_version": precast.__version__,
-                "source": manifests[targets[0].name]["source"],
+                "source": first["source"],
                 "targets": entries,
-                "fallback_order": preference_order(t.name for t in targets),
-                "io": manifests[targets[0].name]["io"],
+                "fallback_order": preference_order(entries),
+                "io": first["io"],
                 "target": {"name": "multi"},
+                **({"failed": {name: _failure(e) for name, e in failed.items()}} if failed else {}),
             }
             manifest = write_index(stage, index)
         else:
             manifest = manifests[targets[0].name]
         publish(stage, output)
-    if cache_key is not None:
+    if cache_key is not None and not failed:  # a partial artifact is not what this key asks for
         cache.store(opts.cache_dir, cache_key, output)
         progress.note(f"cache {'store' if cache_status == 'miss' else 'rebuilt'} {cache_key[:12]}")
     timings["total"] = time.perf_counter() - t0
     warnings = []
     if (opts.calibration_feeds or opts.calibration_text) and not any(
-        t.context.extra.get("calibration_used") for t in targets
+        t.context is not None and t.context.extra.get("calibration_used") for t in targets
     ):
         warnings.append("--calibration was not used: no pass or target of this pipeline calibrates")
     if shapes_only:
         warnings.append("parity checked shapes and dtypes only: every output is empty for these sample feeds")
     size, count = artifact_size(output)
-    return CompileResult(
+    result = CompileResult(
         output, manifest, all_records, timings, cache=cache_status, warnings=warnings, bytes=size, files=count
+    )
+    if failed:
+        raise _partial(failed, result)
+    return result
+
+
+def _failure(e: PrecastError) -> dict:
+    return {"error": str(e), "error_type": type(e).__name__, "exit_code": e.exit_code}
+
+
+def _partial(failed: dict[str, PrecastError], result: CompileResult) -> PartialCompileError:
+    """The one-line error: the first failure's message, then 'wrote the other target(s) ... to OUT'."""
+    name, e = next(iter(failed.items()))
+    reason = str(e) if f"'{name}'" in str(e) else f"target '{name}': {e}"
+    others = f" (also failed: {', '.join(list(failed)[1:])})" if len(failed) > 1 else ""
+    wrote = ", ".join(result.manifest["targets"])
+    return PartialCompileError(
+        f"{reason}{others}; wrote the other target(s) {wrote} to {result.output} "
+        "(the index lists the failure; --all-or-nothing writes nothing instead)",
+        exit_code=e.exit_code,
+        failed={n: _failure(x) for n, x in failed.items()},
+        result=result,
     )
 
 

@@ -20,6 +20,7 @@ __all__ = [
     "PassOptionError",
     "PassFailedError",
     "NativeCrashError",
+    "PartialCompileError",
     "UnsupportedOpError",
     "TargetUnavailableError",
     "UnknownTargetError",
@@ -98,6 +99,17 @@ class NativeCrashError(PassFailedError):
         super().__init__(message)
         self.signal = signal
         self.stderr_tail = stderr_tail
+
+
+class PartialCompileError(PrecastError):
+    """A multi-target compile wrote the targets that verified, but not these (``failed``: target -> its error).
+    The exit code is the first failed target's; ``result`` is the CompileResult of what was written."""
+
+    def __init__(self, message: str, *, exit_code: int, failed: dict, result=None):
+        super().__init__(message)
+        self.exit_code = exit_code
+        self.failed = failed
+        self.result = result
 
 
 class UnsupportedOpError(PrecastError):

@@ -7,7 +7,7 @@ import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import ArtifactError, ep_plugin, load
-from precast.runtime.errors import TargetUnavailableError, UnknownTargetError
+from precast.runtime.errors import PartialCompileError, TargetUnavailableError, UnknownTargetError
 from precast.runtime.model import preference_order
 from precast.runtime.tensorrt_backend import tensorrt_available
 from tests.helpers import ort_run, tiny_mlp
@@ -127,3 +127,105 @@ def test_profile_names_a_non_ort_target_and_takes_prefer(cli, multi):
     r = cli("profile", multi, "--prefer", "ort-cpu", "--runs", "1", "--json")
     assert r.code == 0, r.err
     assert json.loads(r.out)["target"] == "ort-cpu"
+
+
+# ------------------------------------------------- one target fails: the others are still written (issue 17)
+
+CRASH = "target 'ort-qnn' stage 'EP-context compile' crashed (SIGSEGV)"
+
+
+def test_failed_target_does_not_lose_the_others(cli, mlp_path, tmp_path, child_entry, rng):
+    child_entry("qnn-compile", "segfault")
+    out = tmp_path / "a"
+    r = cli("compile", mlp_path, "-t", "ort-cpu", "-t", "ort-qnn", "-t", "openvino", "-o", out, "-q")
+    assert r.code == 5, r.err  # the failed target's exit code, so CI notices
+    assert r.err.strip().splitlines()[-1] == (
+        f"error: {CRASH}; wrote the other target(s) ort-cpu, openvino to {out} "
+        "(the index lists the failure; --all-or-nothing writes nothing instead)"
+    )
+    index = json.loads((out / "manifest.json").read_text())
+    assert sorted(index["targets"]) == ["openvino", "ort-cpu"] and index["fallback_order"] == [
+        "openvino",
+        "ort-cpu",
+    ]
+    assert index["failed"] == {"ort-qnn": {"error": CRASH, "error_type": "NativeCrashError", "exit_code": 5}}
+    assert sorted(p.name for p in out.iterdir()) == ["manifest.json", "openvino", "ort-cpu"]
+    assert cli("verify", out).code == 0
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    np.testing.assert_allclose(
+        load(out, prefer="ort-cpu").run({"x": x})["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_all_or_nothing_writes_nothing(cli, mlp_path, tmp_path, child_entry):
+    child_entry("qnn-compile", "segfault")
+    r = cli(
+        "compile", mlp_path, "-t", "ort-cpu", "-t", "ort-qnn", "-o", tmp_path / "a", "-q", "--all-or-nothing"
+    )
+    assert r.code == 5 and r.err.strip().splitlines()[-1] == f"error: {CRASH}"
+    assert not (tmp_path / "a").exists()
+    # the same from precast.toml; --keep-going on the command line wins over it
+    (tmp_path / "precast.toml").write_text("[compile]\nall_or_nothing = true\n")
+    args = (
+        "compile",
+        mlp_path,
+        "-t",
+        "ort-cpu",
+        "-t",
+        "ort-qnn",
+        "--config",
+        tmp_path / "precast.toml",
+        "-q",
+    )
+    assert cli(*args, "-o", tmp_path / "b").code == 5 and not (tmp_path / "b").exists()
+    assert (
+        cli(*args, "-o", tmp_path / "c", "--keep-going").code == 5 and (tmp_path / "c" / "ort-cpu").is_dir()
+    )
+
+
+def test_api_raises_partial_with_the_written_result(mlp_path, tmp_path, child_entry):
+    child_entry("qnn-compile", "segfault")
+    with pytest.raises(PartialCompileError) as info:
+        compile_model(str(mlp_path), tmp_path / "a", CompileOptions(targets=["ort-qnn", "ort-cpu"]))
+    e = info.value
+    assert e.exit_code == 5 and list(e.failed) == ["ort-qnn"]
+    assert list(e.result.manifest["targets"]) == ["ort-cpu"] and e.result.output == tmp_path / "a"
+
+
+def test_every_target_failing_writes_nothing(mlp_path, tmp_path, child_entry, monkeypatch):
+    from precast.runtime.errors import NativeCrashError, PassFailedError
+    from precast.targets.ort_cpu import OrtCpu
+
+    def broken(self, model, out_dir):
+        raise PassFailedError("target 'ort-cpu': broken on purpose")
+
+    child_entry("qnn-compile", "segfault")
+    monkeypatch.setattr(OrtCpu, "build", broken)
+    with pytest.raises(NativeCrashError, match=r"crashed \(SIGSEGV\)"):  # the first failure, as it was
+        compile_model(str(mlp_path), tmp_path / "a", CompileOptions(targets=["ort-qnn", "ort-cpu"]))
+    assert not (tmp_path / "a").exists()
+
+
+@pytest.mark.slow
+def test_minilm_ort_cpu_and_ort_qnn(minilm_dir, tmp_path):
+    """The issue-17 compile: it segfaulted (exit 139); now every node lands on the HTP and both targets are
+    written. With the default INT8 budget (cosine>=0.99) the static-INT8 target misses it and ort-cpu alone is
+    written (exit 2, the parity error's code)."""
+    from precast.compiler.source import load_source
+    from precast.runtime.errors import ParityError
+
+    source = load_source(str(minilm_dir), dims={"batch": 1, "sequence": 128})  # one export, two compiles
+    opts = dict(targets=["ort-cpu", "ort-qnn"], dims={"batch": 1, "sequence": 128})
+    loose = compile_model(source, tmp_path / "both", CompileOptions(**opts, accuracy_budget="cosine>=0.3"))
+    assert sorted(loose.manifest["targets"]) == ["ort-cpu", "ort-qnn"]
+    qnn = json.loads((tmp_path / "both" / "ort-qnn" / "manifest.json").read_text())
+    assert qnn["target"]["placement"]["on_htp"] == qnn["target"]["placement"]["nodes"] > 500
+    stats = {p["pass"].split("{")[0]: p["stats"] for p in qnn["passes"]}
+    assert stats["lower-gathernd"]["lowered"] == 1 and stats["lower-where-constants"]["lowered"] == 1
+    assert load(tmp_path / "both").target == "ort-qnn"
+
+    with pytest.raises(PartialCompileError) as info:
+        compile_model(source, tmp_path / "cpu", CompileOptions(**opts))
+    assert info.value.exit_code == ParityError.exit_code and list(info.value.failed) == ["ort-qnn"]
+    assert "accuracy budget" in info.value.failed["ort-qnn"]["error"]
+    assert sorted(json.loads((tmp_path / "cpu" / "manifest.json").read_text())["targets"]) == ["ort-cpu"]

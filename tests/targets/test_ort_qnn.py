@@ -1,9 +1,7 @@
 """ort-qnn: static INT8 QDQ -> QNN EP-context model, run on x86 through HTP emulation, checked against fp32."""
 
 import json
-import os
 import time
-from pathlib import Path
 
 import numpy as np
 import onnx
@@ -91,23 +89,6 @@ def test_budget_can_fail(mlp_path, tmp_path):
 def test_bad_options(mlp_path, tmp_path, opt, msg):
     with pytest.raises(UsageError, match=msg):
         compile_model(str(mlp_path), tmp_path / "a", CompileOptions(targets=["ort-qnn"], target_options=opt))
-
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture
-def child_entry(monkeypatch):
-    """Point one of precast's isolated entries at tests/targets/crash_entries.py (the child imports it)."""
-    from precast.compiler import isolated
-
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-
-    def use(entry: str, func: str) -> None:
-        assert entry in isolated.ENTRIES
-        monkeypatch.setitem(isolated.ENTRIES, entry, f"tests.targets.crash_entries:{func}")
-
-    return use
 
 
 def _error_line(r) -> str:
