@@ -28,8 +28,15 @@ def _causal_lm(folder, config, dims, progress, kv_layout=None):
 
 TASK_LOADERS["causal-lm"] = _causal_lm
 
-# BERT-family encoders: (input names, output names) as exported.
-ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert", "mpnet"}
+# Encoders for task feature-extraction. Text ones take input_ids + attention_mask (+ token_type_ids where the
+# model has a type vocabulary); vision ones take pixel_values at the config's image size.
+ENCODER_TYPES = {
+    "bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert", "mpnet",
+    "deberta-v2", "albert", "t5", "vit", "clip_text_model",
+}  # fmt: skip
+_VISION_TYPES = {"vit"}
+_NO_TOKEN_TYPES = {"distilbert", "roberta", "xlm-roberta", "camembert", "mpnet"}  # type ids unused / all zero
+_ENCODER_CLASSES = {"t5": "T5EncoderModel"}  # AutoModel would build the encoder-decoder
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
@@ -144,24 +151,19 @@ def load_hf_folder(
     transformers.utils.logging.disable_progress_bar()  # precast prints its own progress (or none: -q)
     progress.step(f"loading {folder.name} with transformers")
     try:
-        module = transformers.AutoModel.from_pretrained(
+        loader = getattr(transformers, _ENCODER_CLASSES.get(model_type, "AutoModel"))
+        module = loader.from_pretrained(
             str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager"
         ).eval()
     except Exception as e:
         raise ModelLoadError(
             f"{folder}: transformers cannot load the model ({' '.join(str(e).split())[:300]})"
         ) from e
-    names = ["input_ids", "attention_mask"]
-    if model_type not in ("distilbert", "roberta", "xlm-roberta", "camembert", "mpnet") and config.get(
-        "type_vocab_size", 0
-    ):
-        names.append("token_type_ids")
-    inputs = [TensorSpec(n, "int64", ("batch", "sequence")) for n in names]
-    outputs = ["last_hidden_state"] + (
-        ["pooler_output"] if getattr(module, "pooler", None) is not None else []
-    )
+    inputs = _encoder_inputs(module, model_type, config)
+    names = [s.name for s in inputs]
     dims_given = bool(dims)  # --dim asks for generated feeds of those sizes
     dims = sample_dims(inputs, dims)
+    outputs = _encoder_outputs(module, inputs, dims)
     model = export_module(module, inputs, outputs, dims, progress)
     if [v.name for v in model.graph.outputs] != outputs:
         raise ExportError(f"{folder}: exported outputs {[v.name for v in model.graph.outputs]} != {outputs}")
@@ -177,7 +179,30 @@ def load_hf_folder(
             "model_type": model_type,
             "task": task,
             "vocab_size": config.get("vocab_size"),
-            "padding_mask": "attention_mask",
+            "padding_mask": "attention_mask" if "attention_mask" in names else None,
         },
         sample_feeds=None if dims_given else _text_sample_feeds(folder, names),
     )
+
+
+def _encoder_inputs(module, model_type: str, config: dict) -> list[TensorSpec]:
+    if model_type in _VISION_TYPES:
+        size = module.config.image_size
+        return [TensorSpec("pixel_values", "float32", ("batch", module.config.num_channels, size, size))]
+    import inspect
+
+    names = ["input_ids", "attention_mask"]
+    takes_types = "token_type_ids" in inspect.signature(module.forward).parameters
+    if takes_types and model_type not in _NO_TOKEN_TYPES and config.get("type_vocab_size", 0):
+        names.append("token_type_ids")
+    return [TensorSpec(n, "int64", ("batch", "sequence")) for n in names]
+
+
+def _encoder_outputs(module, inputs: list[TensorSpec], dims: dict[str, int]) -> list[str]:
+    """The tensors the model returns (last_hidden_state, pooler_output where it pools), from one eager run."""
+    from precast.compiler.torch_export import example_array
+
+    torch = import_torch()
+    with torch.no_grad():
+        out = module(**{s.name: torch.from_numpy(example_array(s, dims)) for s in inputs})
+    return [k for k, v in out.items() if isinstance(v, torch.Tensor)]
