@@ -52,6 +52,9 @@ GENERIC = (
     "starcoder2",
     "opt",
     "gemma3_text",
+    "mixtral",  # mixtures of experts: every expert evaluated, weighted by the in-graph routing
+    "qwen2_moe",
+    "qwen3_moe",
 )
 SUPPORTED = (*LLAMA_FAMILY, "gpt2", *GENERIC)
 # Known not to fit: their attention does not go through transformers' attention interface.

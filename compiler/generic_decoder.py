@@ -31,9 +31,17 @@ from torch import nn
 from precast.compiler.paged_decoder import gather_past, last_token
 from precast.runtime.errors import ModelLoadError, ParityError
 
-__all__ = ["ATTN_IMPLEMENTATION", "GenericDecoder", "check_against_hf", "probe", "register"]
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "EXPERTS_IMPLEMENTATION",
+    "GenericDecoder",
+    "check_against_hf",
+    "probe",
+    "register",
+]
 
 ATTN_IMPLEMENTATION = "precast_paged"
+EXPERTS_IMPLEMENTATION = "precast_dense"
 _NEG = torch.finfo(torch.float32).min
 
 
@@ -134,19 +142,61 @@ def precast_paged_attention(
     return torch.matmul(probs, values).transpose(1, 2).contiguous(), None
 
 
+def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """A mixture of experts without data-dependent shapes: every expert on every token as one batched MatMul
+    over the stacked weights, weighted by the routing (zero for an expert a token did not pick).
+
+        x [T,H], top_k_index/weights [T,K] (the model's own router: softmax, top-k, renormalisation)
+        route [E,T]  = sum_k (top_k_index[:,k] == e) * top_k_weights[:,k]
+        up    [E,T,*] = x @ gate_up_proj[e]^T (+ bias) -> the model's gate (act(gate) * up) or act
+        out   [T,H]   = sum_e route[e] * (up @ down_proj[e]^T (+ bias))
+
+    The same products and weights as transformers' eager loop (index / where / index_add per hit expert),
+    which the exporter cannot take; only the order of the final sum differs. E times the expert FLOPs of a
+    top-k dispatch: fine for small expert counts, the cost of a static graph."""
+    e = int(self.num_experts)
+    experts = torch.arange(e, device=top_k_index.device)
+    hit = top_k_index[None] == experts[:, None, None]  # [E,T,K]
+    route = torch.where(hit, top_k_weights[None], torch.zeros_like(top_k_weights[None])).sum(-1)  # [E,T]
+
+    def linear(x, w, b):
+        y = torch.matmul(x, w if self.is_transposed else w.transpose(1, 2))
+        return y if b is None else y + b[:, None, :]
+
+    has_bias = getattr(self, "has_bias", False)
+    if self.has_gate:
+        up = linear(hidden_states[None], self.gate_up_proj, self.gate_up_proj_bias if has_bias else None)
+        up = self._apply_gate(up)
+    else:
+        up = self.act_fn(linear(hidden_states[None], self.up_proj, self.up_proj_bias if has_bias else None))
+    out = linear(up, self.down_proj, self.down_proj_bias if has_bias else None)  # [E,T,H]
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    # where, not a product: an unpicked expert's output never reaches the sum (no 0 * inf)
+    out = torch.where(hit.any(-1)[..., None], out * route[..., None], torch.zeros_like(out))
+    return out.sum(0).to(hidden_states.dtype)
+
+
 def register() -> None:
-    """Register ``precast_paged`` in transformers' attention registry (idempotent)."""
+    """Register ``precast_paged`` (attention) and ``precast_dense`` (experts) in transformers (idempotent)."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN_IMPLEMENTATION, precast_paged_attention)
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # transformers without the experts interface: MoE models keep their own forward
+        return
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, precast_dense_experts)
 
 
-def _set_attn(hf: nn.Module, name: str) -> None:
-    """Point the model (and any sub-config) at attention implementation ``name``."""
+def _set_attn(hf: nn.Module, name: str, experts: str | None = None) -> None:
+    """Point the model (and any sub-config) at attention implementation ``name`` (and experts ``experts``)."""
     for mod in hf.modules():
         cfg = getattr(mod, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation"):
             cfg._attn_implementation = name
+        if experts is not None and cfg is not None and hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = experts
 
 
 @dataclass(frozen=True)
@@ -164,7 +214,7 @@ class DecoderShape:
 def probe(hf: nn.Module, where: str) -> DecoderShape:
     """One eager forward of 4 tokens through the registered attention: the model's layers, heads and options."""
     register()
-    _set_attn(hf, ATTN_IMPLEMENTATION)
+    _set_attn(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
     step = _Step(probe=True)
     ids = torch.arange(4)[None] % int(hf.config.get_text_config().vocab_size)
     with torch.no_grad(), _active(step):
@@ -251,11 +301,11 @@ def check_against_hf(module: GenericDecoder, hf_eager_attn: str, where: str, blo
     vocab = int(hf.config.get_text_config().vocab_size)
     ids = torch.randint(0, vocab, (1, n), generator=gen)
     with torch.no_grad():
-        _set_attn(hf, hf_eager_attn)
+        _set_attn(hf, hf_eager_attn, "eager")  # the model's own attention and expert loop
         try:
             ref = hf(input_ids=ids, use_cache=False).logits[0]  # [n, V]
         finally:
-            _set_attn(hf, ATTN_IMPLEMENTATION)
+            _set_attn(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
         nb = -(-n // block_size) + 1
         shape = (nb, module.kv_heads, block_size, module.head_dim)
         kc = [torch.zeros(shape) for _ in range(module.shape.layers)]

@@ -145,6 +145,27 @@ GENERIC_TINY = {
         "max_window_layers": 1,
         "layer_types": ["full_attention", "sliding_attention"],
     },
+    # mixtures of experts: 4 experts, top-2 (the generic path evaluates every expert, routing in-graph)
+    "mixtral": {
+        "num_key_value_heads": 2,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 32,
+    },
+    "qwen2_moe": {
+        "num_key_value_heads": 2,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 64,
+    },
+    "qwen3_moe": {
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+    },
 }
 
 
