@@ -28,15 +28,8 @@ _INPUT_FORM = {
 
 
 def _const_ints(value: ir.Value | None) -> list[int] | None:
-    if value is None:
-        return None
-    tensor = value.const_value
-    if tensor is None and value.producer() is not None and value.producer().op_type == "Constant":
-        attr = value.producer().attributes.get("value")
-        tensor = attr.value if attr is not None else None
-    if tensor is None:
-        return None
-    return [int(v) for v in tensor.numpy().reshape(-1)]
+    tensor = ir.convenience.get_const_tensor(value) if value is not None else None
+    return None if tensor is None else [int(v) for v in tensor.numpy().reshape(-1)]
 
 
 def axes_as_attributes(model: ir.Model) -> list[ir.Node]:

@@ -141,11 +141,8 @@ def plugin_library(ep: str, backend_lib: str | None = None) -> Path:
     return path
 
 
-def plugin_available(ep: str, package: str | None = None) -> tuple[bool, str]:
-    """(ok, reason): can this host load the plugin EP (distribution installed, library present, a device)?
-
-    ``package`` is accepted for older callers and ignored: the allow-list decides what is loaded.
-    """
+def plugin_available(ep: str) -> tuple[bool, str]:
+    """(ok, reason): can this host load the plugin EP (distribution installed, library present, a device)?"""
     try:
         import onnxruntime as ort
     except ImportError:
@@ -163,7 +160,7 @@ def plugin_available(ep: str, package: str | None = None) -> tuple[bool, str]:
     return True, ""
 
 
-def register_plugin(ep: str, package: str | None = None) -> str:
+def register_plugin(ep: str) -> str:
     """Register the plugin's EP library with onnxruntime (idempotent); return the library path."""
     import onnxruntime as ort
 

@@ -244,20 +244,18 @@ def check_integrity(artifact_dir: str | os.PathLike, manifest: dict) -> None:
                 f"artifact {root}: file '{rel}' was modified (sha256 {actual[:12]}..., manifest says {digest[:12]}...)"
             )
     listed = set(manifest["files"]) | {MANIFEST_NAME, BUILD_INFO_NAME}
-    for dirpath, dirnames, filenames in os.walk(root):  # does not follow links: each one is reported
-        for name in dirnames + filenames:
+    # One walk for both rules; it does not follow links, so each link is reported, not entered.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in dirnames + sorted(filenames):
             path = Path(dirpath) / name
+            rel = path.relative_to(root).as_posix()
             if path.is_symlink():
-                rel = path.relative_to(root).as_posix()
                 raise IntegrityError(
                     f"artifact {root}: '{rel}' is a symlink (an artifact holds plain files and folders only)"
                 )
-    for path in sorted(root.rglob("*")):
-        if path.is_dir():
-            continue
-        rel = path.relative_to(root).as_posix()
-        if rel not in listed and not _is_subartifact(rel, manifest):
-            raise IntegrityError(f"artifact {root}: unexpected file '{rel}' not listed in the manifest")
+            if name in filenames and rel not in listed and not _is_subartifact(rel, manifest):
+                raise IntegrityError(f"artifact {root}: unexpected file '{rel}' not listed in the manifest")
 
 
 def _is_subartifact(rel: str, manifest: dict) -> bool:
