@@ -113,6 +113,17 @@ COMPILER_MODULES = (
 )
 
 
+def one_line_error(r, code: int, *needles: str) -> str:
+    """A CLI result (code, out, err) that failed with ``code`` and exactly one 'error: ...' line on stderr
+    naming each of ``needles``, and no traceback; returns that line."""
+    lines = [ln for ln in r.err.strip().splitlines() if ln.strip()]
+    assert r.code == code, (r.code, r.out, r.err)
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.err, r.err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
 def run_with_imports_blocked(body: str, blocked: Sequence[str] = COMPILER_MODULES, timeout: int = 120):
     """Run ``body`` in a fresh interpreter where importing any of ``blocked`` (or a submodule) fails.
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import save, tiny_mlp
+from tests.helpers import one_line_error, save, tiny_mlp
 
 REPO = Path(__file__).resolve().parents[2]
 CACHE = REPO / "tests" / ".cache"
@@ -74,13 +74,7 @@ def tiny_llm() -> Path:
     return out
 
 
-def _one_line_error(r, code: int, *words: str) -> None:
-    assert r.code == code, (r.code, r.out, r.err)
-    lines = r.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), r.err
-    assert "Traceback" not in r.err
-    for w in words:
-        assert w in lines[0], lines[0]
+_one_line_error = one_line_error
 
 
 def test_bench_prints_a_table_and_writes_a_plot(cli, mlp, tmp_path):

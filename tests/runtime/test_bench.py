@@ -11,7 +11,7 @@ from precast.runtime.bench_inputs import FeedHints, generate_feeds, leading_batc
 from precast.runtime.bench_report import Sample, level_from_samples
 from precast.runtime.errors import UsageError
 from precast.runtime.manifest import TensorSpec
-from tests.helpers import run_with_imports_blocked, save, tiny_mlp
+from tests.helpers import COMPILER_MODULES, run_with_imports_blocked, save, tiny_mlp
 
 
 @pytest.mark.parametrize(
@@ -188,14 +188,7 @@ def test_bench_imports_only_numpy_and_the_backend(tmp_path):
         print("BENCH-OK")
         """,
         blocked=(
-            "torch",
-            "onnx_ir",
-            "onnxscript",
-            "onnx",
-            "transformers",
-            "precast.compiler",
-            "precast.passes",
-            "precast.targets",
+            *COMPILER_MODULES,
             "matplotlib",
             "httpx",
         ),

@@ -23,7 +23,7 @@ import pytest
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime.errors import UsageError
 from precast.runtime.manifest import read_manifest
-from tests.helpers import save, tiny_mlp
+from tests.helpers import one_line_error, save, tiny_mlp
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,13 +37,7 @@ def _snapshot(root: Path) -> dict[str, bytes]:
     return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
-def _one_line_error(r, code: int, *needles: str) -> str:
-    lines = [ln for ln in r.err.strip().splitlines() if ln.strip()]
-    assert r.code == code, (r.code, r.err)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.err, r.err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
+_one_line_error = one_line_error
 
 
 def _leftovers(parent: Path) -> list[str]:

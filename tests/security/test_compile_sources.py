@@ -18,6 +18,7 @@ from onnx import TensorProto, helper, numpy_helper
 from precast.compiler.hf_source import folder_hash_and_ship
 from precast.runtime import load
 from precast.runtime.errors import ModelLoadError
+from tests.helpers import one_line_error
 
 CONST = np.arange(8, dtype=np.float32).reshape(2, 4)
 
@@ -53,12 +54,7 @@ def _constant_add(path: Path, location: str) -> Path:
 
 
 def _error(r, *needles: str) -> str:
-    lines = [ln for ln in r.err.strip().splitlines() if ln.strip()]
-    assert r.code == 1, (r.code, r.err)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.err, r.err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
+    return one_line_error(r, 1, *needles)
 
 
 # --- item 3: Constant-attribute external data ---------------------------------------------------------

@@ -19,6 +19,7 @@ from precast.compiler.parity import make_sample_feeds
 from precast.runtime import load
 from precast.runtime.errors import UsageError
 from precast.runtime.manifest import TensorSpec
+from tests.helpers import one_line_error
 
 
 def _save(path: Path, op: str, dtype, in_shape, out_shape=None) -> Path:
@@ -34,13 +35,7 @@ def _save(path: Path, op: str, dtype, in_shape, out_shape=None) -> Path:
     return path
 
 
-def _error(r, code: int, *needles: str) -> str:
-    lines = [ln for ln in r.err.strip().splitlines() if ln.strip()]
-    assert r.code == code, (r.code, r.err)
-    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in r.err, r.err
-    for n in needles:
-        assert n in lines[0], (n, lines[0])
-    return lines[0]
+_error = one_line_error
 
 
 # --- item 5: huge static dims ---------------------------------------------------------------------------
