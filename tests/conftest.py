@@ -23,6 +23,17 @@ def minilm_dir(tmp_path_factory):
     return Path(gt.get_model_path())
 
 
+@pytest.fixture(scope="session")
+def llm_artifact(tmp_path_factory):
+    """A compiled tiny Llama (torch export, ~10 s once per session)."""
+    pytest.importorskip("transformers")
+    from tests.llm.fixtures import build_llama
+    from tests.llm.test_causal_lm import compile_llm
+
+    folder = build_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
+    return compile_llm(folder, tmp_path_factory.mktemp("art") / "llama").output
+
+
 @pytest.fixture
 def cli(capsys):
     """Run the precast CLI in-process; returns .code, .out, .err."""

@@ -160,7 +160,10 @@ def _traffic(mlp_url: str, llm_url: str) -> None:
                 f"{i} And the earth was without form, and void; and darkness was upon the face of the deep. "
                 * 2
             )
-            return c.post(f"{llm_url}/v1/completions", json={"prompt": p, "max_tokens": 48, "temperature": 0})
+            return c.post(
+                f"{llm_url}/v1/completions",
+                json={"prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True},
+            )
 
         # several long requests at once on a small KV pool: some get preempted
         assert all(r.status_code == 200 for r in ex.map(one, range(6)))
@@ -169,12 +172,12 @@ def _traffic(mlp_url: str, llm_url: str) -> None:
 
 
 @pytest.mark.slow
-def test_every_dashboard_query_returns_data_from_a_live_server(tmp_path, tiny_llm_artifact, mlp_artifact):
+def test_every_dashboard_query_returns_data_from_a_live_server(tmp_path, llm_artifact, mlp_artifact):
     prometheus = _tool("prometheus")
     from precast.runtime.server import ServerConfig
     from tests.server.conftest import live_server
 
-    llm_cfg = ServerConfig(tiny_llm_artifact, model_name="tiny", llm={"num_blocks": 6})
+    llm_cfg = ServerConfig(llm_artifact, model_name="tiny", llm={"num_blocks": 6})
     with (
         live_server(ServerConfig(mlp_artifact, model_name="mlp")) as (mlp_url, _),
         live_server(llm_cfg) as (
@@ -248,12 +251,3 @@ def mlp_artifact(tmp_path_factory):
     from tests.server.conftest import compile_tiny
 
     return compile_tiny(tiny_mlp(seed=0), tmp_path_factory.mktemp("mon") / "mlp")
-
-
-@pytest.fixture(scope="module")
-def tiny_llm_artifact(tmp_path_factory):
-    from tests.llm.fixtures import build_llama
-    from tests.llm.test_causal_lm import compile_llm
-
-    folder = build_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
-    return compile_llm(folder, tmp_path_factory.mktemp("art") / "llama").output

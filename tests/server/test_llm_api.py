@@ -17,15 +17,6 @@ PROMPT = "def wrap(text, width=70):"
 
 
 @pytest.fixture(scope="module")
-def llm_artifact(tmp_path_factory):
-    from tests.llm.fixtures import build_llama
-    from tests.llm.test_causal_lm import compile_llm
-
-    folder = build_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
-    return compile_llm(folder, tmp_path_factory.mktemp("art") / "llama").output
-
-
-@pytest.fixture(scope="module")
 def server(llm_artifact):
     with live_server(
         ServerConfig(llm_artifact, model_name="tiny", request_timeout=60, llm={"num_blocks": 32})

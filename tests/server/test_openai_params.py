@@ -22,15 +22,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 
 
 @pytest.fixture(scope="module")
-def llm_artifact(tmp_path_factory):
-    from tests.llm.fixtures import build_llama
-    from tests.llm.test_causal_lm import compile_llm
-
-    folder = build_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
-    return compile_llm(folder, tmp_path_factory.mktemp("art") / "llama").output
-
-
-@pytest.fixture(scope="module")
 def server(llm_artifact):
     with live_server(ServerConfig(llm_artifact, model_name="tiny", llm={"num_blocks": 64})) as s:
         yield s
