@@ -10,6 +10,7 @@ import numpy as np
 from rich.markup import escape
 from rich.table import Table
 
+from precast.cli.config_file import config_option
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
 from precast.cli.output import (
@@ -34,41 +35,6 @@ def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
             raise UsageError(f"bad {what} '{item}': expected {_KV}")
         out[key.strip()] = value.strip()
     return out
-
-
-def _config_defaults(path: str | None) -> dict:
-    """[compile] table of precast.toml (an explicit --config, or ./precast.toml when present)."""
-    import tomllib
-
-    cfg = Path(path) if path else Path("precast.toml")
-    if not cfg.is_file():
-        if path:
-            raise UsageError(f"config file not found: {cfg}")
-        return {}
-    try:
-        data = tomllib.loads(cfg.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise UsageError(f"{cfg}: invalid TOML ({e})") from e
-    section = data.get("compile")
-    if section is None:
-        if path:  # named explicitly, so it was meant to configure the compile
-            raise UsageError(f"{cfg}: no [compile] table")
-        return {}
-    if not isinstance(section, dict):
-        raise UsageError(f"{cfg}: 'compile' must be a table ([compile])")
-    allowed = {"passes", "targets", "atol", "rtol", "min_cosine", "all_or_nothing"}
-    unknown = set(section) - allowed
-    if unknown:
-        raise UsageError(
-            f"{cfg}: unknown key '{sorted(unknown)[0]}' in [compile] (allowed: {', '.join(sorted(allowed))})"
-        )
-    return section
-
-
-def _listed(value):
-    """A TOML list as a tuple; anything else as is, for CompileOptions to reject (tuple() of a string would
-    split it into letters)."""
-    return tuple(value) if isinstance(value, list) else value
 
 
 @cli.command("compile")
@@ -103,7 +69,7 @@ def _listed(value):
 @click.option(
     "--print-ir-after", "print_ir_after", multiple=True, help="Print the IR after this pass ('all')."
 )
-@click.option("--config", "config", default=None, help="precast.toml with a [compile] table.")
+@config_option()
 @click.option("--report", type=click.Path(), default=None, help="Write a JSON report here (also on failure).")
 @click.option(
     "--junit", type=click.Path(), default=None, help="Write a JUnit XML report (one testcase per output)."
@@ -170,7 +136,6 @@ def compile_cmd(
     from precast.compiler.source import parse_input_spec
     from precast.runtime.errors import ParityError, PartialCompileError, PrecastError
 
-    cfg = _config_defaults(config)
     check_output_path(output, "-o", directory=True)
     for option, path in (("--report", report), ("--junit", junit)):
         if path:
@@ -183,21 +148,21 @@ def compile_cmd(
             raise UsageError(f"bad --dim '{k}={v}': the size must be a positive integer")
         dim_values[k] = int(v)
     opts = CompileOptions(
-        targets=tuple(targets) or _listed(cfg.get("targets", ["ort-cpu"])),
-        passes=passes if passes is not None else cfg.get("passes"),
+        targets=tuple(targets) or ("ort-cpu",),
+        passes=passes,
         inputs=[parse_input_spec(s) for s in inputs],
         dims=dim_values,
         sample_inputs=read_feeds(sample_inputs) if sample_inputs else None,
-        atol=atol if atol is not None else cfg.get("atol"),
-        rtol=rtol if rtol is not None else cfg.get("rtol"),
-        min_cosine=min_cosine if min_cosine is not None else cfg.get("min_cosine"),
+        atol=atol,
+        rtol=rtol,
+        min_cosine=min_cosine,
         target_options=_kv_pairs(target_options, "--target-option"),
         print_ir_after=frozenset(print_ir_after),
         task=task,
         kv_layout=None if kv_layout == "auto" else kv_layout,
         cache_dir=cache_dir or None,
         accuracy_budget=accuracy_budget,
-        all_or_nothing=all_or_nothing if all_or_nothing is not None else cfg.get("all_or_nothing", False),
+        all_or_nothing=bool(all_or_nothing),
     )
     if accuracy_budget:
         from precast.runtime.accuracy import parse_budget
