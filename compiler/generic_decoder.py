@@ -74,14 +74,22 @@ def _active(step: _Step):
         _ACTIVE = prev
 
 
+def _positions(past_lens: torch.Tensor, s: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query positions [B,S] (past_lens[b]+s) and key positions [B,P+S]: key j < P is past position j, key
+    P+t the new token at past_lens[b]+t."""
+    dev = past_lens.device
+    q_pos = past_lens[:, None] + torch.arange(s, device=dev)[None, :]
+    j = torch.arange(p, device=dev)[None, :]
+    return q_pos, torch.cat([j.expand(past_lens.shape[0], p), q_pos], dim=1)
+
+
 def _mask(past_lens: torch.Tensor, s: int, p: int, window: int | None) -> torch.Tensor:
     """Bool [B,1,S,P+S]. Key j < P is past position j (valid iff j < past_lens[b]); key P+t is the new token
     at position past_lens[b]+t. Query s sits at past_lens[b]+s and sees keys at or before it, and with a
     window only those less than ``window`` positions back (HF: kv_idx > q_idx - sliding_window)."""
     dev = past_lens.device
-    q_pos = past_lens[:, None] + torch.arange(s, device=dev)[None, :]  # [B,S]
+    q_pos, k_pos = _positions(past_lens, s, p)
     j = torch.arange(p, device=dev)[None, :]
-    k_pos = torch.cat([j.expand(past_lens.shape[0], p), q_pos], dim=1)  # [B,P+S]
     k_ok = torch.cat([j < past_lens[:, None], torch.ones_like(q_pos, dtype=torch.bool)], dim=1)
     ok = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_ok[:, None, :]  # [B,S,P+S]
     if window is not None:
@@ -99,9 +107,13 @@ def precast_paged_attention(
     dropout: float = 0.0,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
     **kwargs,
 ):
-    """q [B,H,S,D], new k/v [B,KV,S,D] (after the model's rotary / qk-norm) -> ([B,S,H,D], None)."""
+    """q [B,H,S,D], new k/v [B,KV,S,D] (after the model's rotary / qk-norm) -> ([B,S,H,D], None).
+
+    ``alibi_slopes`` [H] (BLOOM, from attention_swaps): score[h, q, k] += slope[h] * position of key k, as the
+    model's alibi tensor (softmax is shift-invariant per query, so absolute key positions are exact)."""
     step = _ACTIVE
     if step is None:
         raise RuntimeError("precast_paged attention called outside a precast step")
@@ -123,8 +135,10 @@ def precast_paged_attention(
             (i, kv, key.shape[-1], value.shape[-1], window, float(softcap) if softcap else None)
         )
         keys, values = key, value
-        mask = _mask(torch.zeros(b, dtype=torch.long, device=query.device), s, 0, window)
+        past_lens = torch.zeros(b, dtype=torch.long, device=query.device)
+        mask = _mask(past_lens, s, 0, window)
     else:
+        past_lens = step.past_lens
         step.new_keys[i], step.new_values[i] = key, value
         keys = torch.cat([gather_past(step.key_caches[i], step.block_tables), key], dim=2)
         values = torch.cat([gather_past(step.value_caches[i], step.block_tables), value], dim=2)
@@ -137,6 +151,9 @@ def precast_paged_attention(
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        k_pos = _positions(past_lens, s, keys.shape[2] - s)[1].to(scores.dtype)  # [B,P+S]
+        scores = scores + alibi_slopes.to(scores.dtype)[None, :, None, None] * k_pos[:, None, None, :]
     scores = torch.where(mask, scores, torch.full_like(scores, _NEG))
     probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
     return torch.matmul(probs, values).transpose(1, 2).contiguous(), None
@@ -213,7 +230,10 @@ class DecoderShape:
 
 def probe(hf: nn.Module, where: str) -> DecoderShape:
     """One eager forward of 4 tokens through the registered attention: the model's layers, heads and options."""
+    from precast.compiler.attention_swaps import swap_attention
+
     register()
+    swap_attention(hf)  # falcon / bloom: their own attention code, pointed at precast_paged_attention
     _set_attn(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
     step = _Step(probe=True)
     ids = torch.arange(4)[None] % int(hf.config.get_text_config().vocab_size)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 __all__ = [
     "GENERIC_TINY",
+    "GENERIC_VARIANTS",
     "GPT2_TINY",
     "LLAMA_TINY",
     "build_causal_lm",
@@ -166,6 +167,17 @@ GENERIC_TINY = {
         "num_experts_per_tok": 2,
         "moe_intermediate_size": 32,
     },
+    # FalconConfig's defaults: rotary, parallel attention, multi-query (one KV head)
+    "falcon": {"bias": True},
+    # ALiBi (slope per head * key position); no max_position_embeddings of its own
+    "bloom": {"n_layer": 2, "n_head": 4},
+}
+# Other configurations of a family in GENERIC_TINY: name -> (model_type, overrides)
+GENERIC_VARIANTS = {
+    # Falcon-40B style: grouped KV heads (2), two layer norms per parallel block
+    "falcon-new-arch": ("falcon", {"new_decoder_architecture": True, "num_kv_heads": 2}),
+    # Falcon-RW style: one KV head per query head, sequential attention then MLP
+    "falcon-mha": ("falcon", {"multi_query": False, "parallel_attn": False}),
 }
 
 
@@ -178,6 +190,9 @@ def build_causal_lm(folder: Path, model_type: str, seed: int = 0, **overrides) -
     tok = train_tokenizer()
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     kw = {**_TINY, "tie_word_embeddings": False, "bos_token_id": bos, "eos_token_id": eos}
+    if model_type in GENERIC_VARIANTS:
+        model_type, variant = GENERIC_VARIANTS[model_type]
+        overrides = {**variant, **overrides}
     kw.update(GENERIC_TINY.get(model_type, {}), **overrides)
     config = transformers.AutoConfig.for_model(model_type, **kw)
     torch.manual_seed(seed)

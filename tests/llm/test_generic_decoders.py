@@ -35,6 +35,10 @@ ARCHS = [
     "mixtral",  # mixtures of experts (4, top-2): routed in-graph, every expert as one batched MatMul
     "qwen2_moe",  # + a gated shared expert
     "qwen3_moe",
+    "falcon",  # its own attention code (swapped): rotary, parallel attention, multi-query
+    "falcon-new-arch",  # grouped KV heads, two layer norms per block
+    "falcon-mha",  # a KV head per query head, sequential attention -> MLP
+    "bloom",  # ALiBi: prompt + 32 tokens reach position ~80, where head 0's bias spans ~20 logits
 ]
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
 NEW_TOKENS = 32
@@ -111,13 +115,24 @@ def test_generic_shape_is_read_off_the_model(generic_dirs):
     assert (module.shape.kv_heads, module.shape.head_size) == (2, 16)
 
 
-@pytest.mark.parametrize("model_type", ["falcon", "bloom"])
-def test_architectures_outside_the_attention_interface_are_refused(model_type, tmp_path):
+def test_falcon_with_alibi_is_refused(tmp_path):
     from precast.compiler.source import load_source
 
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": model_type}))
-    with pytest.raises(ModelLoadError, match=rf"'{model_type}' is not supported.*attention"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "alibi": True}))
+    with pytest.raises(ModelLoadError, match=r"falcon with alibi=true is not supported") as e:
         load_source(str(tmp_path), task="causal-lm")
+    assert e.value.exit_code == 1
+
+
+def test_bloom_without_alibi_fails_the_check_against_hf(generic_dirs, monkeypatch):
+    """ALiBi is what makes bloom's attention bloom's: the paged attention without the slopes is exit 2."""
+    import precast.compiler.generic_decoder as gd
+    from precast.compiler.causal_lm import build_paged_decoder
+
+    right = gd.precast_paged_attention
+    monkeypatch.setattr(gd, "precast_paged_attention", lambda *a, alibi_slopes=None, **k: right(*a, **k))
+    with pytest.raises(ParityError, match="differ from the model's own forward"):
+        build_paged_decoder(generic_dirs("bloom"), "bloom")
 
 
 def test_generic_model_refuses_mapped_layout(generic_dirs):
