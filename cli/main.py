@@ -42,6 +42,7 @@ def _register() -> None:
         commands,  # noqa: F401  (defines the subcommands on `cli`)
         commands_bench,  # noqa: F401  (bench)
         commands_ci,  # noqa: F401  (bisect, pack, unpack, keygen, profile)
+        commands_compile,  # noqa: F401  (compile)
         commands_eval,  # noqa: F401  (eval --perplexity)
         commands_llm,  # noqa: F401  (generate)
         commands_serve,  # noqa: F401  (serve)

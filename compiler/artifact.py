@@ -25,6 +25,8 @@ __all__ = [
     "publish",
     "check_replaceable",
     "clean_stale_siblings",
+    "build_manifest",
+    "build_index",
 ]
 
 
@@ -65,12 +67,11 @@ def _check_artifact_files(root: Path, shown: Path) -> None:
         raise _not_replaceable(shown, f"is not a precast artifact (no {MANIFEST_NAME})") from None
     except ArtifactError as e:
         raise _not_replaceable(shown, f"is not a precast artifact ({_why(e, root)})") from None
-    listed = set(manifest["files"]) | {MANIFEST_NAME, BUILD_INFO_NAME}
+    listed = set(manifest.files) | {MANIFEST_NAME, BUILD_INFO_NAME}
     subs = set()
-    if manifest.get("kind") == "multi-target":
-        for name, entry in (manifest.get("targets") or {}).items():
-            d = entry.get("dir", name) if isinstance(entry, dict) else None
-            if not isinstance(d, str) or d in ("", ".", "..") or "/" in d or "\\" in d:
+    if manifest.is_multi_target:
+        for d in manifest.target_dirs().values():
+            if d in ("", ".", "..") or "/" in d or "\\" in d:
                 raise _not_replaceable(shown, f"is not a precast artifact (bad target dir {d!r})")
             subs.add(d)
 
@@ -236,3 +237,66 @@ def write_index(root: Path, index: dict) -> dict:
     manifest = dict(index, files=files)
     dump_json(manifest, root / MANIFEST_NAME)
     return manifest
+
+
+# Manifest assembly lives here, in these two functions, so that the typed schema (runtime/manifest.py) can
+# replace the dict literals in one place.
+
+
+def build_manifest(
+    *,
+    source,
+    pipeline: str,
+    passes: list[dict],
+    target_block: dict,
+    inputs,
+    outputs,
+    toolchain: dict[str, str],
+    parity: dict,
+) -> dict:
+    """One target's manifest (before ``finalize_manifest`` adds ``files``). ``source``: a compiler Source."""
+    from precast import __version__
+    from precast.runtime.manifest import SCHEMA_VERSION
+
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "precast_version": __version__,
+        "toolchain": toolchain,
+        "source": {
+            "kind": source.kind,
+            "name": source.name,
+            "sha256": source.sha256,
+            **{k: v for k, v in source.info.items() if k != "llm"},
+        },
+        **({"llm": source.info["llm"]} if "llm" in source.info else {}),
+        "pipeline": pipeline,
+        "passes": passes,
+        "target": target_block,
+        "io": {"inputs": [s.to_json() for s in inputs], "outputs": [s.to_json() for s in outputs]},
+        "extra_files": sorted(source.ship_files),
+        "parity": parity,
+    }
+
+
+def build_index(
+    manifests: Mapping[str, dict], precisions: Mapping[str, str], failed: Mapping[str, dict]
+) -> dict:
+    """A multi-target index (before ``write_index`` adds ``files``): one entry per written target, in the
+    runtime's fallback order, and the ``failed`` table of the targets that were not written."""
+    from precast import __version__
+    from precast.runtime.manifest import SCHEMA_VERSION
+    from precast.runtime.model import preference_order
+
+    entries = {n: {"dir": n, "target": n, "precision": precisions[n]} for n in manifests}
+    first = next(iter(manifests.values()))
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "multi-target",
+        "precast_version": __version__,
+        "source": first["source"],
+        "targets": entries,
+        "fallback_order": preference_order(entries),
+        "io": first["io"],
+        "target": {"name": "multi"},
+        **({"failed": dict(failed)} if failed else {}),
+    }

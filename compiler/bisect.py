@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from precast.compiler.driver import CompileOptions, _tolerance, bisect_parity, sample_feeds, source_of
-from precast.compiler.parity import io_signature, ort_run_model
+from precast.compiler.driver import source_of
+from precast.compiler.parity import io_signature
 from precast.compiler.pipeline import parse_pipeline
+from precast.compiler.plan import CompileOptions
 from precast.compiler.source import Source
+from precast.compiler.verify import Verifier, sample_feeds
 from precast.runtime.progress import reporter
 from precast.targets.base import get_target
 
@@ -54,14 +56,13 @@ def bisect_model(
     report.step(f"loading {model if isinstance(model, str) else model.name}")
     source = source_of(model, opts, report)
     inputs, _ = io_signature(source.model)
-    feeds = sample_feeds(source, inputs, opts)  # the compile's own choice, so both see the same graph inputs
-    tol = _tolerance(target_cls, opts)
-    report.step("running the reference (onnxruntime on the source graph)")
-    expected = ort_run_model(source.model, feeds)
+    # The compile's own feeds, tolerance (a quantized pipeline's budget included) and pass context.
+    verifier = Verifier(source, sample_feeds(source, inputs, opts), opts, report)
+    tol = verifier.tolerance(target_cls.precision, specs)
     names = [str(s) for s in specs]
     result = BisectResult(names, {"atol": tol.atol, "rtol": tol.rtol, "min_cosine": tol.min_cosine})
     report.step(f"bisecting {len(specs)} passes against onnxruntime on the source graph")
-    found = bisect_parity(source.model, specs, feeds, expected, tol, progress=report, dont_cares=source.info)
+    found = verifier.bisect(specs, tol)
     if found is not None:
         result.index, result.error = found
         result.after = names[: result.index]

@@ -1,7 +1,8 @@
 """The compile cache: an unchanged model compiled with unchanged options and toolchain is a copy.
 
     key = sha256(source hash, canonical pipeline per target, target names + options, tolerances,
-                 sample/calibration feeds, toolchain versions, a hash of precast's own code)
+                 the user's sample/calibration feeds, toolchain versions, a hash of precast's own code)
+          (CompilePlan.cache_key_parts: for an HF folder, computed before the export)
     <cache dir>/<key>/            a whole artifact, exactly as published
     <cache dir>/<key>.json        a small note: what went into the key (for humans debugging misses)
 
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, UsageError
-from precast.runtime.manifest import check_integrity, read_manifest
+from precast.runtime.manifest import Manifest, check_integrity, read_manifest
 from precast.runtime.staging import clean_stale, temp_name
 
 __all__ = [
@@ -37,7 +38,6 @@ __all__ = [
     "check_artifact_tree",
     "code_hash",
     "hash_sources",
-    "compile_key_parts",
     "hash_feeds",
     "lookup",
     "restore",
@@ -93,58 +93,6 @@ def hash_sources(roots) -> str:
     return h.hexdigest()
 
 
-def compile_key_parts(source, targets, pipelines, tolerances, feeds, opts) -> dict[str, Any]:
-    """Everything that decides a compile's artifact bytes, as plain JSON-able data.
-
-    ``targets``: Target instances; ``pipelines``: {target: [PassSpec]}; ``tolerances``: {target: Tolerance};
-    ``feeds``: the sample feeds actually used (covers --sample-inputs, --dim and the seed).
-    """
-    from precast.compiler.driver import toolchain_versions
-    from precast.compiler.pipeline import format_pipeline
-
-    versions = toolchain_versions()
-    if source.kind in ("torch", "hf"):  # the exporter's version shapes the graph, not only the weights
-        from importlib import metadata
-
-        for pkg in ("torch", "transformers"):
-            try:
-                versions[pkg] = metadata.version(pkg)
-            except metadata.PackageNotFoundError:
-                versions[pkg] = "missing"
-    calib = opts.calibration_feeds
-    return {
-        "source": {
-            "kind": source.kind,
-            "name": source.name,
-            "sha256": source.sha256,
-            "info": source.info,
-            "reference": source.reference_name,
-            "ship_files": sorted(source.ship_files),
-        },
-        "targets": [
-            {
-                "name": t.name,
-                "options": t.options,
-                "pipeline": format_pipeline(pipelines[t.name]),
-                "tolerance": vars(tolerances[t.name]),
-            }
-            for t in targets
-        ],
-        "feeds": hash_feeds(feeds),
-        "calibration": None if calib is None else [hash_feeds(f) for f in calib],
-        "calibration_text": None
-        if opts.calibration_text is None
-        else hashlib.sha256(opts.calibration_text.encode()).hexdigest(),
-        "accuracy_budget": getattr(opts, "accuracy_budget", None),
-        "task": opts.task,
-        "kv_layout": getattr(opts, "kv_layout", None),
-        "inputs": [s.to_json() for s in opts.inputs],
-        "dims": dict(sorted(opts.dims.items())),
-        "toolchain": versions,
-        "code": code_hash(),
-    }
-
-
 def restore(
     cache_dir: str | os.PathLike, key: str, output: Path, say=lambda _m: None
 ) -> tuple[dict | None, str]:
@@ -165,18 +113,15 @@ def restore(
         manifest = check_artifact_tree(stage)  # the copy, not only the entry, must be intact
         publish(stage, Path(output))
     say(f"cache hit {key[:12]}: copied {entry}")
-    return manifest, "hit"
+    return manifest.to_json(), "hit"
 
 
-def check_artifact_tree(root: Path) -> dict:
+def check_artifact_tree(root: Path) -> Manifest:
     """read_manifest + check_integrity of an artifact, and of each sub-artifact of a multi-target one."""
     manifest = read_manifest(root)
     check_integrity(root, manifest)
-    if manifest.get("kind") == "multi-target":
-        for name, entry in sorted((manifest.get("targets") or {}).items()):
-            if not isinstance(entry, dict):
-                raise ArtifactError(f"{root}: malformed target entry '{name}'")
-            check_artifact_tree(root / str(entry.get("dir", name)))
+    for sub in sorted(manifest.target_dirs().values()):
+        check_artifact_tree(root / sub)
     return manifest
 
 

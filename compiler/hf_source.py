@@ -14,7 +14,14 @@ from precast.runtime.errors import ExportError, ModelLoadError, UsageError, firs
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import SILENT, ProgressReporter
 
-__all__ = ["load_hf_folder", "ENCODER_TYPES", "TASK_LOADERS"]
+__all__ = [
+    "load_hf_folder",
+    "ENCODER_TYPES",
+    "TASK_LOADERS",
+    "encoder_dims",
+    "folder_hash_and_ship",
+    "read_config",
+]
 
 # Other tasks (e.g. causal-lm) register a loader(folder, config, dims, progress, **options) -> Source here.
 TASK_LOADERS: dict = {}
@@ -67,7 +74,7 @@ def _check_inside(folder: Path, path: Path) -> None:
         )
 
 
-def _read_config(folder: Path) -> dict:
+def read_config(folder: Path) -> dict:
     try:
         config = json.loads((folder / "config.json").read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -87,8 +94,10 @@ SAMPLE_SENTENCES = (
 )
 
 
-def _text_sample_feeds(folder: Path, names: list[str]) -> dict | None:
-    """Tokenized sample sentences (padded batch) when the folder ships a tokenizer.json, else None."""
+def _text_sample_feeds(folder: Path, names: list[str], dims: dict[str, int] | None = None) -> dict | None:
+    """Tokenized sample sentences (padded batch) when the folder ships a tokenizer.json, else None. With
+    ``dims`` (--dim batch / sequence) the batch is exactly that size: sentences repeated to ``batch`` rows,
+    padded (or truncated) to ``sequence`` tokens -- real text at the compile's shapes, not random ids."""
     if not (folder / "tokenizer.json").is_file():
         return None
     try:
@@ -100,9 +109,12 @@ def _text_sample_feeds(folder: Path, names: list[str]) -> dict | None:
         tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
     except Exception as e:  # the tokenizers library raises plain Exception on a malformed file
         raise ModelLoadError(f"cannot read tokenizer {folder / 'tokenizer.json'}: {first_line(e)}") from e
-    tok.enable_padding()
-    tok.enable_truncation(max_length=128)
-    enc = tok.encode_batch(list(SAMPLE_SENTENCES))
+    dims = dims or {}
+    seq = dims.get("sequence")
+    tok.enable_padding(**({"length": seq} if seq else {}))
+    tok.enable_truncation(max_length=seq or 128)
+    rows = dims.get("batch", len(SAMPLE_SENTENCES))
+    enc = tok.encode_batch([SAMPLE_SENTENCES[i % len(SAMPLE_SENTENCES)] for i in range(rows)])
     arrays = {
         "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
         "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
@@ -118,7 +130,7 @@ def load_hf_folder(
     kv_layout: str | None = None,
     progress: ProgressReporter = SILENT,
 ) -> Source:
-    config = _read_config(folder)
+    config = read_config(folder)
     model_type = config.get("model_type", "?")
     given = task is not None
     task = task or "feature-extraction"
@@ -161,7 +173,7 @@ def load_hf_folder(
         ) from e
     inputs = _encoder_inputs(module, model_type, config)
     names = [s.name for s in inputs]
-    dims_given = bool(dims)  # --dim asks for generated feeds of those sizes
+    given_dims = dict(dims or {})  # --dim sizes the sample feeds
     dims = sample_dims(inputs, dims)
     outputs = _encoder_outputs(module, inputs, dims)
     model = export_module(module, inputs, outputs, dims, progress)
@@ -181,8 +193,16 @@ def load_hf_folder(
             "vocab_size": config.get("vocab_size"),
             "padding_mask": "attention_mask" if "attention_mask" in names else None,
         },
-        sample_feeds=None if dims_given else _text_sample_feeds(folder, names),
+        sample_feeds=_text_sample_feeds(folder, names, given_dims),
     )
+
+
+def encoder_dims(model_type: str) -> frozenset[str] | None:
+    """The symbolic input dims a feature-extraction export of ``model_type`` has (None: not an encoder):
+    what ``--dim`` may size, known from the config alone (see _encoder_inputs)."""
+    if model_type not in ENCODER_TYPES:
+        return None
+    return frozenset({"batch"} if model_type in _VISION_TYPES else {"batch", "sequence"})
 
 
 def _encoder_inputs(module, model_type: str, config: dict) -> list[TensorSpec]:

@@ -184,11 +184,14 @@ def ort_run_model(
     """Run an in-memory IR model with ONNX Runtime (the reference for ONNX sources)."""
     import onnxruntime as ort
 
-    from precast.runtime.backends import ort_session_options
+    from precast.runtime.backends import OPT_LEVELS
 
     proto = ir.serde.serialize_model(model)
     data = proto.SerializeToString()
-    so = ort_session_options({"graph_optimization_level": level})
+    so = ort.SessionOptions()  # the reference: no artifact settings, default threads, quiet
+    so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPT_LEVELS[level])
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
     sess = ort.InferenceSession(data, sess_options=so, providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, dict(feeds))))

@@ -16,7 +16,7 @@ from precast.runtime.errors import ModelLoadError, UsageError
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import reporter
 
-__all__ = ["Source", "load_source", "parse_input_spec", "hash_files"]
+__all__ = ["Source", "load_source", "locate_source", "parse_input_spec", "hash_files"]
 
 Reference = Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]
 
@@ -88,26 +88,37 @@ def load_source(
     report = reporter(progress)
     if kv_layout is not None and task != "causal-lm":
         raise UsageError(f"--kv-layout {kv_layout} applies to --task causal-lm only")
+    kind, path = locate_source(spec)
+    if kind == "hf":
+        from precast.compiler.hf_source import load_hf_folder
+
+        return load_hf_folder(path, task=task, dims=dims, kv_layout=kv_layout, progress=report)
+    if kind == "onnx":
+        _no_export_options(path, task, inputs)
+        return load_onnx(path)
+    from precast.compiler.torch_source import load_torch_callable
+
+    return load_torch_callable(spec, inputs or [], dims=dims, progress=report)
+
+
+def locate_source(spec: str) -> tuple[str, Path]:
+    """What ``spec`` names, without reading it: ("hf", folder), ("onnx", file) or ("torch", Path(spec)).
+
+    A folder is a Hugging Face model (config.json) or holds exactly one .onnx file; ModelLoadError otherwise."""
     path = Path(spec)
     if path.is_dir():
         if (path / "config.json").is_file():
-            from precast.compiler.hf_source import load_hf_folder
-
-            return load_hf_folder(path, task=task, dims=dims, kv_layout=kv_layout, progress=report)
+            return "hf", path
         onnx_files = sorted(path.glob("*.onnx"))
         if len(onnx_files) == 1:
-            _no_export_options(onnx_files[0], task, inputs)
-            return load_onnx(onnx_files[0])
+            return "onnx", onnx_files[0]
         raise ModelLoadError(
             f"{path}: a folder must hold a Hugging Face model (config.json) or exactly one .onnx file"
         )
     if path.suffix == ".onnx" or path.exists():
-        _no_export_options(path, task, inputs)
-        return load_onnx(path)
+        return "onnx", path
     if ":" in spec and os.path.sep not in spec.split(":", 1)[0]:
-        from precast.compiler.torch_source import load_torch_callable
-
-        return load_torch_callable(spec, inputs or [], dims=dims, progress=report)
+        return "torch", path
     raise ModelLoadError(
         f"model not found: '{spec}' (expected an .onnx file, a Hugging Face folder, or module:callable)"
     )

@@ -13,7 +13,9 @@ hint decides what the device computes in (f32 by default so parity holds to fp32
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import onnx_ir as ir
 
@@ -32,7 +34,18 @@ class OpenVINO(Target):
     summary = "OpenVINO IR (xml/bin) via the openvino package; CPU here, GPU/NPU on hosts that have them"
     default_pipeline = "infer-shapes,fold-constants,eliminate-dead-code"
     precision = "fp32"
-    option_defaults = {"device": "CPU", "inference_precision": "f32", "performance_hint": "LATENCY"}
+
+    @dataclass(frozen=True)
+    class Options:
+        device: str = field(
+            default="CPU", metadata={"help": "OpenVINO device recorded for the runtime (CPU, GPU, NPU)"}
+        )
+        inference_precision: Literal["f32", "f16", "bf16"] = field(
+            default="f32", metadata={"help": "OpenVINO's inference precision hint"}
+        )
+        performance_hint: Literal["LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"] = field(
+            default="LATENCY", metadata={"help": "OpenVINO's performance hint"}
+        )
 
     @classmethod
     def can_build(cls) -> Availability:

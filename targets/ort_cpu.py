@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import onnx_ir as ir
 
@@ -51,7 +53,19 @@ class OrtCpu(Target):
         "fuse-matmul-add,"
         "eliminate-dead-code"
     )
-    option_defaults = {"ort_level": "none", "threads": 0, "runtime_level": "all"}
+
+    @dataclass(frozen=True)
+    class Options:
+        ort_level: Literal["none", "basic", "extended"] = field(
+            default="none",
+            metadata={"help": "ONNX Runtime's graph optimizations applied offline (portable levels)"},
+        )
+        threads: int = field(
+            default=0, metadata={"help": "intra-op threads at load (0: ONNX Runtime's default)"}
+        )
+        runtime_level: Literal["disable", "basic", "extended", "all"] = field(
+            default="all", metadata={"help": "graph_optimization_level of the session at load"}
+        )
 
     def build(self, model: ir.Model, out_dir: Path) -> dict:
         files = save_onnx(model, out_dir / "model.onnx")

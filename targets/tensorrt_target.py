@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnx
@@ -78,7 +80,18 @@ class TensorRT(Target):
     summary = "NVIDIA GPU engine via TensorRT (engine on a GPU host; a build plan + build script elsewhere)"
     default_pipeline = "infer-shapes,fold-constants,eliminate-dead-code"
     precision = "fp16"
-    option_defaults = {"precision": "fp16", "profile": "", "workspace_mb": 4096, "timing_cache": ""}
+
+    @dataclass(frozen=True)
+    class Options:
+        precision: Literal["fp32", "fp16", "bf16", "int8", "fp8"] = field(
+            default="fp16", metadata={"help": "engine precision"}
+        )
+        profile: str = field(
+            default="",
+            metadata={"help": "optimization profile, NAME=MIN:OPT:MAX;... (default: from the sample feeds)"},
+        )
+        workspace_mb: int = field(default=4096, metadata={"help": "builder workspace in MB"})
+        timing_cache: str = field(default="", metadata={"help": "timing cache file to read and update"})
 
     @classmethod
     def can_build(cls) -> Availability:

@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Literal
 
 import onnx_ir as ir
 
@@ -63,19 +64,33 @@ class Triton(Target):
         "Triton Inference Server model repository (onnxruntime backend + a Python-backend precast model)"
     )
     default_pipeline = OrtCpu.default_pipeline
-    option_defaults: ClassVar[dict[str, Any]] = {
-        "model_name": "model",
-        "version": 1,
-        "max_batch_size": 8,  # used when every input and output leads with one symbolic batch dim
-        "preferred_batch_sizes": "",  # e.g. "4,8"
-        "max_queue_delay_us": 100,
-        "instance_count": 1,
-        "instance_kind": "cpu",  # cpu | gpu (the onnxruntime model's instance group)
-        "mode": "auto",  # auto | tensor | llm (the Python model's interface)
-        "llm_num_blocks": 0,  # KV blocks of the Python model's LLM engine (0 = engine default)
-        "ort_level": "none",  # offline ORT optimization of model.onnx (none|basic|extended), as ort-cpu
-        "threads": 0,
-    }
+
+    @dataclass(frozen=True)
+    class Options:
+        model_name: str = field(default="model", metadata={"help": "the Triton model's folder name"})
+        version: int = field(default=1, metadata={"help": "model version folder (>= 1)"})
+        max_batch_size: int = field(
+            default=8, metadata={"help": "used when every input and output leads with one symbolic batch dim"}
+        )
+        preferred_batch_sizes: str = field(default="", metadata={"help": "dynamic batcher sizes, e.g. 4,8"})
+        max_queue_delay_us: int = field(default=100, metadata={"help": "dynamic batcher queue delay"})
+        instance_count: int = field(default=1, metadata={"help": "instances of the onnxruntime model"})
+        instance_kind: Literal["cpu", "gpu"] = field(
+            default="cpu", metadata={"help": "the instance group's kind"}
+        )
+        mode: Literal["auto", "tensor", "llm"] = field(
+            default="auto", metadata={"help": "the Python model's interface"}
+        )
+        llm_num_blocks: int = field(
+            default=0, metadata={"help": "KV blocks of the Python model's engine (0: default)"}
+        )
+        ort_level: Literal["none", "basic", "extended"] = field(
+            default="none", metadata={"help": "offline ORT optimization of model.onnx, as ort-cpu"}
+        )
+        threads: int = field(default=0, metadata={"help": "intra-op threads at load (0: default)"})
+
+    def check_options(self) -> None:
+        self._checked_options()
 
     def _checked_options(self) -> dict:
         o = dict(self.options)
