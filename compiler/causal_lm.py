@@ -82,15 +82,41 @@ def _check_architecture(folder: Path, config: dict) -> str:
             f"{folder}: falcon with alibi=true is not supported for task causal-lm (transformers' own eager "
             "and sdpa attention disagree for it, so there is no reference to match); rotary falcon is"
         )
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    kind = (
-        scaling.get("rope_type", scaling.get("type", "default")) if isinstance(scaling, dict) else "default"
-    )
-    if kind not in ("default", "linear", "llama3"):
-        # The graph computes rotary with the model's own rotary module at fixed frequencies; types that
-        # rescale by sequence length at run time (dynamic, longrope, yarn's attention factor) are refused.
-        raise ModelLoadError(f"{folder}: rope_scaling type '{kind}' is not supported for task causal-lm")
+    kind = _rope_kind(config)
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(
+            f"{folder}: rope type '{kind}' is not supported for task causal-lm (supported: {', '.join(ROPE_TYPES)})"
+        )
     return model_type
+
+
+# Rotary types the step graph computes exactly: the model's own rotary module at its fixed frequencies (and
+# yarn / longrope attention factor). 'dynamic' rescales only past max_position_embeddings and 'longrope'
+# switches to its long factors only past original_max_position_embeddings: within the compiled context
+# (the latter capped there) both are fixed too; see _freeze_rotary.
+ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
+
+
+def _rope_parameters(config: dict) -> dict:
+    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    return scaling if isinstance(scaling, dict) else {}
+
+
+def _rope_kind(config: dict) -> str:
+    scaling = _rope_parameters(config)
+    return scaling.get("rope_type", scaling.get("type", "default"))
+
+
+def _freeze_rotary(hf) -> None:
+    """dynamic / longrope rotary modules re-derive their frequencies from each forward's largest position
+    (a data-dependent branch / buffer write the exporter cannot take). Within the compiled context that
+    update is the identity (dynamic grows only past max_position_embeddings; longrope picks its short
+    factors up to original_max_position_embeddings, where _max_positions caps the context), so the graph
+    runs the module at the frequencies it was built with."""
+    for mod in hf.modules():
+        kind = getattr(mod, "rope_type", None)
+        if isinstance(kind, str) and (kind == "longrope" or "dynamic" in kind) and hasattr(mod, "inv_freq"):
+            mod.rope_type = "default"  # read by transformers' dynamic_rope_update; the rest is unchanged
 
 
 def _ids(value) -> list[int]:
@@ -109,7 +135,14 @@ def _context(config: dict) -> int:
 
 
 def _max_positions(config: dict) -> int:
-    return int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    ctx = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    if _rope_kind(config) == "longrope":  # beyond it HF switches to the long factors mid-sequence
+        rope = _rope_parameters(config)
+        original = rope.get("original_max_position_embeddings") or config.get(
+            "original_max_position_embeddings"
+        )
+        ctx = min(ctx, int(original or ctx))
+    return ctx
 
 
 def _windowed(config: dict) -> bool:
@@ -199,6 +232,11 @@ def build_paged_decoder(
             f"{folder}: transformers cannot load the model ({' '.join(str(e).split())[:300]})"
         ) from e
     config = json.loads((folder / "config.json").read_text())
+    _freeze_rotary(hf)
+    if _max_positions(config) < int(config.get("max_position_embeddings") or 0):
+        progress.step(
+            f"longrope: context capped at original_max_position_embeddings={_max_positions(config)}"
+        )
     generic = model_type not in (*LLAMA_FAMILY, "gpt2") or (
         model_type in LLAMA_FAMILY and _windowed(config) and kv_layout != "mapped"
     )
