@@ -1,0 +1,209 @@
+"""What /v1/completions and /v1/chat/completions do (JSON or server-sent events) for LLM artifacts.
+
+Which request fields are supported, and which are a 400, is openai_params.py's docstring. ``n`` > 1 and a
+list of prompts submit one engine request per choice (prefix caching shares the prompt's KV blocks);
+streamed choices interleave, each chunk carrying its choice's ``index``. A client that disconnects
+cancels its requests in the engine, which frees their KV blocks.
+
+Logprobs are the model's own (log-softmax of the raw logits, before penalties and temperature: what
+OpenAI reports). Token strings are each token decoded alone; one that is part of a multi-byte character is named
+by its bytes ('bytes:\\xe2\\x80', OpenAI's habit); ``bytes`` are the token's bytes.
+
+Everything a request is checked for happens before a response starts (a 400, never a cut stream), and
+off the event loop: the chat template, the prompt's checks and its tokenization run in a worker thread,
+outside the engine's lock, so one large prompt does not stall the other requests.
+
+``CompletionServing`` holds the flow (prepare -> start one stream per choice -> stream or collect);
+``ChatServing`` changes only the wire shapes (ids, object names, deltas, messages, logprobs).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
+
+from precast.runtime.errors import LLMRequestError
+from precast.runtime.server.http_errors import HTTPError
+from precast.runtime.server.llm_stream import Choices, Logprobs
+from precast.runtime.server.openai_params import Prepared, prepare
+from precast.runtime.server.protocol import chat_choice, chunk_choice, completion_choice, usage
+from precast.runtime.server.serving import read_openai_request
+
+__all__ = ["ChatServing", "CompletionServing"]
+
+
+def _sse(obj) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+@dataclass
+class _Run:
+    """One request in flight: its id, its choices' streams, and their logprobs so far."""
+
+    rid: str
+    req: Prepared
+    choices: Choices
+    logprobs: list[Logprobs | None]
+    prompt_tokens: int
+    created: int
+
+    def usage(self) -> dict:
+        return usage(self.prompt_tokens, self.choices.completion_tokens)
+
+    def add_logprobs(self, k: int, ev) -> dict | None:
+        return self.logprobs[k].add(ev) if self.logprobs[k] is not None else None
+
+
+class CompletionServing:
+    chat = False
+    id_prefix = "cmpl"
+    object = "text_completion"
+    chunk_object = "text_completion"
+
+    def __init__(self, state):
+        self.state = state
+
+    # -- the wire shapes (ChatServing overrides these) -------------------------------------------------
+    def delta(self, text: str):
+        return text
+
+    def opening_chunks(self, run: _Run) -> list[dict]:
+        return []
+
+    def choice(self, k: int, text: str, finish: str | None, lp: dict | None) -> dict:
+        return completion_choice(k, text, finish, lp)
+
+    # -- the flow -----------------------------------------------------------------------------------------
+    async def __call__(self, request):
+        state = self.state
+        svc = state.host.current.llm
+        if svc is None:
+            raise HTTPError(400, f"model '{state.name}' is not an LLM; use /v2/models/{state.name}/infer")
+        body, _ = await read_openai_request(request, state, error_cls=LLMRequestError)
+        req = await run_in_threadpool(
+            prepare, svc, body, self.chat, request.headers.get("x-priority"), state.config
+        )
+        run = await self._start(svc, req)
+        if req.stream:
+            return StreamingResponse(
+                self._events(run),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Request-Id": run.rid},
+            )
+        return await self._collect(run, request)
+
+    async def _start(self, svc, req: Prepared) -> _Run:
+        rid = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
+        streams: list = []
+        try:
+            for p, ids in enumerate(req.prompts):
+                for j in range(req.n):
+                    k = p * req.n + j
+                    sub = rid if k == 0 else f"{rid}-{k}"
+                    streams.append(await svc.start(ids, req.choice_params(k), req.priority, sub))
+        except BaseException:
+            for s in streams:
+                s.close()
+            raise
+        tokenizer = svc.engine.tokenizer
+        logprobs = [Logprobs(tokenizer, self.chat) if req.logprobs is not None else None for _ in streams]
+        prompt_tokens = sum(map(len, req.prompts))
+        return _Run(rid, req, Choices(streams), logprobs, prompt_tokens, int(time.time()))
+
+    def _chunk(self, run: _Run, choices: list[dict], **extra) -> dict:
+        return {
+            "id": run.rid,
+            "object": self.chunk_object,
+            "created": run.created,
+            "model": self.state.name,
+            "choices": choices,
+            **extra,
+        }
+
+    async def _events(self, run: _Run):
+        timeout = self.state.config.request_timeout
+        deadline = time.monotonic() + timeout
+        try:
+            for chunk in self.opening_chunks(run):
+                yield _sse(chunk)
+            while run.choices.live:
+                got = await run.choices.next(max(0.0, deadline - time.monotonic()))
+                if got is None:
+                    error = {
+                        "message": f"request timed out after {timeout:g} s",
+                        "type": "timeout",
+                        "code": 504,
+                    }
+                    yield _sse({"error": error})
+                    break
+                k, ev = got
+                if ev is None:
+                    continue
+                lp = run.add_logprobs(k, ev)
+                choice = chunk_choice(k, self.delta(ev.text), ev.finish_reason, lp, self.chat)
+                yield _sse(self._chunk(run, [choice]))
+            if run.req.include_usage:
+                yield _sse(self._chunk(run, [], usage=run.usage()))
+            yield b"data: [DONE]\n\n"
+        finally:
+            run.choices.close()
+
+    async def _collect(self, run: _Run, request) -> dict:
+        """Non-streaming: collect, but watch for the client going away and for the timeout."""
+        timeout = self.state.config.request_timeout
+        deadline = time.monotonic() + timeout
+        n = len(run.logprobs)
+        texts: list[list[str]] = [[] for _ in range(n)]
+        finish: list[str | None] = [None] * n
+        try:
+            while run.choices.live:
+                got = await run.choices.next(0.25)
+                if got is None:
+                    if await request.is_disconnected():
+                        raise HTTPError(499, "client disconnected")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError
+                    continue
+                k, ev = got
+                if ev is None:
+                    finish[k] = "cancelled"
+                    continue
+                texts[k].append(ev.text)
+                finish[k] = ev.finish_reason
+                run.add_logprobs(k, ev)
+        finally:
+            run.choices.close()
+        out = []
+        for k, parts in enumerate(texts):
+            lp = run.logprobs[k].result() if run.logprobs[k] is not None else None
+            out.append(self.choice(k, "".join(parts), finish[k], lp))
+        return {
+            "id": run.rid,
+            "object": self.object,
+            "created": run.created,
+            "model": self.state.name,
+            "choices": out,
+            "usage": run.usage(),
+        }
+
+
+class ChatServing(CompletionServing):
+    chat = True
+    id_prefix = "chatcmpl"
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def delta(self, text: str):
+        return {"content": text}
+
+    def opening_chunks(self, run: _Run) -> list[dict]:
+        role = {"role": "assistant", "content": ""}
+        return [self._chunk(run, [chunk_choice(k, role, None, None, True)]) for k in range(len(run.logprobs))]
+
+    def choice(self, k: int, text: str, finish: str | None, lp: dict | None) -> dict:
+        return chat_choice(k, text, finish, lp)
