@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         ):
             engines[key], labels[key] = make(arg, args.threads)
 
-        pipeline = read_manifest(artifact).get("pipeline") or "(none)"
+        pipeline = read_manifest(artifact).pipeline or "(none)"
         table = Table(
             title=f"all-MiniLM-L6-v2, seq {args.seq}, {args.threads} intra-op threads, "
             f"median of {args.runs} interleaved runs",

@@ -131,7 +131,7 @@ def unpack(packed, output, pubkey, quiet):
         sig = ", signature ok" if pubkey else ""
         err_console.print(
             f"[green]unpacked[/green] {escape(str(packed))} -> {escape(str(output))}: "
-            f"{len(manifest['files'])} files verified{sig}"
+            f"{len(manifest.files)} files verified{sig}"
         )
 
 

@@ -124,7 +124,7 @@ def text_accuracy(
     from precast.runtime.llm.perplexity import make_windows, score_windows
     from precast.runtime.model import load
 
-    spec = LLMSpec.from_manifest({"llm": source.info["llm"]}, source.name)
+    spec = LLMSpec.from_json(source.info["llm"], source.name)
     tok_file = source.ship_files.get("tokenizer/tokenizer.json")
     ids = _tokenizer(Path(tok_file).parent if tok_file else None).encode(text)[-tokens:]
     window = min(window, spec.max_context, len(ids))

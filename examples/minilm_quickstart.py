@@ -48,7 +48,7 @@ def artifact_is_usable(path: Path) -> tuple[bool, str]:
     if not (path / "manifest.json").is_file():
         return False, "no artifact yet"
     try:
-        built_by = read_manifest(path).get("precast_version")
+        built_by = read_manifest(path).precast_version
         if built_by != precast.__version__:
             return False, f"existing artifact was built by precast {built_by}, this is {precast.__version__}"
         report = verify_artifact(path)

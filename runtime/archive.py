@@ -26,6 +26,7 @@ from precast.runtime.errors import ArtifactError, IntegrityError, first_line
 from precast.runtime.manifest import (
     BUILD_INFO_NAME,
     MANIFEST_NAME,
+    Manifest,
     check_integrity,
     parse_json,
     read_manifest,
@@ -222,15 +223,11 @@ def _plan(tf, members, stage: Path, where: str, written: set[str]) -> tuple[dict
         except ArtifactError as e:
             raise ArchiveError(f"{where}: {e}") from e
         optional.add(prefix + BUILD_INFO_NAME)
-        for rel, digest in manifest["files"].items():
+        for rel, digest in manifest.files.items():
             expected[prefix + rel] = digest
-        if manifest.get("kind") == "multi-target":
-            targets = manifest.get("targets")
-            if not isinstance(targets, dict):
-                raise ArchiveError(f"{where}: multi-target manifest has no 'targets' table")
-            for tname, entry in sorted(targets.items()):
-                sub = entry.get("dir", tname) if isinstance(entry, dict) else None
-                if not isinstance(sub, str) or not sub:
+        if manifest.is_multi_target:
+            for tname, sub in sorted(manifest.target_dirs().items()):
+                if not sub:
                     raise ArchiveError(f"{where}: malformed target entry '{tname}'")
                 _check_name(where, prefix + sub)
                 if prefix + sub + "/" + MANIFEST_NAME not in expected:
@@ -315,14 +312,12 @@ def _check_json(path: Path, where: str, name: str) -> None:
         raise ArchiveError(f"{where}: member {name!r} is not valid JSON") from None
 
 
-def _check_tree(root: Path, where: str) -> dict:
+def _check_tree(root: Path, where: str) -> Manifest:
     try:
         manifest = read_manifest(root)
         check_integrity(root, manifest)
-        if manifest.get("kind") == "multi-target":
-            for tname, entry in sorted(manifest["targets"].items()):
-                sub = root / entry.get("dir", tname)
-                check_integrity(sub, read_manifest(sub))
+        for sub in sorted(manifest.target_dirs().values()):
+            check_integrity(root / sub, read_manifest(root / sub))
     except IntegrityError as e:
         raise IntegrityError(f"{where}: {e}") from e
     return manifest

@@ -1,16 +1,32 @@
-"""Backend sessions for artifacts. ONNX Runtime today; each target names its backend in the manifest."""
+"""Backend sessions for artifacts, behind one ``Session`` protocol.
+
+Each backend module registers a factory under the backend names its target blocks carry
+(``register_backend("openvino")``); ``create_session`` looks the block's ``backend`` up in ``BACKENDS``.
+Which modules may register is fixed here (``_BACKEND_MODULES``): the manifest picks an entry of a table
+precast owns, never a module to import.
+"""
 
 from __future__ import annotations
 
+import importlib
 import numbers
 import re
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
 
 from precast.runtime.errors import ArtifactError, TargetUnavailableError, UnknownTargetError, UsageError
 from precast.runtime.hugepages import collapse_new_memory
 from precast.runtime.manifest import model_path
+from precast.runtime.target_blocks import OrtBlock, SessionSettings, TargetBlock
 
 __all__ = [
+    "BACKENDS",
+    "Session",
+    "SessionFactory",
+    "register_backend",
     "check_threads",
     "check_target_name",
     "create_session",
@@ -59,18 +75,57 @@ def check_threads(threads) -> None:
         raise UsageError(f"threads must be an integer in 1..{MAX_THREADS} (or None), got {threads!r}")
 
 
-def ort_session_options(settings: dict, threads: int | None = None):
+@runtime_checkable
+class Session(Protocol):
+    """What the runtime needs of a backend session: ``run(output names, feeds) -> arrays`` (in that order)
+    and the providers it runs on. The IO metadata is the manifest's ``io`` block (checked against the
+    session where the backend can say, see model._check_io_matches). ONNX Runtime's own InferenceSession is
+    one as it is: the LLM runners use its IO binding, so it is not wrapped."""
+
+    def run(self, output_names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> list: ...
+
+    def get_providers(self) -> list[str]: ...
+
+
+SessionFactory = Callable[[Path, TargetBlock, "int | None"], Session]
+BACKENDS: dict[str, SessionFactory] = {}
+# The modules that register backends besides this one (each imports its vendor package lazily).
+_BACKEND_MODULES = ("precast.runtime.openvino_backend", "precast.runtime.tensorrt_backend")
+
+
+def register_backend(*names: str) -> Callable[[SessionFactory], SessionFactory]:
+    def deco(factory: SessionFactory) -> SessionFactory:
+        for name in names:
+            BACKENDS[name] = factory
+        return factory
+
+    return deco
+
+
+def create_session(root: Path, target: TargetBlock, threads: int | None = None) -> Session:
+    for module in _BACKEND_MODULES:
+        importlib.import_module(module)  # cheap: vendor packages are imported by the factories
+    factory = BACKENDS.get(target.backend)
+    if factory is None:
+        raise TargetUnavailableError(
+            f"artifact {root}: backend '{target.backend}' is not supported by this runtime"
+        )
+    return factory(root, target, threads)
+
+
+def ort_session_options(settings: SessionSettings | Mapping | None = None, threads: int | None = None):
+    """SessionOptions from a target block's settings (or the compiler's ``{"graph_optimization_level": ...}``)."""
     import onnxruntime as ort
 
     so = ort.SessionOptions()
-    if not isinstance(settings, dict):
-        raise ArtifactError("manifest: target 'session' must be a JSON object")
-    level = settings.get("graph_optimization_level", "all")
-    if not isinstance(level, str) or level not in OPT_LEVELS:
+    if settings is None or isinstance(settings, Mapping):
+        settings = SessionSettings.from_json(dict(settings or {}), "session settings")
+    level = settings.graph_optimization_level or "all"
+    if level not in OPT_LEVELS:
         raise ArtifactError(f"manifest: unknown graph_optimization_level {level!r}")
     so.graph_optimization_level = getattr(ort.GraphOptimizationLevel, OPT_LEVELS[level])
-    stored = settings.get("intra_op_num_threads", 0)
-    if isinstance(stored, bool) or not isinstance(stored, int) or not 0 <= stored <= MAX_THREADS:
+    stored = settings.intra_op_num_threads or 0
+    if not 0 <= stored <= MAX_THREADS:
         raise ArtifactError(
             f"manifest: intra_op_num_threads must be an integer in 0..{MAX_THREADS}, got {stored!r}"
         )
@@ -81,27 +136,17 @@ def ort_session_options(settings: dict, threads: int | None = None):
     return so
 
 
-def create_session(root: Path, manifest: dict, threads: int | None = None):
-    target = manifest["target"]
-    backend = target.get("backend", "onnxruntime")
-    if backend == "openvino":
-        from precast.runtime.openvino_backend import create_openvino_session
-
-        return create_openvino_session(root, target, threads)
-    if backend in ("tensorrt", "tensorrt-plan"):
-        from precast.runtime.tensorrt_backend import create_tensorrt_session
-
-        return create_tensorrt_session(root, target, threads)
-    if backend == "onnxruntime" and target.get("ep_plugin"):
+@register_backend("onnxruntime")
+def create_ort_session(root: Path, target: TargetBlock, threads: int | None = None) -> Session:
+    assert isinstance(target, OrtBlock)  # target_block_from_json maps "onnxruntime" to OrtBlock
+    if target.ep_plugin is not None:
         from precast.runtime.ep_plugin import create_plugin_session
 
         return create_plugin_session(root, target, threads)
-    if backend != "onnxruntime":
-        raise TargetUnavailableError(f"artifact {root}: backend '{backend}' is not supported by this runtime")
     import onnxruntime as ort
 
     model_file = model_path(root, target)
-    providers = list(target.get("providers", ["CPUExecutionProvider"]))
+    providers = target.provider_list
     available = set(ort.get_available_providers())
     missing = [p for p in providers if p not in available]
     if missing:
@@ -109,11 +154,11 @@ def create_session(root: Path, manifest: dict, threads: int | None = None):
             f"artifact {root} needs execution provider {missing[0]}, which this onnxruntime lacks "
             f"(available: {', '.join(sorted(available))})"
         )
-    settings = target.get("session", {})
+    settings = target.session_settings
     so = ort_session_options(settings, threads)
     try:
         # weights and prepacked copies on 2 MiB pages: fewer TLB walks per token (runtime/hugepages.py)
-        with collapse_new_memory(settings):
+        with collapse_new_memory(settings.to_json()):
             return ort.InferenceSession(str(model_file), sess_options=so, providers=providers)
     except Exception as e:  # ORT raises its own exception types; keep the first line
         node, op, first = explain_ort_error(e)

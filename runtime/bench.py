@@ -37,7 +37,8 @@ import numpy as np
 from precast.runtime.bench_inputs import FeedHints, InputInfo, generate_feeds, leading_batch, resolve_dims
 from precast.runtime.bench_report import BenchReport, Host, Level, Sample, level_from_samples
 from precast.runtime.errors import PrecastError, UsageError, first_line
-from precast.runtime.manifest import TensorSpec, read_manifest
+from precast.runtime.manifest import Manifest, TensorSpec, read_manifest
+from precast.runtime.target_blocks import OrtBlock
 
 __all__ = [
     "BenchOptions",
@@ -247,36 +248,28 @@ def _artifact_dir(path: str | os.PathLike) -> Iterator[Path]:
         remove_temp(tmp)
 
 
-def _served_dir(root: Path, manifest: dict, prefer: str | None) -> tuple[Path, dict]:
+def _served_dir(root: Path, manifest: Manifest, prefer: str | None) -> tuple[Path, Manifest]:
     """The (sub-)artifact whose signature a bench uses without loading it (http mode): a multi-target
     artifact's best target in the runtime's order, as the server picks it when this host can run it."""
-    if manifest.get("kind") != "multi-target":
+    if not manifest.is_multi_target:
         return root, manifest
     from precast.runtime.manifest import artifact_path
     from precast.runtime.model import preference_order
 
-    entries = manifest.get("targets") or {}
+    entries = manifest.target_dirs()
     if prefer is not None and prefer not in entries:
         raise UsageError(f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})")
     name = preference_order(entries, prefer)[0]
-    sub = artifact_path(root, entries[name].get("dir", name), f"targets.{name}.dir")
+    sub = artifact_path(root, entries[name], f"targets.{name}.dir")
     return sub, read_manifest(sub)
 
 
-def _specs(root: Path, manifest: dict) -> list[TensorSpec]:
-    from precast.runtime.errors import ArtifactError
-
-    try:
-        return [TensorSpec.from_json(d) for d in manifest["io"]["inputs"]]
-    except (KeyError, TypeError) as e:
-        raise ArtifactError(f"{root}: manifest 'io' block is malformed") from e
-
-
-def _threads_words(manifest: dict, threads: int | None) -> str:
+def _threads_words(manifest: Manifest, threads: int | None) -> str:
     """Intra-op threads in words: the given count, the artifact's stored one, or ONNX Runtime's default."""
     if threads is not None:
         return str(threads)
-    stored = ((manifest.get("target") or {}).get("session") or {}).get("intra_op_num_threads", 0)
+    target = manifest.target
+    stored = target.session_settings.intra_op_num_threads if isinstance(target, OrtBlock) else None
     return f"{stored} (artifact setting)" if stored else "ORT default"
 
 
@@ -291,7 +284,7 @@ def bench(path: str | os.PathLike, options: BenchOptions, progress: Progress | N
         url = loopback_url(options.url)  # a non-loopback address fails before the artifact is read
     with _artifact_dir(path) as root:
         top = read_manifest(root)
-        if isinstance(top.get("llm"), dict):
+        if top.llm is not None:
             if options.dims or options.feeds is not None:
                 raise UsageError(
                     f"{path} is a causal-lm artifact: --dim and --input do not apply; use --prompt-len / --output-len"
@@ -305,7 +298,7 @@ def bench(path: str | os.PathLike, options: BenchOptions, progress: Progress | N
     return replace(report, artifact=str(path), host=host)
 
 
-def _bench_model(root: Path, top: dict, options: BenchOptions, url: str | None, say: Progress) -> BenchReport:
+def _bench_model(root: Path, top: Manifest, options: BenchOptions, url: str | None, say: Progress) -> BenchReport:
     host = Host.now()
     with contextlib.ExitStack() as stack:
         if url is None:
@@ -315,7 +308,7 @@ def _bench_model(root: Path, top: dict, options: BenchOptions, url: str | None, 
             sub, manifest, specs, target = model.path, model.manifest, list(model.inputs), model.target
         else:
             sub, manifest = _served_dir(root, top, options.prefer)
-            specs, target = _specs(sub, manifest), (manifest.get("target") or {}).get("name", "?")
+            specs, target = list(manifest.io.inputs), manifest.target.name
         feeds, infos, dims, defaulted = _feeds(sub, manifest, specs, options)
         items = leading_batch(specs, dims)
         endpoint = model_name = None
@@ -359,7 +352,7 @@ def _bench_model(root: Path, top: dict, options: BenchOptions, url: str | None, 
 
 
 def _feeds(
-    root: Path, manifest: dict, specs: list[TensorSpec], options: BenchOptions
+    root: Path, manifest: Manifest, specs: list[TensorSpec], options: BenchOptions
 ) -> tuple[dict[str, np.ndarray], list[InputInfo], dict[str, int], list[str]]:
     if options.feeds is not None:
         from precast.runtime.bench_inputs import dim_key

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, UsageError
-from precast.runtime.manifest import TensorSpec, artifact_path
+from precast.runtime.manifest import Manifest, TensorSpec, artifact_path
 
 __all__ = [
     "MAX_FEED_BYTES",
@@ -175,10 +175,10 @@ def _values(name: str, shape: list[int], dt: np.dtype, hints: FeedHints, rng) ->
     return rng.integers(lo, hi, size=shape), why
 
 
-def tokenizer_vocab(root: Path, manifest: dict) -> int | None:
+def tokenizer_vocab(root: Path, manifest: Manifest) -> int | None:
     """Vocabulary size of the artifact's tokenizer/tokenizer.json (model vocab and added tokens), if it ships one."""
-    rel = (manifest.get("llm") or {}).get("tokenizer") or "tokenizer/tokenizer.json"
-    if rel not in (manifest.get("files") or {}):
+    rel = manifest.llm.tokenizer if manifest.llm is not None else "tokenizer/tokenizer.json"
+    if rel not in manifest.files:
         return None
     try:
         data = json.loads(artifact_path(root, rel, "tokenizer").read_text(encoding="utf-8"))
@@ -198,10 +198,10 @@ def tokenizer_vocab(root: Path, manifest: dict) -> int | None:
     return max(ids) + 1 if ids else None
 
 
-def stored_inputs(root: Path, manifest: dict) -> dict[str, np.ndarray]:
+def stored_inputs(root: Path, manifest: Manifest) -> dict[str, np.ndarray]:
     """The parity inputs the artifact ships (integrity-checked by load()); unreadable ones are skipped."""
     out: dict[str, np.ndarray] = {}
-    for name, rel in ((manifest.get("parity") or {}).get("inputs") or {}).items():
+    for name, rel in ((manifest.parity or {}).get("inputs") or {}).items():
         try:
             out[name] = np.load(artifact_path(root, rel, f"parity input '{name}'"), allow_pickle=False)
         except (ArtifactError, OSError, ValueError):

@@ -19,6 +19,7 @@ import numpy as np
 
 from precast.runtime.bench_report import BenchReport, Host, Level, LLMSettings, Sample, level_from_samples
 from precast.runtime.errors import UsageError
+from precast.runtime.manifest import Manifest
 
 __all__ = ["PromptSource", "bench_llm", "drive_engine"]
 
@@ -87,7 +88,7 @@ def drive_engine(
     return samples, errors, first, t0
 
 
-def bench_llm(root: Path, manifest: dict, options, url: str | None, say) -> BenchReport:
+def bench_llm(root: Path, manifest: Manifest, options, url: str | None, say) -> BenchReport:
     from precast.runtime.bench import _checked_level, closed_loop
     from precast.runtime.llm.model_runner import LLMSpec
 
@@ -103,7 +104,7 @@ def bench_llm(root: Path, manifest: dict, options, url: str | None, say) -> Benc
         raise UsageError(f"a causal-lm artifact is served on /v1/completions, not '{options.endpoint}'")
     host = Host.now()
     prompts = PromptSource(spec.vocab, p, options.shared_prefix, options.seed)
-    target = (manifest.get("target") or {}).get("name", "?")
+    target = manifest.target.name
     window = f"{options.duration_s:g} s" if options.requests is None else f"{options.requests} requests"
     levels: list[Level] = []
     settings = dict(

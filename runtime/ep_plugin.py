@@ -32,6 +32,7 @@ import numpy as np
 
 from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError, first_line
 from precast.runtime.manifest import model_path
+from precast.runtime.target_blocks import OrtBlock
 
 __all__ = [
     "KNOWN_PLUGINS",
@@ -239,31 +240,27 @@ class PluginSession:
         return self._session.run(list(names), dict(feeds))
 
 
-def create_plugin_session(root: Path, target: dict, threads: int | None = None) -> PluginSession:
+def create_plugin_session(root: Path, target: OrtBlock, threads: int | None = None) -> PluginSession:
     import onnxruntime as ort
 
-    plugin = target.get("ep_plugin")
-    if not isinstance(plugin, dict) or not plugin.get("ep"):
-        raise ArtifactError(f"artifact {root}: target block 'ep_plugin' needs 'ep'")
+    plugin = target.ep_plugin
+    if plugin is None:
+        raise ArtifactError(f"artifact {root}: target block has no 'ep_plugin'")
     try:
-        spec = _spec(plugin["ep"])
-        ep = plugin["ep"]
-        if plugin.get("package", spec.module) != spec.module:  # informational only; a mismatch is tampering
+        spec = _spec(plugin.ep)
+        ep = plugin.ep
+        if (plugin.package or spec.module) != spec.module:  # informational only; a mismatch is tampering
             raise ArtifactError(
-                f"ep_plugin names package {plugin['package']!r}; {ep} is loaded only from {spec.distribution}"
+                f"ep_plugin names package {plugin.package!r}; {ep} is loaded only from {spec.distribution}"
             )
-        backend_lib = plugin.get("backend_lib")
-        session = target.get("session", {})
-        config = (session.get("config") if isinstance(session, dict) else None) or {}
-        if not isinstance(config, dict):
-            raise ArtifactError("'session.config' must be a JSON object")
+        config = target.session_settings.config or {}
         for key in config:
             if key not in spec.session_config:
                 raise ArtifactError(
                     f"session config key {key!r} is not allowed in an artifact "
                     f"(allowed: {', '.join(sorted(spec.session_config))})"
                 )
-        so = plugin_session_options(ep, target.get("provider_options", {}), backend_lib)
+        so = plugin_session_options(ep, target.provider_options or {}, plugin.backend_lib)
     except ArtifactError as e:
         raise ArtifactError(f"artifact {root}: {e.message}") from None
     so.log_severity_level = 3
@@ -286,4 +283,4 @@ def create_plugin_session(root: Path, target: dict, threads: int | None = None) 
         raise TargetUnavailableError(
             f"artifact {root}: {len(nodes)} node(s) are not on {ep} but on {other}: {', '.join(nodes[:5])}"
         )
-    return PluginSession(session, ep, target.get("static_shapes"), assignment)
+    return PluginSession(session, ep, target.static_shapes, assignment)

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from precast.runtime.errors import ArtifactError, IntegrityError, SchemaVersionError, first_line
+from precast.runtime.llm_spec import LLMSpec
+from precast.runtime.schema import IOSignature, Record, TargetEntry, TensorSpec
+from precast.runtime.target_blocks import IndexTargetBlock, TargetBlock, target_block_from_json
 
 __all__ = [
     "SCHEMA_VERSION",
     "MANIFEST_NAME",
     "BUILD_INFO_NAME",
+    "Manifest",
     "TensorSpec",
     "sha256_file",
     "read_manifest",
@@ -32,35 +36,6 @@ __all__ = [
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
 BUILD_INFO_NAME = "build-info.json"
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One model input or output: name, numpy dtype name, shape (int = static, str = symbolic, None = unknown)."""
-
-    name: str
-    dtype: str
-    shape: tuple[int | str | None, ...] | None
-
-    def to_json(self) -> dict:
-        return {
-            "name": self.name,
-            "dtype": self.dtype,
-            "shape": None if self.shape is None else list(self.shape),
-        }
-
-    @classmethod
-    def from_json(cls, d: dict) -> TensorSpec:
-        try:
-            shape = d["shape"]
-            return cls(str(d["name"]), str(d["dtype"]), None if shape is None else tuple(shape))
-        except (KeyError, TypeError) as e:
-            raise ArtifactError(f"manifest: malformed tensor entry {d!r}") from e
-
-    def shape_str(self) -> str:
-        if self.shape is None:
-            return "[?]"
-        return "[" + ",".join("?" if d is None else str(d) for d in self.shape) + "]"
 
 
 def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
@@ -112,46 +87,103 @@ def artifact_path(root: str | os.PathLike, rel: object, what: str) -> Path:
     return Path(root) / p
 
 
-_DEFAULT_MODEL = {"openvino": "model.xml", "tensorrt": "model.engine", "tensorrt-plan": "model.engine"}
-
-
-def model_path(root: str | os.PathLike, target: dict) -> Path:
+def model_path(root: str | os.PathLike, target: TargetBlock) -> Path:
     """The target block's model file, checked to stay inside the artifact."""
-    default = _DEFAULT_MODEL.get(target.get("backend"), "model.onnx")
-    return artifact_path(root, target.get("model", default), "target.model")
+    return artifact_path(root, target.model_file, "target.model")
 
 
-def _named_paths(manifest: dict):
-    """(what, relative path) for every path the manifest names, whatever its kind."""
-    target = manifest.get("target")
-    if isinstance(target, dict) and "model" in target:
-        yield "target.model", target["model"]
-    llm = manifest.get("llm")
-    if isinstance(llm, dict) and llm.get("tokenizer") is not None:
-        yield "llm.tokenizer", llm["tokenizer"]
-    parity = manifest.get("parity")
-    if isinstance(parity, dict):
+MULTI_TARGET = "multi-target"
+_TOLERANCE_KEYS = {"atol", "rtol", "min_cosine"}
+
+
+@dataclass(frozen=True)
+class Manifest(Record):
+    """``manifest.json``: one target's artifact, or (``kind: multi-target``) the index of several.
+
+    Typed: ``target`` (one TargetBlock per backend, runtime/target_blocks.py), ``io``, ``llm`` (LLMSpec),
+    ``files`` (relative path -> sha256), ``targets`` (the index's entries). Free-form objects, checked where
+    read: ``source`` (kind, name, sha256 and the frontend's info), ``toolchain`` (package -> version),
+    ``passes`` (per-pass records with their stats), ``parity`` (the verification report: runtime/verify.py
+    reads its ``inputs``/``expected``/``tolerance``; the shapes of those are checked here) and ``failed``
+    (target -> error of a partial multi-target compile).
+    """
+
+    schema_version: int
+    files: dict[str, str]
+    target: TargetBlock | IndexTargetBlock
+    io: IOSignature
+    precast_version: str | None = None
+    toolchain: dict | None = None
+    source: dict | None = None
+    llm: LLMSpec | None = None
+    pipeline: str | None = None
+    passes: list[dict] | None = None
+    extra_files: list[str] | None = None
+    parity: dict | None = None
+    kind: str | None = None
+    targets: dict[str, TargetEntry] | None = None
+    fallback_order: list[str] | None = None
+    failed: dict[str, dict] | None = None
+
+    @classmethod
+    def field_parser(cls, name: str):
+        if name == "target":
+            return target_block_from_json
+        if name == "llm":
+            return LLMSpec.from_json
+        return None
+
+    @property
+    def is_multi_target(self) -> bool:
+        return self.kind == MULTI_TARGET
+
+    def target_dirs(self) -> dict[str, str]:
+        """Target name -> its sub-artifact folder (a multi-target index; empty otherwise)."""
+        return {name: e.dir if e.dir is not None else name for name, e in (self.targets or {}).items()}
+
+    def validate(self, where: str) -> None:
+        if self.schema_version < 1:
+            raise ArtifactError(f"{where}: invalid schema_version {self.schema_version}")
+        for rel in self.files:
+            p = Path(rel)
+            if p.is_absolute() or ".." in p.parts or rel in (MANIFEST_NAME, ""):
+                raise ArtifactError(f"{where}: unsafe file entry {rel!r}")
+        if self.is_multi_target and self.targets is None:
+            raise ArtifactError(f"{where}: a multi-target manifest needs 'targets'")
+        if self.parity is not None:
+            _check_parity(self.parity, where)
+
+    def named_paths(self):
+        """(what, relative path) for every path the manifest names, whatever its kind."""
+        if isinstance(self.target, TargetBlock) and self.target.model is not None:
+            yield "target.model", self.target.model
+        if self.llm is not None:
+            yield "llm.tokenizer", self.llm.tokenizer
         for key in ("inputs", "expected"):
-            table = parity.get(key)
-            if table is None:
-                continue
-            if not isinstance(table, dict):
-                yield f"parity.{key}", table
-                continue
-            for name, rel in table.items():
+            for name, rel in ((self.parity or {}).get(key) or {}).items():
                 yield f"parity.{key}.{name}", rel
-    targets = manifest.get("targets")
-    if manifest.get("kind") == "multi-target" or targets is not None:
-        if not isinstance(targets, dict):
-            raise ArtifactError("manifest 'targets' must be a JSON object")
-        for name, entry in targets.items():
-            if not isinstance(entry, dict):
-                raise ArtifactError(f"manifest 'targets.{name}' must be a JSON object")
-            yield f"targets.{name}.dir", entry.get("dir", name)
+        for name, d in self.target_dirs().items():
+            yield f"targets.{name}.dir", d
 
 
-def read_manifest(artifact_dir: str | os.PathLike) -> dict:
-    """Read and sanity-check ``manifest.json``; raise ArtifactError / SchemaVersionError."""
+def _check_parity(parity: dict, where: str) -> None:
+    """The parts of the free-form parity report the runtime reads (runtime/verify.py)."""
+    for key in ("inputs", "expected"):
+        if key in parity and not isinstance(parity[key], dict):
+            raise ArtifactError(f"{where}: 'parity.{key}' must map tensor names to stored files")
+    tol = parity.get("tolerance")
+    if tol is not None:
+        if not isinstance(tol, dict) or set(tol) - _TOLERANCE_KEYS:
+            raise ArtifactError(
+                f"{where}: 'parity.tolerance' must be an object with keys {sorted(_TOLERANCE_KEYS)}"
+            )
+        for k, v in tol.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise ArtifactError(f"{where}: 'parity.tolerance.{k}' must be a number")
+
+
+def read_manifest(artifact_dir: str | os.PathLike) -> Manifest:
+    """Read and check ``manifest.json`` (schema version first, then every key against the schema)."""
     root = Path(artifact_dir)
     if not root.exists():
         raise ArtifactError(f"artifact not found: {root}")
@@ -160,79 +192,30 @@ def read_manifest(artifact_dir: str | os.PathLike) -> dict:
     mpath = root / MANIFEST_NAME
     if not mpath.is_file():
         raise ArtifactError(f"not a precast artifact: {root} has no {MANIFEST_NAME}")
-    manifest = parse_json(mpath.read_bytes(), f"{mpath}: manifest")
-    if not isinstance(manifest, dict):
+    data = parse_json(mpath.read_bytes(), f"{mpath}: manifest")
+    if not isinstance(data, dict):
         raise ArtifactError(f"{mpath}: manifest must be a JSON object")
-    version = manifest.get("schema_version")
+    version = data.get("schema_version")
     if isinstance(version, bool) or not isinstance(version, int):
         raise ArtifactError(f"{mpath}: missing or non-integer schema_version")
-    if version > SCHEMA_VERSION:
+    if version > SCHEMA_VERSION:  # before the keys: a newer schema may have keys this one lacks
         raise SchemaVersionError(
             f"{root}: manifest schema version {version} is newer than this runtime supports "
-            f"({SCHEMA_VERSION}); written by precast {manifest.get('precast_version', '?')} - upgrade precast"
+            f"({SCHEMA_VERSION}); written by precast {data.get('precast_version', '?')} - upgrade precast"
         )
-    if version < 1:
-        raise ArtifactError(f"{mpath}: invalid schema_version {version}")
-    for key in ("files", "target", "io"):
-        if key not in manifest:
-            raise ArtifactError(f"{mpath}: manifest lacks '{key}'")
-        if key != "files" and not isinstance(manifest[key], dict):
-            raise ArtifactError(f"{mpath}: '{key}' must be a JSON object, got {type(manifest[key]).__name__}")
-    files = manifest["files"]
-    if not isinstance(files, dict) or not all(
-        isinstance(k, str) and isinstance(v, str) for k, v in files.items()
-    ):
-        raise ArtifactError(f"{mpath}: 'files' must map relative paths to sha256 strings")
-    for rel in files:
-        p = Path(rel)
-        if p.is_absolute() or ".." in p.parts or rel in (MANIFEST_NAME, ""):
-            raise ArtifactError(f"{mpath}: unsafe file entry {rel!r}")
+    manifest = Manifest.from_json(data, str(mpath))
     try:
-        _check_types(manifest)
-        for what, rel in _named_paths(manifest):
+        for what, rel in manifest.named_paths():
             artifact_path(root, rel, what)
     except ArtifactError as e:
         raise ArtifactError(f"{mpath}: {e.message.removeprefix(f'artifact {root}: ')}") from None
     return manifest
 
 
-_TOLERANCE_KEYS = {"atol", "rtol", "min_cosine"}
-
-
-def _check_types(manifest: dict) -> None:
-    """The shapes of the fields the runtime reads, so a malformed one is exit 3 naming it, not a TypeError."""
-    target = manifest["target"]
-    providers = target.get("providers", [])
-    if not isinstance(providers, list) or not all(isinstance(p, str) for p in providers):
-        raise ArtifactError("'target.providers' must be a list of execution provider names")
-    for key in ("model", "backend", "name"):
-        if key in target and not isinstance(target[key], str):
-            raise ArtifactError(f"'target.{key}' must be a string")
-    io = manifest["io"]
-    for key in ("inputs", "outputs"):
-        if key in io and (not isinstance(io[key], list) or not all(isinstance(t, dict) for t in io[key])):
-            raise ArtifactError(f"'io.{key}' must be a list of tensor entries")
-    parity = manifest.get("parity")
-    if parity is None:
-        return
-    if not isinstance(parity, dict):
-        raise ArtifactError("'parity' must be a JSON object")
-    for key in ("inputs", "expected"):
-        if key in parity and not isinstance(parity[key], dict):
-            raise ArtifactError(f"'parity.{key}' must map tensor names to stored files")
-    tol = parity.get("tolerance")
-    if tol is not None:
-        if not isinstance(tol, dict) or set(tol) - _TOLERANCE_KEYS:
-            raise ArtifactError(f"'parity.tolerance' must be an object with keys {sorted(_TOLERANCE_KEYS)}")
-        for k, v in tol.items():
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise ArtifactError(f"'parity.tolerance.{k}' must be a number")
-
-
-def check_integrity(artifact_dir: str | os.PathLike, manifest: dict) -> None:
+def check_integrity(artifact_dir: str | os.PathLike, manifest: Manifest) -> None:
     """Every listed file exists and matches its sha256; nothing unlisted sits beside them."""
     root = Path(artifact_dir)
-    for rel, digest in sorted(manifest["files"].items()):
+    for rel, digest in sorted(manifest.files.items()):
         path = root / rel
         if not path.is_file():
             raise IntegrityError(f"artifact {root}: file '{rel}' is missing")
@@ -243,7 +226,7 @@ def check_integrity(artifact_dir: str | os.PathLike, manifest: dict) -> None:
             raise IntegrityError(
                 f"artifact {root}: file '{rel}' was modified (sha256 {actual[:12]}..., manifest says {digest[:12]}...)"
             )
-    listed = set(manifest["files"]) | {MANIFEST_NAME, BUILD_INFO_NAME}
+    listed = set(manifest.files) | {MANIFEST_NAME, BUILD_INFO_NAME}
     # One walk for both rules; it does not follow links, so each link is reported, not entered.
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
@@ -258,9 +241,6 @@ def check_integrity(artifact_dir: str | os.PathLike, manifest: dict) -> None:
                 raise IntegrityError(f"artifact {root}: unexpected file '{rel}' not listed in the manifest")
 
 
-def _is_subartifact(rel: str, manifest: dict) -> bool:
+def _is_subartifact(rel: str, manifest: Manifest) -> bool:
     # Multi-target artifacts hold whole sub-artifacts, each checked by its own manifest.
-    subs = manifest.get("targets") or {}
-    return any(
-        rel.startswith(f"{d}/") for d in (v.get("dir", k) for k, v in subs.items() if isinstance(v, dict))
-    )
+    return any(rel.startswith(f"{d}/") for d in manifest.target_dirs().values())

@@ -9,10 +9,11 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.backends import check_target_name, check_threads, create_session
+from precast.runtime.backends import Session, check_target_name, check_threads, create_session
 from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError, first_line
 from precast.runtime.feeds import check_feeds
-from precast.runtime.manifest import TensorSpec, check_integrity, read_manifest
+from precast.runtime.manifest import Manifest, TensorSpec, check_integrity, read_manifest
+from precast.runtime.target_blocks import TargetBlock
 
 __all__ = ["Model", "load"]
 
@@ -21,7 +22,12 @@ class Model:
     """A loaded, integrity-checked artifact. ``run(feeds) -> {output name: array}``."""
 
     def __init__(
-        self, path: Path, manifest: dict, session, inputs: list[TensorSpec], outputs: list[TensorSpec]
+        self,
+        path: Path,
+        manifest: Manifest,
+        session: Session,
+        inputs: list[TensorSpec],
+        outputs: list[TensorSpec],
     ):
         self.path = path
         self.manifest = manifest
@@ -39,7 +45,7 @@ class Model:
 
     @property
     def target(self) -> str:
-        return self.manifest["target"]["name"]
+        return self.manifest.target.name
 
     @property
     def providers(self) -> list[str]:
@@ -116,17 +122,15 @@ def load(
     manifest = read_manifest(root)
     if verify:
         check_integrity(root, manifest)
-    if manifest.get("kind") == "multi-target":
+    if manifest.is_multi_target:
         return _load_best(root, manifest, threads=threads, verify=verify, prefer=prefer)
-    own = (manifest.get("target") or {}).get("name")
+    own = manifest.target.name
     if prefer is not None and prefer != own:
         raise ArtifactError(f"{root}: no target '{prefer}' in this artifact (has: {own})")
-    try:
-        inputs = [TensorSpec.from_json(d) for d in manifest["io"]["inputs"]]
-        outputs = [TensorSpec.from_json(d) for d in manifest["io"]["outputs"]]
-    except (KeyError, TypeError) as e:
-        raise ArtifactError(f"{root}: manifest 'io' block is malformed") from e
-    session = create_session(root, manifest, threads=threads)
+    if not isinstance(manifest.target, TargetBlock):
+        raise ArtifactError(f"{root}: target '{own}' is a multi-target index's, but the manifest is no index")
+    inputs, outputs = list(manifest.io.inputs), list(manifest.io.outputs)
+    session = create_session(root, manifest.target, threads=threads)
     _check_io_matches(root, session, inputs, outputs)
     return Model(root, manifest, session, inputs, outputs)
 
@@ -150,8 +154,8 @@ def _check_io_matches(root: Path, session, inputs: list[TensorSpec], outputs: li
             )
 
 
-def _load_best(root: Path, manifest: dict, *, threads, verify, prefer) -> Model:
-    entries = manifest.get("targets") or {}
+def _load_best(root: Path, manifest: Manifest, *, threads, verify, prefer) -> Model:
+    entries = manifest.target_dirs()
     if prefer is not None and prefer not in entries:
         raise ArtifactError(
             f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})"
@@ -160,7 +164,7 @@ def _load_best(root: Path, manifest: dict, *, threads, verify, prefer) -> Model:
     skipped: dict[str, str] = {}
     for name in order:
         try:
-            model = load(root / entries[name].get("dir", name), threads=threads, verify=verify)
+            model = load(root / entries[name], threads=threads, verify=verify)
         except TargetUnavailableError as e:
             skipped[name] = str(e)
             continue

@@ -12,8 +12,10 @@ from pathlib import Path
 
 import numpy as np
 
+from precast.runtime.backends import register_backend
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
 from precast.runtime.manifest import model_path
+from precast.runtime.target_blocks import OpenVINOBlock
 
 __all__ = ["OpenVINOSession", "cache_dir", "create_openvino_session", "openvino_available"]
 
@@ -90,8 +92,9 @@ def _checked_config(root: Path, config: object) -> dict[str, str]:
     return out
 
 
-def create_openvino_session(root: Path, target: dict, threads: int | None = None) -> OpenVINOSession:
-    device = str(target.get("device", "CPU"))
+@register_backend("openvino")
+def create_openvino_session(root: Path, target: OpenVINOBlock, threads: int | None = None) -> OpenVINOSession:
+    device = target.device or "CPU"
     ok, why = openvino_available(device)
     if not ok:
         raise TargetUnavailableError(f"artifact {root}: {why}")
@@ -101,7 +104,7 @@ def create_openvino_session(root: Path, target: dict, threads: int | None = None
     if not xml.is_file():
         raise ArtifactError(f"artifact {root}: OpenVINO IR '{xml.name}' is missing")
     core = ov.Core()
-    config = _checked_config(root, target.get("config"))
+    config = _checked_config(root, target.config)
     if threads:
         config["INFERENCE_NUM_THREADS"] = str(threads)
     cache = cache_dir()

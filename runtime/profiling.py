@@ -75,32 +75,34 @@ def profile_artifact(
 
     from precast.runtime.backends import ort_session_options
     from precast.runtime.hugepages import collapse_new_memory
+    from precast.runtime.manifest import model_path
     from precast.runtime.model import load
+    from precast.runtime.target_blocks import OrtBlock
 
     if runs < 1:
         raise UsageError(f"--runs must be at least 1, got {runs}")
     model = load(path, threads=threads, prefer=prefer)  # integrity, packed files, multi-target choice
-    root, target = model.path, model.manifest["target"]
-    if target.get("backend", "onnxruntime") != "onnxruntime":
+    root, target = model.path, model.manifest.target
+    if not isinstance(target, OrtBlock):
         raise UsageError(
-            f"{path}: target '{model.target}' runs on {target['backend']}, and profile uses ONNX Runtime's "
+            f"{path}: target '{model.target}' runs on {target.backend}, and profile uses ONNX Runtime's "
             "profiler; pick an ONNX Runtime target with --prefer"
         )
     if feeds is None:
-        stored = (model.manifest.get("parity") or {}).get("inputs")
+        stored = (model.manifest.parity or {}).get("inputs")
         if not stored:
             raise ArtifactError(f"{path}: no stored sample inputs; pass --input feeds.npz")
         feeds = {n: load_parity_value(root, rel) for n, rel in stored.items()}
     arrays = check_feeds(feeds, model.inputs)
     with tempfile.TemporaryDirectory(prefix="precast-profile-") as tmp:
-        so = ort_session_options(target.get("session", {}), threads)
+        so = ort_session_options(target.session_settings, threads)
         so.enable_profiling = True
         so.profile_file_prefix = str(Path(tmp) / "profile")
-        with collapse_new_memory(target.get("session", {})):  # the same memory as a loaded model's
+        with collapse_new_memory(target.session_settings.to_json()):  # the same memory as a loaded model's
             sess = ort.InferenceSession(
-                str(root / target.get("model", "model.onnx")),
+                str(model_path(root, target)),
                 sess_options=so,
-                providers=list(target.get("providers", ["CPUExecutionProvider"])),
+                providers=target.provider_list,
             )
         names = [o.name for o in model.outputs]
         for _ in range(warmup):

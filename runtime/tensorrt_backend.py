@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from precast.runtime.backends import register_backend
 from precast.runtime.errors import ArtifactError, TargetUnavailableError
 from precast.runtime.manifest import model_path
+from precast.runtime.target_blocks import TensorRTBlock
 
 __all__ = ["TensorRTSession", "create_tensorrt_session", "gpu_info", "tensorrt_available"]
 
@@ -133,8 +135,9 @@ def _bind_primary_context() -> None:
     _check(cuda.cuCtxSetCurrent(ctx), "cuCtxSetCurrent")
 
 
-def create_tensorrt_session(root: Path, target: dict, threads: int | None = None) -> TensorRTSession:
-    if target.get("backend") == "tensorrt-plan":
+@register_backend("tensorrt", "tensorrt-plan")
+def create_tensorrt_session(root: Path, target: TensorRTBlock, threads: int | None = None) -> TensorRTSession:
+    if target.is_plan:
         raise TargetUnavailableError(
             f"artifact {root} is a TensorRT build plan, not an engine: run "
             f"'python {root / 'build_engine.py'} {root} OUT' on the deployment GPU host"
@@ -142,7 +145,7 @@ def create_tensorrt_session(root: Path, target: dict, threads: int | None = None
     ok, why, cc = gpu_info()
     if not ok:
         raise TargetUnavailableError(f"artifact {root}: TensorRT needs an NVIDIA GPU: {why}")
-    want_cc = target.get("compute_capability")
+    want_cc = target.compute_capability
     if want_cc and want_cc != cc:
         raise TargetUnavailableError(
             f"artifact {root}: engine was built for GPU compute capability {want_cc}, this GPU is {cc}; "
@@ -152,7 +155,7 @@ def create_tensorrt_session(root: Path, target: dict, threads: int | None = None
         import tensorrt as trt
     except ImportError:
         raise TargetUnavailableError(f"artifact {root}: python package 'tensorrt' is not installed") from None
-    want_v = target.get("tensorrt_version")
+    want_v = target.tensorrt_version
     if want_v and want_v != trt.__version__:
         raise TargetUnavailableError(
             f"artifact {root}: engine was built with TensorRT {want_v}, this host has {trt.__version__}; "

@@ -196,13 +196,12 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
 
     root = Path(path)
     manifest = read_manifest(root)
-    if manifest.get("kind") == "multi-target":
+    if manifest.is_multi_target:
         return {
-            name: _verify_or_skip(root / entry.get("dir", name), name, threads)
-            for name, entry in sorted(manifest["targets"].items())
+            name: _verify_or_skip(root / d, name, threads) for name, d in sorted(manifest.target_dirs().items())
         }
     model = load(root, threads=threads)
-    parity = manifest.get("parity") or {}
+    parity = manifest.parity or {}
     if "inputs" not in parity or "expected" not in parity:
         raise ArtifactError(f"{root}: manifest has no stored parity feeds to re-run")
     feeds = {n: load_parity_value(root, rel) for n, rel in parity["inputs"].items()}

@@ -145,3 +145,28 @@ def run_with_imports_blocked(body: str, blocked: Sequence[str] = COMPILER_MODULE
     return subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout, check=False
     )
+
+
+def tiny_llm_block(**changes) -> dict:
+    """A complete, valid manifest ``llm`` block (one layer, paged KV), for tests that edit manifests."""
+    block = {
+        "architecture": "llama",
+        "model_type": "llama",
+        "layers": 1,
+        "heads": 1,
+        "kv_heads": 1,
+        "head_size": 16,
+        "hidden": 16,
+        "vocab": 512,
+        "max_context": 64,
+        "block_size": 16,
+        "kv_layout": "paged",
+        "kv_inputs": [["k", "v"]],
+        "kv_outputs": [["k_out", "v_out"]],
+        "bos_id": None,
+        "eos_ids": [2],
+        "pad_id": 0,
+        "tokenizer": "tokenizer/tokenizer.json",
+        "batched_prefill": True,
+    }
+    return {**block, **changes}

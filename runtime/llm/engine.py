@@ -104,11 +104,11 @@ class Engine:
 
             root = unpacked = unpack_to_temp(root)
         try:
-            llm = read_manifest(root).get("llm")
-            if not isinstance(llm, dict):
+            llm = read_manifest(root).llm
+            if llm is None:
                 raise ArtifactError(f"{where}: not a causal-lm artifact (manifest has no 'llm' block)")
             runner = ModelRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
-            tok_file = llm.get("tokenizer")
+            tok_file = llm.tokenizer
             tokenizer = (
                 TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
             )

@@ -9,77 +9,14 @@ from __future__ import annotations
 
 import operator
 import os
-from dataclasses import dataclass, fields
 from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, InputError
-from precast.runtime.llm.sampler import is_int
+from precast.runtime.errors import InputError
+from precast.runtime.llm_spec import LLMSpec  # the manifest's llm block (re-exported here)
 
 __all__ = ["LLMSpec", "ModelRunner"]
-
-_SIZES = ("layers", "heads", "kv_heads", "head_size", "hidden", "vocab", "max_context", "block_size")
-
-
-@dataclass(frozen=True)
-class LLMSpec:
-    """The manifest's ``llm`` block."""
-
-    architecture: str
-    layers: int
-    heads: int
-    kv_heads: int
-    head_size: int
-    hidden: int
-    vocab: int
-    max_context: int
-    block_size: int
-    kv_layout: str
-    kv_inputs: tuple[tuple[str, str], ...]
-    kv_outputs: tuple[tuple[str, str], ...]
-    bos_id: int | None
-    eos_ids: tuple[int, ...]
-    pad_id: int
-    tokenizer: str
-    model_type: str | None = None
-    batched_prefill: bool = True  # False: the graph takes S > 1 only with B == 1 (fused GroupQueryAttention)
-
-    @classmethod
-    def from_manifest(cls, manifest: dict, where: str = "artifact") -> LLMSpec:
-        block = manifest.get("llm")
-        if not isinstance(block, dict):
-            raise ArtifactError(f"{where}: manifest has no 'llm' block (compile with --task causal-lm)")
-        known = {f.name for f in fields(cls)}
-        try:
-            values = {k: v for k, v in block.items() if k in known}
-            values["kv_inputs"] = tuple(tuple(p) for p in block["kv_inputs"])
-            values["kv_outputs"] = tuple(tuple(p) for p in block["kv_outputs"])
-            values["eos_ids"] = tuple(int(i) for i in block.get("eos_ids") or ())
-            spec = cls(**values)
-        except (KeyError, TypeError, ValueError) as e:
-            raise ArtifactError(f"{where}: manifest 'llm' block is malformed ({e})") from e
-        for name in _SIZES:  # (a 0 block_size would divide by zero later)
-            v = getattr(spec, name)
-            if not is_int(v) or v < 1:
-                raise ArtifactError(
-                    f"{where}: manifest 'llm' block: {name} must be a positive integer, got {v!r}"
-                )
-        if not isinstance(spec.pad_id, int) or (spec.bos_id is not None and not isinstance(spec.bos_id, int)):
-            raise ArtifactError(f"{where}: manifest 'llm' block: pad_id and bos_id must be token ids")
-        if (
-            spec.kv_layout not in ("paged", "mapped")
-            or len(spec.kv_inputs) != spec.layers
-            or len(spec.kv_outputs) != spec.layers
-        ):
-            raise ArtifactError(
-                f"{where}: manifest 'llm' block: expected a 'paged' or 'mapped' KV layout with {spec.layers} layers"
-            )
-        return spec
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
 
 class ModelRunner:
     """Runs the step graph; owns the KV pools (``key_cache[i]``/``value_cache[i]``: [NB, KV, block_size, D]).

@@ -44,8 +44,8 @@ def startup_line(config: ServerConfig, state) -> str:
     """One line saying what is served, where, from which build, and the limits in force."""
     served = state.host.current
     manifest = served.manifest
-    source = (manifest.get("source") or {}).get("sha256") or "?"
-    target = (manifest.get("target") or {}).get("name", "?")
+    source = (manifest.source or {}).get("sha256") or "?"
+    target = manifest.target.name
     host = f"[{config.host}]" if ":" in config.host else config.host
     admin = "token" if config.admin_token else ("loopback only" if is_loopback(config.host) else "off")
     limits = [

@@ -92,7 +92,7 @@ class Served:
 
 def _warm_up(model) -> None:
     """Run the stored parity feeds once, so the first real request does not pay ORT's lazy init."""
-    parity = model.manifest.get("parity") or {}
+    parity = model.manifest.parity or {}
     feeds = {
         n: np.load(Path(model.path) / rel, allow_pickle=False)
         for n, rel in (parity.get("inputs") or {}).items()
@@ -154,14 +154,14 @@ class ModelHost:
         from precast.runtime.model import load
 
         manifest = read_manifest(root) if root.is_dir() else None
-        is_llm = bool(manifest and manifest.get("llm"))
+        is_llm = manifest is not None and manifest.llm is not None
         if self.llm_options and not is_llm:
             from precast.runtime.errors import UsageError
 
             raise UsageError(
                 f"{path}: LLM options ({', '.join(sorted(self.llm_options))}) given, but it is not an LLM artifact"
             )
-        if self.verify and manifest is not None and (manifest.get("parity") or {}).get("inputs"):
+        if self.verify and manifest is not None and (manifest.parity or {}).get("inputs"):
             from precast.runtime.verify import verify_artifact
 
             report = verify_artifact(root, threads=self.threads)

@@ -15,10 +15,12 @@ import asyncio
 import json
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 from precast.runtime.errors import LLMRequestError
-from precast.runtime.manifest import TensorSpec, artifact_path, read_manifest
+from precast.runtime.llm_spec import LLMSpec
+from precast.runtime.manifest import Manifest, artifact_path, read_manifest
 
 __all__ = ["CHAT_ROLES", "DEFAULT_CHAT_TEMPLATE", "PRIORITIES", "LLMService", "TokenStream", "parse_priority"]
 
@@ -56,19 +58,19 @@ def parse_priority(value) -> int:
 class _ModelView:
     """What the generic routes need from a served model (name, target, IO) without a plain Model."""
 
-    def __init__(self, path: Path, manifest: dict):
+    def __init__(self, path: Path, manifest: Manifest):
         self.path = path
         self.manifest = manifest
-        self.inputs = [TensorSpec.from_json(d) for d in manifest["io"]["inputs"]]
-        self.outputs = [TensorSpec.from_json(d) for d in manifest["io"]["outputs"]]
+        self.inputs = list(manifest.io.inputs)
+        self.outputs = list(manifest.io.outputs)
 
     @property
     def target(self) -> str:
-        return self.manifest["target"]["name"]
+        return self.manifest.target.name
 
 
 class LLMService:
-    def __init__(self, engine, path: Path, manifest: dict, max_active: int = 256):
+    def __init__(self, engine, path: Path, manifest: Manifest, max_active: int = 256):
         self.engine = engine
         self.path = path
         self.manifest = manifest
@@ -77,7 +79,7 @@ class LLMService:
         self.metrics = None
         self._exported: dict[str, int] = {}  # engine counter values already added to Prometheus
         self.retired = False
-        self._template = _load_template(path, manifest)
+        self._template = _load_template(path, manifest.files)
         engine.start()
 
     @classmethod
@@ -117,7 +119,7 @@ class LLMService:
         """One tiny greedy generation, so a reload swaps in a model that has run."""
         from precast.runtime.llm.sampler import SamplingParams
 
-        prompt = [int(self.manifest["llm"].get("bos_id") or 1)]
+        prompt = [LLMSpec.from_manifest(self.manifest, str(self.path)).bos_id or 1]
         self.engine.submit(prompt, SamplingParams(max_tokens=1, ignore_eos=True)).result()
 
     def bind_metrics(self, metrics) -> None:
@@ -279,7 +281,6 @@ class TokenStream:
 def _engine_options(path, num_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_memory) -> dict:
     """Engine.load's num_blocks and config from the serve options (UsageError naming a bad one)."""
     from precast.runtime.errors import UsageError
-    from precast.runtime.llm.model_runner import LLMSpec
     from precast.runtime.llm.scheduler import SchedulerConfig, checked_config
     from precast.runtime.server.kv_memory import blocks_for_memory
 
@@ -301,7 +302,8 @@ def _engine_options(path, num_blocks, max_num_seqs, max_num_batched_tokens, kv_c
 _MAPPED_SLOTS = 64  # MappedModelRunner's request slots (its default; Engine.load does not change it)
 
 
-def _load_template(path: Path, manifest: dict):
+def _load_template(path: Path, files: Mapping[str, str]):
+    """The artifact's chat template, if ``files`` (the manifest's hashes) lists it; else the default."""
     try:
         import jinja2
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -310,7 +312,7 @@ def _load_template(path: Path, manifest: dict):
     source = DEFAULT_CHAT_TEMPLATE
     rel = "tokenizer/tokenizer_config.json"
     cfg = artifact_path(path, rel, "chat template")  # inside the artifact, after symlinks
-    if rel not in (manifest.get("files") or {}):  # an unhashed file must not decide what is served
+    if rel not in files:  # an unhashed file must not decide what is served
         cfg = None
     if cfg is not None and cfg.is_file():
         try:

@@ -243,7 +243,7 @@ def test_llama_family_paged_math_matches_hf(model_type, head_dim, layout, tmp_pa
     )
     config = json.loads((folder / "config.json").read_text())
     _, module = build_paged_decoder(folder, model_type)
-    spec = LLMSpec.from_manifest({"llm": llm_block(folder, config, module)})
+    spec = LLMSpec.from_json(llm_block(folder, config, module))
     assert spec.kv_layout == layout
     runner = ModelRunner(_TorchSession(module, spec.layers), spec, num_blocks=32)
     prompts = [[5, 9, 33, 7, 100, 41, 2, 8, 19, 300], [77, 3]]

@@ -71,9 +71,10 @@ from pathlib import Path
 import numpy as np
 from precast.runtime import hugepages
 from precast.runtime.backends import create_session
+from precast.runtime.target_blocks import OrtBlock
 root = Path(sys.argv[1])
 before = hugepages.huge_page_bytes()
-session = create_session(root, {"target": {"backend": "onnxruntime", "model": "model.onnx", "session": {}}}, 1)
+session = create_session(root, OrtBlock(name="ort-cpu", model="model.onnx"), 1)
 grew = hugepages.huge_page_bytes() - before
 x = np.load(root / "x.npy")
 np.save(root / "y.npy", session.run(None, {"x": x})[0])

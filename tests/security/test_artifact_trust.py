@@ -19,7 +19,7 @@ from precast.compiler.pack import pack_artifact
 from precast.runtime import ArtifactError, IntegrityError, load
 from precast.runtime.errors import PrecastError
 from precast.runtime.signing import generate_keypair
-from tests.helpers import save, tiny_mlp
+from tests.helpers import save, tiny_llm_block, tiny_mlp
 
 EVIL = "import pathlib; pathlib.Path({marker!r}).write_text('pwned')\n"
 
@@ -154,7 +154,7 @@ def test_manifest_paths_stay_inside_the_artifact(artifact, tmp_path, where, valu
             m["kind"] = "multi-target"
             m["targets"] = {"ort-cpu": {}}
         if path[0] == "llm":
-            m["llm"] = {}
+            m["llm"] = tiny_llm_block()
         node = m
         for key in path:
             node = node.setdefault(key, {})
@@ -299,8 +299,8 @@ def test_unlisted_chat_template_is_not_used(tmp_path):
 
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "tokenizer_config.json").write_text('{"chat_template": "EVIL {{ messages }}"}')
-    unlisted = _load_template(tmp_path, {"files": {}})
-    listed = _load_template(tmp_path, {"files": {"tokenizer/tokenizer_config.json": "x"}})
+    unlisted = _load_template(tmp_path, {})
+    listed = _load_template(tmp_path, {"tokenizer/tokenizer_config.json": "x"})
     msgs = [{"role": "user", "content": "hi"}]
     assert "EVIL" not in unlisted.render(messages=msgs, add_generation_prompt=True)
     assert "EVIL" in listed.render(messages=msgs, add_generation_prompt=True)
@@ -310,7 +310,10 @@ def test_unlisted_chat_template_is_not_used(tmp_path):
 @pytest.mark.parametrize(
     "change,why",
     [
-        (lambda m: m["target"].update(providers=[["CPUExecutionProvider", {}]]), "target.providers"),
+        (
+            lambda m: m["target"].update(providers=[["CPUExecutionProvider", {}]]),
+            r"target block 'ort-cpu': 'providers\[0\]' must be a string",
+        ),
         (lambda m: m.setdefault("parity", {}).update(tolerance={"evil": 1}), "parity.tolerance"),
         (lambda m: m.setdefault("parity", {}).update(tolerance="x"), "parity.tolerance"),
         (lambda m: m.setdefault("parity", {}).update(inputs="parity/x.npy"), "parity.inputs"),

@@ -288,9 +288,9 @@ def test_malformed_llm_block_is_an_artifact_error(field, value):
         "pad_id": 0,
         "tokenizer": "tokenizer/tokenizer.json",
     }
-    assert LLMSpec.from_manifest({"llm": block}).block_size == 16
-    with pytest.raises(ArtifactError, match=field):
-        LLMSpec.from_manifest({"llm": {**block, field: value}}, "art")
+    assert LLMSpec.from_json(block).block_size == 16
+    with pytest.raises(ArtifactError, match=f"art: llm block: '{field}'|art: llm block: {field}"):
+        LLMSpec.from_json({**block, field: value}, "art")
 
 
 def test_engine_load_packed_artifact_threads_and_bad_manifest(llama_artifact_mapped, tmp_path):
