@@ -29,7 +29,7 @@ def inspect(artifact, as_json):
     """Show an artifact's manifest: IO signature, pipeline, pass stats, parity, files."""
     from precast.runtime.manifest import read_manifest
 
-    manifest = read_manifest(artifact)
+    manifest = read_manifest(artifact).to_json()  # shown as the document it is
     if as_json:
         emit_json(manifest)
         return
@@ -41,7 +41,7 @@ def inspect(artifact, as_json):
             out_console.print(f"\n[bold]== {name} ==[/bold]")
             _inspect_one(
                 Path(artifact) / entry.get("dir", name),
-                read_manifest(Path(artifact) / entry.get("dir", name)),
+                read_manifest(Path(artifact) / entry.get("dir", name)).to_json(),
             )
         return
     _inspect_one(Path(artifact), manifest)

@@ -67,12 +67,11 @@ def _check_artifact_files(root: Path, shown: Path) -> None:
         raise _not_replaceable(shown, f"is not a precast artifact (no {MANIFEST_NAME})") from None
     except ArtifactError as e:
         raise _not_replaceable(shown, f"is not a precast artifact ({_why(e, root)})") from None
-    listed = set(manifest["files"]) | {MANIFEST_NAME, BUILD_INFO_NAME}
+    listed = set(manifest.files) | {MANIFEST_NAME, BUILD_INFO_NAME}
     subs = set()
-    if manifest.get("kind") == "multi-target":
-        for name, entry in (manifest.get("targets") or {}).items():
-            d = entry.get("dir", name) if isinstance(entry, dict) else None
-            if not isinstance(d, str) or d in ("", ".", "..") or "/" in d or "\\" in d:
+    if manifest.is_multi_target:
+        for d in manifest.target_dirs().values():
+            if d in ("", ".", "..") or "/" in d or "\\" in d:
                 raise _not_replaceable(shown, f"is not a precast artifact (bad target dir {d!r})")
             subs.add(d)
 

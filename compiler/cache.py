@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, UsageError
-from precast.runtime.manifest import check_integrity, read_manifest
+from precast.runtime.manifest import Manifest, check_integrity, read_manifest
 from precast.runtime.staging import clean_stale, temp_name
 
 __all__ = [
@@ -113,18 +113,15 @@ def restore(
         manifest = check_artifact_tree(stage)  # the copy, not only the entry, must be intact
         publish(stage, Path(output))
     say(f"cache hit {key[:12]}: copied {entry}")
-    return manifest, "hit"
+    return manifest.to_json(), "hit"
 
 
-def check_artifact_tree(root: Path) -> dict:
+def check_artifact_tree(root: Path) -> Manifest:
     """read_manifest + check_integrity of an artifact, and of each sub-artifact of a multi-target one."""
     manifest = read_manifest(root)
     check_integrity(root, manifest)
-    if manifest.get("kind") == "multi-target":
-        for name, entry in sorted((manifest.get("targets") or {}).items()):
-            if not isinstance(entry, dict):
-                raise ArtifactError(f"{root}: malformed target entry '{name}'")
-            check_artifact_tree(root / str(entry.get("dir", name)))
+    for sub in sorted(manifest.target_dirs().values()):
+        check_artifact_tree(root / sub)
     return manifest
 
 
