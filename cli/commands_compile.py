@@ -163,11 +163,11 @@ def compile_cmd(
         with Progress(quiet or as_json) as progress:  # an error stops the live line before it is printed
             result = compile_model(model, output, opts, progress=progress)
     except PrecastError as e:
-        if junit:
+        if junit and Path(junit).absolute().parent.is_dir():  # (a missing folder is the error itself)
             from precast.cli.junit import compile_junit
 
             compile_junit(junit, error=e)
-        if report:
+        if report and Path(report).absolute().parent.is_dir():
             _write_json(report, CompileReport.failure_json(e))
         raise
     for warning in result.warnings:  # also with --quiet or --json: stderr, and not progress
