@@ -6,7 +6,10 @@
                                                                  step graph calibrates on it as prefill steps)
 
 A pass asks ``calibration_batches(context, inputs)`` for feeds checked against the model's inputs;
-without --calibration data it falls back to the sample feeds and says so in its stats.
+without --calibration data it calibrates on built-in sentences when the source ships a tokenizer.json and the
+model takes text (input_ids / attention_mask / token_type_ids): tokenized, padded to the model's (or the sample
+feeds') sequence length, in batches of its batch size -- real padded text, whose masked positions and token
+statistics random ids lack. Otherwise it falls back to the sample feeds. Its stats say which.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import SILENT, ProgressReporter
 
-__all__ = ["load_calibration", "calibration_batches", "FeedsReader"]
+__all__ = ["load_calibration", "calibration_batches", "text_feeds", "CALIBRATION_SENTENCES", "FeedsReader"]
 
 
 def load_calibration(path: str | Path) -> tuple[list[dict[str, np.ndarray]] | None, str | None]:
@@ -59,6 +62,62 @@ def load_calibration(path: str | Path) -> tuple[list[dict[str, np.ndarray]] | No
     return [batches[i] for i in order], None
 
 
+# Calibration text for encoders with a tokenizer (none of it is in the tests' evaluation sentences).
+CALIBRATION_SENTENCES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A man is playing a guitar on a small stage while the audience sings along.",
+    "Interest rates were raised again to fight inflation.",
+    "How do I reset my password if I no longer have access to my email account?",
+    "The committee postponed its decision until next month.",
+    "She baked a chocolate cake for her grandmother's birthday.",
+    "Scientists discovered a new species of frog in the rainforest.",
+    "Please send me the report by Friday afternoon.",
+    "The train to Berlin was delayed by two hours because of snow.",
+    "Machine learning models need large amounts of labelled data.",
+    "What is the best way to learn a new language quickly?",
+    "The stock market fell sharply after the announcement.",
+    "Children were playing football in the park until sunset.",
+    "He forgot his umbrella and got soaked on the way home.",
+    "The museum opens at nine and closes at five on weekdays.",
+    "Our flight was cancelled, so we booked a hotel near the airport.",
+)
+_TEXT_INPUTS = {"input_ids", "attention_mask", "token_type_ids"}
+
+
+def text_feeds(
+    folder: str | Path | None,
+    shapes: dict[str, Sequence[int]],
+    sentences: Sequence[str] = CALIBRATION_SENTENCES,
+) -> list[dict[str, np.ndarray]] | None:
+    """``sentences`` tokenized with ``folder``'s tokenizer.json, each batch [batch, seq] as ``shapes`` says
+    (padded / truncated to seq); None when there is no tokenizer or the inputs are not text inputs."""
+    if folder is None or not shapes or not set(shapes) <= _TEXT_INPUTS or "input_ids" not in shapes:
+        return None
+    tok_file = Path(folder) / "tokenizer.json"
+    dims = {tuple(int(d) for d in s) for s in shapes.values()}
+    if not tok_file.is_file() or len(dims) != 1 or len(next(iter(dims))) != 2:
+        return None
+    batch, seq = next(iter(dims))
+    try:
+        from tokenizers import Tokenizer
+
+        tok = Tokenizer.from_file(str(tok_file))
+    except Exception:  # no tokenizers, or a file it cannot read: not text we can make
+        return None
+    tok.enable_padding(length=seq)
+    tok.enable_truncation(max_length=seq)
+    enc = tok.encode_batch(list(sentences))
+    columns = {
+        "input_ids": [e.ids for e in enc],
+        "attention_mask": [e.attention_mask for e in enc],
+        "token_type_ids": [e.type_ids for e in enc],
+    }
+    rows = {name: np.array(columns[name], dtype=np.int64) for name in shapes}
+    n = max(1, len(sentences) // batch)
+    picks = [[(b * batch + i) % len(sentences) for i in range(batch)] for b in range(n)]
+    return [{name: arr[p] for name, arr in rows.items()} for p in picks]
+
+
 def calibration_batches(
     context: Any, inputs: Sequence[TensorSpec]
 ) -> tuple[list[dict[str, np.ndarray]], str]:
@@ -76,8 +135,11 @@ def calibration_batches(
             )
     if feeds and hasattr(context, "extra"):
         context.extra["calibration_used"] = True  # (the driver warns about --calibration nothing used)
+    sample = getattr(context, "sample_feeds", None)
     if not feeds:
-        sample = getattr(context, "sample_feeds", None)
+        feeds = text_feeds(getattr(context, "source_dir", None), _static_shapes(inputs, sample))
+        source = "calibration-sentences"
+    if not feeds:
         if not sample:
             raise UsageError("this pass needs calibration data: pass --calibration feeds.npz")
         feeds, source = [sample], "sample-feeds"
@@ -88,6 +150,19 @@ def calibration_batches(
         except InputError as e:
             raise InputError(f"calibration batch {i}: {e}") from e
     return checked, source
+
+
+def _static_shapes(inputs: Sequence[TensorSpec], sample: dict | None) -> dict[str, tuple[int, ...]]:
+    """Each input's shape: its own when static, else its sample feed's ({} when one has neither)."""
+    shapes = {}
+    for spec in inputs:
+        if spec.shape is not None and all(isinstance(d, int) for d in spec.shape):
+            shapes[spec.name] = tuple(spec.shape)
+        elif sample is not None and spec.name in sample:
+            shapes[spec.name] = tuple(np.shape(sample[spec.name]))
+        else:
+            return {}
+    return shapes
 
 
 class FeedsReader:

@@ -12,10 +12,15 @@ graphs): first a **placement check** -- a session that may fall back to the CPU,
 lands on -- and only when every node lands on the HTP the EP-context compile. A refused node, a vendor error
 or a crash in either stage is exit 5 naming the target, the stage (and the signal) and the refused nodes.
 
-The default pipeline quantizes with the ``quantize-int8{mode=static,format=qdq}`` pass (calibrated on
-``--calibration`` data or, without it, the sample feeds; its options set types and per-channel). A pipeline
-without a quantize pass still gets INT8: the build then applies ONNX Runtime's QNN recipe
-(``get_qnn_qdq_config`` + ``quantize``, uint8 activations and weights) on the same calibration feeds.
+Quantization is ONNX Runtime's QNN recipe (``get_qnn_qdq_config`` + ``quantize``), applied by the build on
+the static fp32 graph: **A16W8** by default -- uint16 activations, uint8 weights, and int16 (symmetric) weights
+for the few MatMul/Gemm weights whose per-tensor 8-bit error is large (SQNR below 30 dB: outlier weights; in
+MiniLM 8 of 37, the six FFN down-projections at 13-23 dB among them, the rest are at 34-41 dB). Options ``activations=u16|u8`` and ``weights=auto|u8|int16``. Why not
+A8W8: a BERT's attention scores, its mask fill and the softmax share one activation scale each, and 8 bits
+cannot resolve scores that span ~150 (MiniLM real-sentence embedding cosine 0.85 with u8, 0.99 with u16;
+per-tensor 8-bit down-projection weights cost the last 0.01). Calibration: ``--calibration`` data, else
+built-in sentences tokenized with the source's tokenizer and padded to the static shape, else the sample
+feeds. A pipeline that already quantizes (a ``quantize-int8{mode=static,format=qdq}`` pass) is kept as is.
 """
 
 from __future__ import annotations
@@ -26,13 +31,15 @@ import logging
 import re
 import tempfile
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 import onnx
 import onnx_ir as ir
 
-from precast.compiler.calibration import FeedsReader
+from precast.compiler.calibration import FeedsReader, calibration_batches
 from precast.compiler.isolated import run_isolated
 from precast.runtime.ep_plugin import plugin_available
 from precast.runtime.errors import (
@@ -43,12 +50,14 @@ from precast.runtime.errors import (
     UsageError,
 )
 from precast.runtime.progress import SILENT
+from precast.runtime.target_blocks import EPPlugin, QnnBlock, SessionSettings
 from precast.targets.base import Availability, Target, register_target
 
 __all__ = ["OrtQnn"]
 
 EP = "QNNExecutionProvider"
 PACKAGE = "onnxruntime_qnn"
+WIDE_BELOW_DB = 30.0  # weights=auto: int16 for a weight whose per-tensor uint8 SQNR is below this (~5 bits)
 
 
 def _version(pkg: str) -> str:
@@ -98,19 +107,37 @@ class OrtQnn(Target):
     summary = (
         "Qualcomm NPU (HTP) via the onnxruntime-qnn EP plugin: static INT8 QDQ, EP-context compiled offline"
     )
-    # Static graph first (pin dims, fold the shape arithmetic), then lower what the HTP refuses, quantize last.
-    # uint8 weights: QNN's HTP LayerNorm refuses an int8 scale (backendValidateOpConfig error 3110).
+    # Static graph (pin dims, fold the shape arithmetic), then lower what the HTP refuses; the build quantizes.
+    # limit=1000: a finite attention-mask fill (-3.4e38 would take the whole range of the scores' scale;
+    # 1000 below any score keeps softmax's padded weights at exp(-850) or less, i.e. 0).
     default_pipeline = (
-        "pin-dims,fold-constants,infer-shapes,eliminate-dead-code,lower-gathernd,lower-where-constants,"
-        "quantize-int8{mode=static,format=qdq,weight=uint8}"
+        "pin-dims,fold-constants,infer-shapes,eliminate-dead-code,lower-gathernd,"
+        "lower-where-constants{limit=1000}"
     )
     precision = "int8"
-    option_defaults = {
-        "htp_arch": "73",  # v73 (Snapdragon 8 Gen 2 / X Elite); 68, 69, 73, 75, 79, 81
-        "soc_model": "0",  # 0 = let QNN pick; e.g. 60 (SM8650), 57 (SM8550)
-        "shapes": "",  # NAME=2x8;... ; default: the sample feeds' shapes
-        "timeout_s": 900,  # per vendor step (placement check, EP-context compile) in its child process
-    }
+
+    @dataclass(frozen=True)
+    class Options:
+        activations: Literal["u16", "u8"] = field(
+            default="u16", metadata={"help": "activation quantization type (u16: A16, the accurate default)"}
+        )
+        weights: Literal["auto", "u8", "int16"] = field(
+            default="auto",
+            metadata={
+                "help": f"auto: uint8, int16 for weights whose uint8 SQNR is below {WIDE_BELOW_DB:g} dB"
+            },
+        )
+        htp_arch: str = field(
+            default="73", metadata={"help": "HTP arch: 68, 69, 73 (8 Gen 2 / X Elite), 75, 79, 81"}
+        )
+        soc_model: str = field(default="0", metadata={"help": "QNN SoC model (0: let QNN pick; 57 = SM8550)"})
+        shapes: str = field(default="", metadata={"help": "NAME=2x8;... (default: the sample feeds' shapes)"})
+        timeout_s: int = field(default=900, metadata={"help": "seconds per vendor step in its child process"})
+
+    def check_options(self) -> None:
+        if self.options["weights"] == "int16" and self.options["activations"] == "u8":
+            raise UsageError("target 'ort-qnn': weights=int16 needs activations=u16 (the HTP has no A8W16)")
+        parse_shapes(self.options["shapes"])
 
     @classmethod
     def can_build(cls) -> Availability:
@@ -121,76 +148,89 @@ class OrtQnn(Target):
     def can_run(cls) -> Availability:
         return cls.can_build()
 
-    def build(self, model: ir.Model, out_dir: Path) -> dict:
+    def build(self, model: ir.Model, out_dir: Path) -> QnnBlock:
         proto = ir.serde.serialize_model(model)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             tmpdir = Path(tmp)
-            quantization = {"format": "QDQ", "by": "pipeline (quantize pass; see its stats)"}
+            quantization: dict = {"format": "QDQ", "by": "pipeline (quantize pass; see its stats)"}
             if not _has_qdq(proto):
-                proto, calibration = self._quantize(proto, tmpdir)
-                quantization = {
-                    "format": "QDQ",
-                    "by": "ort-qnn build (onnxruntime QNN recipe, uint8/uint8)",
-                    "calibration": calibration,
-                }
+                proto, info = self._quantize(model, proto, tmpdir)
+                quantization = {"format": "QDQ", "by": "ort-qnn build (onnxruntime QNN recipe)", **info}
             shapes = self._static_shapes(proto)
             proto = _fix_shapes(proto, shapes)
             onnx.save(proto, tmpdir / "static_qdq.onnx")
             placement = self._check_placement(tmpdir / "static_qdq.onnx")
             self._compile(tmpdir / "static_qdq.onnx", out_dir / "model.onnx")
-        return {
-            "name": self.name,
-            "backend": "onnxruntime",
-            "model": "model.onnx",
-            "providers": [EP],
-            "device": "npu",
-            "precision": self.precision,
-            "ep_plugin": {"ep": EP, "package": PACKAGE, "backend_lib": "QnnHtp"},
-            "provider_options": {},
-            "session": {"config": {"session.disable_cpu_ep_fallback": "1"}},
-            "static_shapes": shapes,
-            "quantization": quantization,
-            "htp": {"arch": self.options["htp_arch"], "soc_model": self.options["soc_model"]},
-            "placement": placement,
-            "requires": {
+        return QnnBlock(
+            name=self.name,
+            model="model.onnx",
+            providers=[EP],
+            device="npu",
+            precision=self.precision,
+            ep_plugin=EPPlugin(ep=EP, package=PACKAGE, backend_lib="QnnHtp"),
+            provider_options={},
+            session=SessionSettings(config={"session.disable_cpu_ep_fallback": "1"}),
+            static_shapes=shapes,
+            quantization=quantization,
+            htp={"arch": self.options["htp_arch"], "soc_model": self.options["soc_model"]},
+            placement=placement,
+            requires={
                 "onnxruntime": _version("onnxruntime"),
                 "onnxruntime-qnn": _version("onnxruntime-qnn"),
             },
-            "notes": [
-                f"INT8 QDQ by {quantization['by']}; HTP input shapes pinned to {shapes}; "
+            notes=[
+                f"QDQ by {quantization['by']}{_precision(quantization)}; HTP input shapes pinned to {shapes}; "
                 f"placement check: {placement['on_htp']} of {placement['nodes']} nodes on the HTP"
             ],
-        }
+        )
 
-    def _calibration(self, proto: onnx.ModelProto) -> tuple[list[dict[str, np.ndarray]], str]:
-        ctx = self.context
-        feeds = getattr(ctx, "calibration_feeds", None)
-        if feeds:
-            ctx.extra["calibration_used"] = True
-            return list(feeds), f"calibration data ({len(feeds)} batches)"
-        sample = getattr(ctx, "sample_feeds", None)
-        if not sample:
+    def _calibration(self, model: ir.Model) -> tuple[list[dict[str, np.ndarray]], str]:
+        from precast.compiler.parity import io_signature
+
+        if self.context is None:
             raise UsageError("target 'ort-qnn' needs calibration data: pass --calibration feeds.npz")
-        return [dict(sample)], "sample feeds (1 batch; pass --calibration for representative ranges)"
+        batches, source = calibration_batches(self.context, io_signature(model)[0])
+        how = {
+            "calibration": f"calibration data ({len(batches)} batches)",
+            "calibration-sentences": f"built-in sentences, tokenized and padded ({len(batches)} batches)",
+            "sample-feeds": "sample feeds (1 batch; pass --calibration for representative ranges)",
+        }
+        return batches, how.get(source, source)
 
-    def _quantize(self, proto: onnx.ModelProto, tmpdir: Path) -> tuple[onnx.ModelProto, str]:
+    def _quantize(
+        self, model: ir.Model, proto: onnx.ModelProto, tmpdir: Path
+    ) -> tuple[onnx.ModelProto, dict]:
         from onnxruntime.quantization import QuantType, quantize
         from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
-        batches, how = self._calibration(proto)
+        self.check_options()
+        activations, weights = self.options["activations"], self.options["weights"]
+        batches, how = self._calibration(model)
+        wide = wide_weights(proto, weights if activations == "u16" else "u8")
         src, dst = tmpdir / "fp32.onnx", tmpdir / "qdq.onnx"
         onnx.save(proto, src)
         reader = FeedsReader(batches, getattr(self.context, "progress", SILENT))
+        overrides = {name: [{"quant_type": QuantType.QInt16, "symmetric": True}] for name in wide}
         try:
             with _quiet():
                 config = get_qnn_qdq_config(
-                    str(src), reader, activation_type=QuantType.QUInt8, weight_type=QuantType.QUInt8
+                    str(src),
+                    reader,
+                    activation_type={"u16": QuantType.QUInt16, "u8": QuantType.QUInt8}[activations],
+                    weight_type=QuantType.QUInt8,
+                    init_overrides=overrides or None,
                 )
                 quantize(str(src), str(dst), config)
         except Exception as e:
             first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            raise PassFailedError(f"target 'ort-qnn': static INT8 QDQ quantization failed: {first}") from e
-        return onnx.load(str(dst)), how
+            raise PassFailedError(f"target 'ort-qnn': static QDQ quantization failed: {first}") from e
+        info = {
+            "activations": "uint16" if activations == "u16" else "uint8",
+            "weights": "uint8" + (f", int16 for {len(wide)} of {_weight_count(proto)}" if wide else ""),
+            "int16_weights": sorted(wide),
+            "calibration": how,
+        }
+        return onnx.load(str(dst)), info
 
     def _static_shapes(self, proto: onnx.ModelProto) -> dict[str, list[int]]:
         inits = {i.name for i in proto.graph.initializer}
@@ -302,6 +342,53 @@ def _refused(nodes: list[str], total: int | None = None) -> str:
     shown = ", ".join(nodes[:5]) + (f" and {len(nodes) - 5} more" if len(nodes) > 5 else "")
     of = f" of {total}" if total else ""
     return f"{len(nodes)}{of} node(s) not supported by the QNN HTP ({by_op}): {shown}"
+
+
+def _weights(proto: onnx.ModelProto) -> dict[str, np.ndarray]:
+    """The constant 2-D weight of each MatMul / Gemm (input 1), by initializer name."""
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in proto.graph.initializer}
+    found = {}
+    for node in proto.graph.node:
+        if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and node.input[1] in inits:
+            w = inits[node.input[1]]
+            if len(w.dims) == 2 and w.data_type == onnx.TensorProto.FLOAT:
+                found[w.name] = numpy_helper.to_array(w)
+    return found
+
+
+def _weight_count(proto: onnx.ModelProto) -> int:
+    return len(_weights(proto))
+
+
+def uint8_sqnr_db(w: np.ndarray) -> float:
+    """Signal-to-noise ratio (dB) of ``w`` after per-tensor asymmetric uint8 min-max quantization (the
+    quantizer's; the range includes 0)."""
+    w = w.astype(np.float64)
+    lo, hi = min(float(w.min()), 0.0), max(float(w.max()), 0.0)
+    if hi == lo:
+        return float("inf")
+    scale = (hi - lo) / 255.0
+    err = w - (np.round((w - lo) / scale) * scale + lo)
+    noise = float((err**2).mean())
+    return float("inf") if noise == 0 else 10.0 * np.log10(float((w**2).mean()) / noise)
+
+
+def wide_weights(proto: onnx.ModelProto, weights: str) -> list[str]:
+    """MatMul/Gemm weights to quantize as int16: all (int16), none (u8), or those 8 bits resolve badly (auto)."""
+    if weights == "u8":
+        return []
+    found = _weights(proto)
+    if weights == "int16":
+        return sorted(found)
+    return sorted(name for name, w in found.items() if uint8_sqnr_db(w) < WIDE_BELOW_DB)
+
+
+def _precision(q: dict) -> str:
+    if "activations" not in q:
+        return ""
+    return f" ({q['activations']} activations, {q['weights']} weights)"
 
 
 def _fix_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:

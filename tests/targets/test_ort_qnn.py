@@ -28,9 +28,9 @@ def test_artifact_is_one_ep_context_node_all_on_qnn(qnn_art):
     block = manifest["target"]
     assert block["precision"] == "int8" and block["providers"] == ["QNNExecutionProvider"]
     assert block["static_shapes"] == {"x": [2, 8]}
-    assert block["quantization"]["by"].startswith("pipeline")
-    q8 = next(p for p in manifest["passes"] if p["pass"].startswith("quantize-int8"))
-    assert q8["stats"]["calibration"] == "sample-feeds" and q8["stats"]["int8_weights"] == 2
+    q = block["quantization"]
+    assert q["by"].startswith("ort-qnn build") and q["activations"] == "uint16" and q["weights"] == "uint8"
+    assert q["calibration"].startswith("sample feeds")  # float inputs, no tokenizer: nothing else to use
     assert manifest["parity"]["ok"] and manifest["parity"]["tolerance"]["atol"] is None
     assert [n.op_type for n in onnx.load(str(qnn_art / "model.onnx")).graph.node] == ["EPContext"]
     model = load(qnn_art)
@@ -81,9 +81,12 @@ def test_budget_can_fail(mlp_path, tmp_path):
 @pytest.mark.parametrize(
     "opt, msg",
     [
-        ({"htp": "73"}, "'htp' is not an option of target"),
+        ({"htp": "73"}, "target 'ort-qnn' has no option 'htp'"),
         ({"shapes": "y=2x8"}, "not an input"),
         ({"shapes": "x=2by8"}, "NAME=2x8"),
+        ({"activations": "u4"}, "activations"),
+        ({"weights": "fp8"}, "weights"),
+        ({"activations": "u8", "weights": "int16"}, "weights=int16 needs activations=u16"),
     ],
 )
 def test_bad_options(mlp_path, tmp_path, opt, msg):
