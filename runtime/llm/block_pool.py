@@ -76,8 +76,6 @@ class BlockPool:
                 del self._free[b]
             self._refs[b] += 1
 
-    fork = share  # forking a sequence shares all its blocks
-
     def free(self, blocks: list[int]) -> None:
         """Drop one owner from each block; blocks reaching zero return to the free list.
 
@@ -108,9 +106,6 @@ class BlockPool:
         self._hash_of[block] = block_hash
         self._block_of[block_hash] = block
         return block
-
-    def is_cached(self, block: int) -> bool:
-        return block in self._hash_of
 
     def _forget_hash(self, block: int) -> None:
         h = self._hash_of.pop(block, None)

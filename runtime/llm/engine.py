@@ -1,11 +1,14 @@
-"""The LLM engine: schedule -> run the compiled model over the paged KV cache -> sample -> update.
+"""The LLM engine: schedule -> run the compiled model over the paged KV cache -> sample -> update -> stream.
 
     engine = Engine.load("out/llm")
     h = engine.submit("Once upon a time", SamplingParams(max_tokens=64, temperature=0.8, seed=1), priority=0)
     for ev in h: print(ev.text, end="")
 
-The model runner (ModelRunner.from_artifact) owns the session and the K/V pools and scatters new K/V into
-them; the engine owns the block tables, so it only tells the runner where each request's blocks are.
+One step: ``out = scheduler.schedule()`` (what changed since the last step: in the steady state "the same
+batch, one token further"), ``runner.execute(out)`` (logits of each row), sample, then
+``scheduler.update_from_output(out, sampled)`` (tokens appended, finished requests out, their blocks freed),
+then each token is streamed to its handle. All scheduling policy lives in the scheduler and the KV cache
+manager; the engine owns requests' handles, sampling, text and stop strings, and the metrics.
 """
 
 from __future__ import annotations
@@ -27,9 +30,15 @@ from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.metrics import EngineCounters, EngineMetrics
 from precast.runtime.llm.prompt import prompt_ids
-from precast.runtime.llm.request import Request, Status
+from precast.runtime.llm.request import Request
 from precast.runtime.llm.sampler import SamplingParams, is_int, sample, token_logprobs
-from precast.runtime.llm.scheduler import ScheduledChunk, Scheduler, SchedulerConfig, checked_config
+from precast.runtime.llm.scheduler import (
+    Scheduler,
+    SchedulerConfig,
+    SchedulerOutput,
+    StepKind,
+    checked_config,
+)
 
 __all__ = ["Engine"]
 
@@ -46,23 +55,15 @@ class Engine:
         enable_prefix_caching: bool = True,
     ):
         spec = runner.spec
-        self.runner = runner
-        # The engine builds valid steps itself: a runner's unchecked entry point skips re-validating them.
-        self._runner_step = getattr(runner, "step_unchecked", runner.step)
-        self._decode_rows = getattr(runner, "decode_unchecked", None)  # decode rows from lists (steady state)
-        self._decode_again = getattr(runner, "decode_again", None)  # the same rows again, mapping as is
-        self._plan: _Plan | None = None
-        self._prefix_caching = bool(enable_prefix_caching)
+        self.runner = runner  # a runner.StepRunner: execute(SchedulerOutput) -> logits
         self.tokenizer = tokenizer
         self.block_size = int(spec.block_size)
         self.max_context = int(spec.max_context)
         self.vocab = int(spec.vocab)
-        self.eos_ids = frozenset(int(t) for t in (getattr(spec, "eos_ids", None) or ()))
-        self.pad_id = int(getattr(spec, "pad_id", 0) or 0)
         num_blocks = int(runner.key_cache[0].shape[0])
         self.pool = BlockPool(num_blocks, self.block_size)
-        self.kv = KVCacheManager(self.pool, enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config)
+        self.kv = KVCacheManager(self.pool, bool(enable_prefix_caching))
+        self.scheduler = Scheduler(self.kv, config, eos_ids=spec.eos_ids or ())
         self.counters = EngineCounters()
         self._handles: dict[str, RequestHandle] = {}  # unfinished requests (a finished one is the caller's)
         self._finished_ids: OrderedDict[str, None] = OrderedDict()  # recent finished ids (cancel -> False)
@@ -202,9 +203,7 @@ class Engine:
                 if request_id in self._finished_ids or handle is not None:
                     return False
                 raise LLMRequestError(f"unknown request id '{request_id}'")
-            req = handle.request
-            self.scheduler.remove(req)
-            req.status, req.finish_reason = Status.FINISHED, "cancelled"
+            self.scheduler.finish(handle.request, "cancelled")
             handle.cancelled = True
             self._forget(request_id)
             self.counters.requests_cancelled += 1
@@ -239,25 +238,32 @@ class Engine:
 
     # -- the step loop -------------------------------------------------------------------------
     def step(self) -> int:
-        """One scheduler step (possibly several runner calls). Returns the number of tokens sampled."""
+        """One scheduler step: schedule -> run -> sample -> update -> stream. Returns the tokens sampled."""
         with self._cond:
-            fast = self._steady_decode()
-            if fast is not None:
-                return fast
             out = self.scheduler.schedule()
-            self.counters.steps += 1
-            self.counters.preemptions += len(out.preempted)
-            for src, dst in out.copies:
-                self._copy_block(src, dst)
+            self._count(out)
             produced = 0
-            for group in _group_by_length(out.chunks):
-                logits = self._run(group)
-                for chunk, row in zip(group, logits):
-                    produced += self._advance(chunk, row)
-            self.counters.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
-            self.counters.prefix_query_tokens = self.scheduler.prefix_query_tokens
+            if out.rows:
+                logits = self.runner.execute(out)
+                sampled = self._sample(out, logits)
+                self.scheduler.update_from_output(out, sampled)
+                produced = self._stream(out, sampled, logits)
             self._cond.notify_all()
             return produced
+
+    def run_until_done(self) -> None:
+        while self.has_unfinished():
+            self.step()
+
+    def _count(self, out: SchedulerOutput) -> None:
+        c = self.counters
+        c.steps += 1
+        c.computed_tokens += out.total_tokens
+        if out.kind is not StepKind.STEADY:  # (a steady step has no copies, preemptions or admissions)
+            c.preemptions += len(out.preempted)
+            c.cow_copies += len(out.copies)
+            c.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
+            c.prefix_query_tokens = self.scheduler.prefix_query_tokens
 
     def _forget(self, request_id: str) -> None:
         """A finished request leaves the engine (a long-running server must not keep every handle)."""
@@ -266,122 +272,50 @@ class Engine:
         if len(self._finished_ids) > 4096:
             self._finished_ids.popitem(last=False)
 
-    def _steady_decode(self) -> int | None:
-        """The steady state, without the scheduler's general path: nobody waiting, every running request
-        decoding one token into room left in its own last block (no allocation, no copy-on-write, no
-        preemption possible). Exactly what schedule() would return then; None when any condition fails.
+    def _sample(self, out: SchedulerOutput, logits: np.ndarray) -> list[int | None]:
+        """The next token of each row that reached the end of its known tokens (None: a prefill chunk, or a
+        request whose logits cannot be sampled: it fails alone, the others go on)."""
+        sampled: list[int | None] = []
+        for req, n, row in zip(out.rows, out.num_new, logits):
+            if req.num_computed + n < len(req.token_ids):
+                sampled.append(None)  # a prefill chunk: nothing to sample yet
+                continue
+            try:
+                sampled.append(sample(row, req.params, req.token_ids, req.rng, len(req.prompt_ids)))
+            except LLMRequestError as e:  # (NaN logits)
+                sampled.append(None)
+                handle = self._handles[req.request_id]
+                handle._fail(str(e), e)
+                self._fail(req)
+                handle._end()  # so that an on_token stream hears the end too
+        return sampled
 
-        The checks hold for a whole *plan*: while the same requests keep running, no other step ran and
-        none of them leaves its verified block, later steps reuse the plan (and the runner reuses its slot
-        mapping as is: decode_again) instead of re-deriving both every token."""
-        sch = self.scheduler
-        running = sch.running
-        if sch.waiting or not running:
-            return None
-        plan = self._plan
-        fresh = plan is None or plan.step != sch.step_count or plan.budget <= 0 or plan.reqs != running
-        if fresh:
-            plan = self._plan = self._make_plan(running)
-            if plan is None:
-                return None
-        sch.step_count += 1
-        self.counters.steps += 1
-        self.counters.computed_tokens += len(plan.reqs)
-        tokens = [r.token_ids[-1] for r in plan.reqs]
-        positions = [r.num_computed for r in plan.reqs]
-        if self._decode_rows is None:  # a runner without list entry points: the general batch builder
-            logits = self._run([ScheduledChunk(r, r.num_computed, 1) for r in plan.reqs])
-        elif fresh or self._decode_again is None:
-            logits = self._decode_rows(tokens, positions, plan.tables)
-        else:
-            logits = self._decode_again(tokens, positions)
-        plan.step, plan.budget = sch.step_count, plan.budget - 1
+    def _stream(self, out: SchedulerOutput, sampled: list[int | None], logits: np.ndarray) -> int:
         produced = 0
-        for req, row in zip(plan.reqs, logits):  # (_emit may shrink running, never plan.reqs)
-            req.num_computed += 1
-            if self._prefix_caching and req.num_computed % self.block_size == 0:
-                self.kv.commit(req.request_id, req.token_ids, req.num_computed)  # a block just filled
-            produced += self._emit(req, row)
-        self._cond.notify_all()
+        for req, tok, row in zip(out.rows, sampled, logits):
+            if tok is not None:
+                handle = self._handles.get(req.request_id)
+                if handle is not None:  # (None: an earlier row's callback cancelled it)
+                    self._emit(handle, req, tok, row)
+                    produced += 1
         return produced
 
-    def _make_plan(self, running: list[Request]) -> _Plan | None:
-        if len(running) > self.scheduler.config.max_num_batched_tokens:
-            return None
-        bs, refcount, tables, budget = self.block_size, self.pool.refcount, [], 1 << 30
-        for r in running:
-            t = self.kv.block_table(r.request_id)
-            j = r.num_computed // bs
-            if r.num_pending != 1:
-                return None
-            if j == len(t):  # r starts a new block: take it here (as schedule() would), if one is free
-                if self.kv.allocate_slots(r.request_id, r.num_computed, 1) != []:
-                    return None  # no room (the general path preempts) or a copy to make (it copies)
-            elif j > len(t) or refcount(t[j]) != 1:
-                return None
-            tables.append(t)
-            budget = min(budget, (j + 1) * bs - r.num_computed)  # steps until r leaves its verified block
-        return _Plan(list(running), tables, budget, self.scheduler.step_count)
-
-    def run_until_done(self) -> None:
-        while self.has_unfinished():
-            self.step()
-
-    def _copy_block(self, src: int, dst: int) -> None:
-        for pool in (*self.runner.key_cache, *self.runner.value_cache):
-            pool[dst] = pool[src]
-        self.counters.cow_copies += 1
-
-    def _run(self, chunks: list[ScheduledChunk]) -> np.ndarray:
-        b, s = len(chunks), max(c.num_new for c in chunks)
-        tables = [self.kv.block_table(c.request.request_id) for c in chunks]
-        input_ids = np.full((b, s), self.pad_id, dtype=np.int64)
-        positions = np.zeros((b, s), dtype=np.int64)
-        block_tables = np.zeros((b, max(len(t) for t in tables)), dtype=np.int64)
-        for i, (c, t) in enumerate(zip(chunks, tables)):
-            input_ids[i, : c.num_new] = c.request.token_ids[c.start : c.start + c.num_new]
-            positions[i, : c.num_new] = np.arange(c.start, c.start + c.num_new)
-            block_tables[i, : len(t)] = t
-        past_lens = np.array([c.start for c in chunks], dtype=np.int64)
-        new_lens = np.array([c.num_new for c in chunks], dtype=np.int64)
-        self.counters.computed_tokens += int(new_lens.sum())
-        return self._runner_step(input_ids, positions, past_lens, new_lens, block_tables)
-
-    def _advance(self, chunk: ScheduledChunk, logits: np.ndarray) -> int:
-        req = chunk.request
-        req.num_computed = chunk.start + chunk.num_new
-        self.kv.commit(req.request_id, req.token_ids, req.num_computed)
-        if req.num_computed < len(req.token_ids):
-            return 0  # a prefill chunk: nothing to sample yet
-        return self._emit(req, logits)
-
-    def _emit(self, req: Request, logits: np.ndarray) -> int:
-        """Sample the request's next token from its logits row, check stop conditions, stream it."""
-        handle = self._handles[req.request_id]
+    def _emit(self, handle: RequestHandle, req: Request, tok: int, logits: np.ndarray) -> None:
+        """Stream one sampled token (the scheduler appended it, and finished the request if it ended there)."""
         p = req.params
-        try:
-            tok = sample(logits, p, req.token_ids, req.rng, len(req.prompt_ids))
-        except LLMRequestError as e:  # (NaN logits) this request fails, the others go on
-            handle._fail(str(e), e)
-            self._fail(req)
-            handle._end()  # so that an on_token stream hears the end too
-            return 0
-        req.token_ids.append(tok)
         self.counters.generation_tokens += 1
-        text, reason = self._check_stop(req, tok)
+        text = self._visible_text(req) if self.tokenizer is not None and p.detokenize else None
         if handle.t_first_token is None:
             self.counters.observe_ttft(handle)
-        if reason is not None:
-            req.status, req.finish_reason = Status.FINISHED, reason
-            self.scheduler.remove(req)
+        if req.finished:
             self.counters.requests_finished += 1
             self._forget(req.request_id)
         holdback = max(map(len, p.stop)) - 1 if p.stop else 0
-        lp = None if p.logprobs is None else token_logprobs(logits, tok, p.logprobs)  # (opt-in: costs a softmax)
+        # (opt-in: costs a softmax)
+        lp = None if p.logprobs is None else token_logprobs(logits, tok, p.logprobs)
         handle._push(tok, text, holdback, lp)
         if handle.error is not None:  # its on_token callback raised
             self._fail(req)
-        return 1
 
     def _fail(self, req: Request) -> None:
         """Finish a failed request (its handle says why): its blocks are freed, the others go on."""
@@ -390,28 +324,19 @@ class Engine:
         if req.finished:  # it finished on this very token, but its callback failed
             self.counters.requests_finished -= 1
         else:
-            self.scheduler.remove(req)
-            req.status = Status.FINISHED
             self._forget(req.request_id)
-        req.finish_reason = "error"
+        self.scheduler.finish(req, "error")
         self.counters.requests_failed += 1
 
-    def _check_stop(self, req: Request, tok: int) -> tuple[str | None, str | None]:
-        p = req.params
-        reason = None
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            reason = "stop"
-        elif (
-            len(req.token_ids) - len(req.prompt_ids) >= p.max_tokens
-            or len(req.token_ids) >= req.max_total_tokens
-        ):
-            reason = "length"
-        text = self._detokenize(req) if self.tokenizer is not None and p.detokenize else None
-        if text is not None and p.stop:
-            hits = [i for i in (text.find(s) for s in p.stop) if i >= 0]
+    def _visible_text(self, req: Request) -> str:
+        """The output text so far, cut at the first stop string (which finishes the request)."""
+        text = self._detokenize(req)
+        if req.params.stop:
+            hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
             if hits:
-                text, reason = text[: min(hits)], "stop"
-        return text, reason
+                text = text[: min(hits)]
+                self.scheduler.finish(req, "stop")
+        return text
 
     def _detokenize(self, req: Request) -> str:
         """The output decoded so far, incrementally (as vLLM and TGI do): decode the tokens since the last
@@ -478,31 +403,3 @@ class Engine:
                 kv_blocks_free=self.pool.num_free,
                 block_size=self.block_size,
             )
-
-
-class _Plan:
-    """Steady-state decode rows (see Engine._steady_decode): valid while ``step`` is the scheduler's step
-    count, ``reqs`` is still the running list and ``budget`` (steps before a request leaves its block) > 0."""
-
-    __slots__ = ("reqs", "tables", "budget", "step")
-
-    def __init__(self, reqs: list[Request], tables: list[list[int]], budget: int, step: int):
-        self.reqs, self.tables, self.budget, self.step = reqs, tables, budget, step
-
-
-def _group_by_length(chunks: list[ScheduledChunk], max_waste: float = 0.25) -> list[list[ScheduledChunk]]:
-    """Split one step into runner calls so right-padding stays small: all decodes together, prefill chunks
-    merged while padded tokens stay within max_waste of the real ones."""
-    decodes = [c for c in chunks if c.num_new == 1]
-    groups: list[list[ScheduledChunk]] = [decodes] if decodes else []
-    current: list[ScheduledChunk] = []
-    for c in sorted((c for c in chunks if c.num_new > 1), key=lambda c: -c.num_new):
-        trial = [*current, c]
-        real = sum(x.num_new for x in trial)
-        if current and len(trial) * trial[0].num_new > (1 + max_waste) * real:
-            groups.append(current)
-            trial = [c]
-        current = trial
-    if current:
-        groups.append(current)
-    return groups

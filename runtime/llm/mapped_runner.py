@@ -23,6 +23,7 @@ import numpy as np
 from precast.runtime.errors import InputError
 from precast.runtime.llm.mapped_kv import MappedKV, page_block_size
 from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
+from precast.runtime.llm.scheduler import SchedulerOutput
 
 __all__ = ["MAPPED_STEP_INPUTS", "MappedModelRunner", "gqa_lengths"]
 
@@ -59,7 +60,7 @@ class _Binding:
 
 
 class MappedModelRunner(ModelRunner):
-    """ModelRunner over a MappedKV pool (same step() contract; ``key_cache[i]`` views [NB, KV, bs, D])."""
+    """ModelRunner over a MappedKV pool (same step() / execute() contract; ``key_cache[i]`` views [NB, KV, bs, D])."""
 
     def __init__(self, session, spec: LLMSpec, num_blocks: int, path=None, slots: int = 64):
         if num_blocks < 1:
@@ -90,7 +91,7 @@ class MappedModelRunner(ModelRunner):
         self._mapped = [[] for _ in range(slots)]  # kv.mapped as Python lists (the per-step check)
         self._bindings: dict[tuple[int, int], _Binding] = {}  # (first slot, rows) -> its IO binding
         self._io = hasattr(session, "io_binding")
-        self._again: list[int] | None = None  # slots of the last decode_unchecked rows (for decode_again)
+        self._again: list[int] | None = None  # slots of the last _decode_rows rows (for _decode_steady)
 
     @property
     def kv_bytes(self) -> int:
@@ -103,11 +104,6 @@ class MappedModelRunner(ModelRunner):
     # -- step ---------------------------------------------------------------------------------------------
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
         return self._step(*self._check(input_ids, positions, past_lens, new_lens, block_tables)).copy()
-
-    def step_unchecked(self, ids, pos, past, new, tables) -> np.ndarray:
-        """``step`` for a trusted caller (the engine): int64 numpy inputs already valid, no checks; the logits
-        may be the runner's own buffer, valid until the next step."""
-        return self._step(ids, pos, past, new, tables)
 
     def _step(self, ids, pos, past, new, tables) -> np.ndarray:
         self._again = None
@@ -134,25 +130,31 @@ class MappedModelRunner(ModelRunner):
             )[0]
         return logits
 
-    def decode_unchecked(
-        self, tokens: list[int], positions: list[int], tables: list[list[int]]
-    ) -> np.ndarray:
-        """A step of decode rows only, from Python lists (the engine's steady state): token b at position
-        positions[b] of the request with block table tables[b]. Trusted input; logits valid until the next step."""
-        b = len(tokens)
+    # -- the engine's entry point (StepRunner.execute, by the step's kind) ------------------------------
+    def _decode_rows(self, out: SchedulerOutput) -> np.ndarray:
+        """Decode rows only, from Python lists: each row's token at its position, slots assigned and mapped
+        to the rows' tables. Trusted input; logits valid until the next step."""
+        b = len(out.rows)
         if b > self.kv.slots:
             raise InputError(f"a step of {b} requests exceeds the runner's {self.kv.slots} slots")
-        slot_of = self._assign(positions, [1] * b, tables, list(range(b)), [])
+        positions = [r.num_computed for r in out.rows]
+        tokens = [r.token_ids[p] for r, p in zip(out.rows, positions)]
+        slot_of = self._assign(positions, [1] * b, out.block_tables, list(range(b)), [])
         self._again = slot_of
         return self._decode(slot_of, tokens, positions)
 
-    def decode_again(self, tokens: list[int], positions: list[int]) -> np.ndarray:
-        """decode_unchecked for the same requests as the last call, each one token further, with no step in
-        between and no table changed (the engine's steady state within a block): the slots and their
-        mappings are reused as they are, without re-deriving or re-checking them."""
-        if self._again is None:
-            raise RuntimeError("decode_again: the previous step was not a decode_unchecked of these rows")
-        return self._decode(self._again, tokens, positions)
+    def _decode_steady(self, out: SchedulerOutput) -> np.ndarray:
+        """The last _decode_rows' rows again, each one token further, no table changed (the scheduler's
+        STEADY delta): the slots and their mappings are reused as they are, without re-deriving them."""
+        if self._again is None or len(self._again) != len(out.rows):  # (a step() ran in between)
+            return self._decode_rows(out)
+        rows = out.rows
+        return self._decode(self._again, [r.token_ids[-1] for r in rows], [r.num_computed for r in rows])
+
+    def _mixed(self, out: SchedulerOutput) -> np.ndarray:
+        # One call for all rows: decode rows batched in slots 0 .. n-1, each prefill row alone past them
+        # (split calls would hand prefill rows the decode rows' slots and remap them every step).
+        return self._step(*self._arrays(out, range(len(out.rows))))
 
     def _decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> np.ndarray:
         """One batched decode run of the rows in ``slots`` (exactly 0 .. n-1, any order); logits in row order."""

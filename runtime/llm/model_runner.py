@@ -14,16 +14,19 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.errors import InputError
+from precast.runtime.llm.runner import StepRunner
 from precast.runtime.llm_spec import LLMSpec  # the manifest's llm block (re-exported here)
 
 __all__ = ["LLMSpec", "ModelRunner"]
 
-class ModelRunner:
+class ModelRunner(StepRunner):
     """Runs the step graph; owns the KV pools (``key_cache[i]``/``value_cache[i]``: [NB, KV, block_size, D]).
 
     ``ModelRunner(session, spec, ...)`` of a ``kv_layout: "mapped"`` spec builds a MappedModelRunner
     (mapped_runner.py: the pool mapped into per-request views, read and written in place by the graph);
     this class runs the ``"paged"`` layout, whose graph gathers blocks itself and returns the new K/V.
+    The engine's entry point is ``execute(SchedulerOutput)`` (runner.StepRunner); ``step`` is the checked
+    low-level call (benchmarks, perplexity).
     """
 
     def __new__(cls, session=None, spec: LLMSpec | None = None, *args, **kwargs):
@@ -73,10 +76,6 @@ class ModelRunner:
         return cls(model._session, spec, num_blocks, Path(model.path))
 
     @property
-    def tokenizer_path(self) -> Path | None:
-        return self.path / self.spec.tokenizer if self.path is not None else None
-
-    @property
     def kv_bytes(self) -> int:
         """Bytes held by the pools (all layers, K and V)."""
         return sum(a.nbytes for a in self.key_cache) + sum(a.nbytes for a in self.value_cache)
@@ -117,13 +116,12 @@ class ModelRunner:
             raise InputError(f"input_ids hold token ids outside [0, {self.spec.vocab})")
         return arrays
 
-    def step_unchecked(self, ids, pos, past, new, tables) -> np.ndarray:
-        """``step`` for a trusted caller (the engine): inputs already valid int64 arrays."""
-        return self.step(ids, pos, past, new, tables)
-
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
-        """Run one step; write the new tokens' K/V into the pools; return logits [B, V] of each last real token."""
-        ids, pos, past, new, tables = self._check(input_ids, positions, past_lens, new_lens, block_tables)
+        """Run one step; write the new tokens' K/V into the pools; return logits [B, V] of each last real token.
+        (The engine calls ``execute(SchedulerOutput)``, which builds valid inputs and skips these checks.)"""
+        return self._step(*self._check(input_ids, positions, past_lens, new_lens, block_tables))
+
+    def _step(self, ids, pos, past, new, tables) -> np.ndarray:
         if ids.shape[1] > 1 and (ids.shape[0] == 1 or not self.spec.batched_prefill):
             # One request at a time (what a fused-attention graph needs for S > 1), without padding.
             rows = [

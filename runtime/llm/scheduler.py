@@ -1,15 +1,27 @@
-"""Continuous batching: which requests run this step, and how many of their tokens.
+"""Continuous batching: which requests run this step, how many of their tokens, and what became of them.
+
+    out = scheduler.schedule()                      # what changed since the last step (a SchedulerOutput)
+    logits = runner.execute(out)                    # one row per scheduled request
+    scheduler.update_from_output(out, sampled)      # tokens appended; EOS / stop ids / length finish; blocks freed
 
 Every step has one token budget. Running requests go first, decodes before prefill chunks, so a long prompt
 is cut into chunks and never stalls decoding. Then waiting requests are admitted in priority order
 (lower `priority` value = more urgent; each `aging_steps` steps of waiting moves a request up one class, so
 nothing starves). When the block pool runs dry, the least urgent running request is preempted: its blocks
 are freed and it goes back to the waiting queue to be recomputed later (its prefix may still be cached).
+
+The steady state is a cheap delta (vLLM's cached-request data with nothing new): when nobody waits and the
+last step decoded every running request one token into room left in its own block, the next step is "the
+same batch, one token further" (StepKind.STEADY) and schedule() returns the same output object again
+without sorting, allocating or checking anything per request. Any change (an arrival, a finish, a cancel, a
+request reaching the end of its block) ends that run; the next step takes the general path.
 """
 
 from __future__ import annotations
 
+import enum
 import time
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from precast.runtime.errors import UsageError
@@ -17,7 +29,7 @@ from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.request import Request, Status
 from precast.runtime.llm.sampler import is_int
 
-__all__ = ["ScheduledChunk", "Scheduler", "SchedulerConfig", "SchedulerOutput", "checked_config"]
+__all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "StepKind", "checked_config"]
 
 
 @dataclass(frozen=True)
@@ -27,22 +39,33 @@ class SchedulerConfig:
     aging_steps: int = 64  # waiting steps that promote a request by one priority class
 
 
-@dataclass(frozen=True)
-class ScheduledChunk:
-    request: Request
-    start: int  # position of the first new token (= tokens already cached)
-    num_new: int
+class StepKind(enum.Enum):
+    MIXED = "mixed"  # prefill chunks among the rows (or a request first scheduled with several tokens)
+    DECODE = "decode"  # one token per row; block tables may have grown or the batch changed
+    STEADY = "steady"  # the previous step's rows again, one token further, no block table changed
 
 
-@dataclass
+@dataclass(eq=False)
 class SchedulerOutput:
-    chunks: list[ScheduledChunk] = field(default_factory=list)
+    """One step. Row i computes ``rows[i].token_ids[c : c + num_new[i]]`` with c = ``rows[i].num_computed``
+    (the scheduler advances it in update_from_output), over ``block_tables[i]`` (the cache manager's own
+    lists: read them, do not keep or change them). A STEADY output is the previous output object again."""
+
+    kind: StepKind = StepKind.MIXED
+    rows: list[Request] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    new_requests: list[Request] = field(default_factory=list)  # first scheduled since (re)admission
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies before the step
     preempted: list[str] = field(default_factory=list)
+    total_tokens: int = 0  # sum(num_new)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(c.num_new for c in self.chunks)
+    def _add(self, req: Request, n: int, table: list[int], copies: list[tuple[int, int]]) -> None:
+        self.rows.append(req)
+        self.num_new.append(n)
+        self.block_tables.append(table)
+        self.copies.extend(copies)
+        self.total_tokens += n
 
 
 def checked_config(config: SchedulerConfig | None) -> SchedulerConfig:
@@ -59,9 +82,12 @@ def checked_config(config: SchedulerConfig | None) -> SchedulerConfig:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, config: SchedulerConfig | None = None):
+    def __init__(
+        self, kv: KVCacheManager, config: SchedulerConfig | None = None, eos_ids: Iterable[int] = ()
+    ):
         self.kv = kv
         self.config = checked_config(config)
+        self.eos_ids = frozenset(int(t) for t in eos_ids)
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.step_count = 0
@@ -69,6 +95,10 @@ class Scheduler:
         self.prefix_hit_tokens = 0
         self.prefix_query_tokens = 0  # tokens looked up in the prefix cache (hits / queries = hit rate)
         self._seq = 0
+        # A decode run: the last step decoded every running request and nothing changed since.
+        self._run: SchedulerOutput | None = None  # its DECODE output (rows, tables: the manager's own lists)
+        self._steady: SchedulerOutput | None = None  # its STEADY output
+        self._steady_left = 0  # STEADY steps left before a row leaves its block
 
     # -- queue ---------------------------------------------------------------------------------
     def add(self, req: Request) -> None:
@@ -77,13 +107,18 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.append(req)
 
-    def remove(self, req: Request) -> None:
-        """Take a request out (finished or cancelled) and free its blocks."""
-        if req in self.running:
-            self.running.remove(req)
-        elif req in self.waiting:
-            self.waiting.remove(req)
-        self.kv.free(req.request_id)
+    def finish(self, req: Request, reason: str) -> None:
+        """Finish a request (stop, length, cancelled, error): out of its queue, blocks freed. A request that
+        has finished already only takes the new reason (a stop string found on the token that hit the length)."""
+        self._end_run()
+        if req.status is not Status.FINISHED:
+            if req.status is Status.RUNNING:
+                self.running.remove(req)
+            elif req in self.waiting:
+                self.waiting.remove(req)
+            self.kv.free(req.request_id)
+            req.status = Status.FINISHED
+        req.finish_reason = reason
 
     def priority_key(self, req: Request) -> tuple[int, int]:
         age = (self.step_count - req.arrival_step) // max(1, self.config.aging_steps)
@@ -95,11 +130,36 @@ class Scheduler:
     # -- one step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         self.step_count += 1
+        if self._run is not None and not self.waiting:
+            if self._steady_left > 0:
+                return self._steady  # type: ignore[return-value]  (set with _steady_left)
+            out = self._next_block(self._run)
+            if out is not None:
+                return out
+        self._end_run()
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        scheduled: set[int] = set()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:  # (no admission in a step that had to preempt: the pool is tight)
+            self._schedule_waiting(out, budget)
+        if out.rows and all(n == 1 for n in out.num_new):
+            out.kind = StepKind.DECODE
+        return out
 
-        # Running requests: decodes first, then prefill chunks; urgent first within each.
+    def _next_block(self, run: SchedulerOutput) -> SchedulerOutput | None:
+        """The decode run one token further, where some rows start a new block: just those rows allocate
+        (what the general path would do: every row fits the budget, nobody waits), or None when the pool is
+        dry (the general path preempts). The tables grow in place, so the run's lists stay valid."""
+        bs, kv = self.kv.block_size, self.kv
+        for req in run.rows:
+            if req.num_computed % bs == 0 and kv.allocate_slots(req.request_id, req.num_computed, 1) != []:
+                return None  # (no room; a fresh block is never shared, so never a copy)
+        return run
+
+    def _end_run(self) -> None:
+        self._run, self._steady_left = None, 0
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests: decodes first, then prefill chunks; urgent first within each. Returns the budget left."""
         todo = sorted(self.running, key=lambda r: (r.num_pending > 1, self.priority_key(r)))
         while todo and budget > 0:
             req = todo.pop(0)
@@ -113,14 +173,11 @@ class Scheduler:
                 todo.remove(victim)
             if copies is None:
                 continue
-            out.chunks.append(ScheduledChunk(req, req.num_computed, n))
-            out.copies.extend(copies)
-            scheduled.add(id(req))
+            out._add(req, n, self.kv.block_table(req.request_id), copies)
             budget -= n
+        return budget
 
-        # Waiting requests (no admission in a step that had to preempt: the pool is tight).
-        if out.preempted:
-            return out
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         self.waiting.sort(key=self.priority_key)
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
@@ -140,10 +197,9 @@ class Scheduler:
             req.num_computed = cached
             req.status = Status.RUNNING
             self.running.append(req)
-            out.chunks.append(ScheduledChunk(req, cached, n))
-            out.copies.extend(copies)
+            out._add(req, n, self.kv.block_table(req.request_id), copies)
+            out.new_requests.append(req)
             budget -= n
-        return out
 
     def _preempt(self, req: Request) -> None:
         self.running.remove(req)
@@ -153,3 +209,56 @@ class Scheduler:
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.append(req)
+
+    # -- after the step ------------------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: Sequence[int | None]) -> list[Request]:
+        """Advance each row by its computed tokens and append its sampled token (None: a prefill chunk that
+        samples nothing, or a request the engine finished meanwhile); finish requests on EOS, a stop token id,
+        max_tokens or the context cap, freeing their blocks. Returns the requests finished here."""
+        finished: list[Request] = []
+        bs, kv, intact = self.kv.block_size, self.kv, True
+        for req, n, tok in zip(out.rows, out.num_new, sampled):
+            if req.status is not Status.RUNNING:
+                intact = False  # cancelled or failed during the step
+                continue
+            req.num_computed += n
+            if n > 1 or req.num_computed % bs == 0:
+                kv.commit(req.request_id, req.token_ids, req.num_computed)  # blocks just filled
+            if tok is None:
+                intact = False  # (a prefill chunk: this is no steady decode)
+                continue
+            req.token_ids.append(tok)
+            reason = self._stop_reason(req, tok)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        if finished or not intact or out.kind is StepKind.MIXED or self.waiting:
+            self._end_run()
+        elif out.kind is StepKind.DECODE:
+            self._start_run(out)
+        else:
+            self._steady_left -= 1
+        return finished
+
+    def _start_run(self, out: SchedulerOutput) -> None:
+        """After a decode of every running request: the run goes on; count the next steps that stay in
+        each row's own block (STEADY)."""
+        if len(out.rows) != len(self.running):  # (the budget left some out)
+            self._end_run()
+            return
+        if out is not self._run:  # (the delta of the run: no copies, preemptions or admissions again)
+            rows, num_new, tables, total = out.rows, out.num_new, out.block_tables, out.total_tokens
+            self._run = SchedulerOutput(StepKind.DECODE, rows, num_new, tables, total_tokens=total)
+            self._steady = SchedulerOutput(StepKind.STEADY, rows, num_new, tables, total_tokens=total)
+        # Row r wrote position num_computed-1 in a private block (allocate_slots copied a shared one):
+        # positions up to the block's end need no allocation.
+        self._steady_left = min(-r.num_computed % self.kv.block_size for r in out.rows)
+
+    def _stop_reason(self, req: Request, tok: int) -> str | None:
+        p = req.params
+        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
+            return "stop"
+        n = len(req.token_ids)
+        if n - len(req.prompt_ids) >= p.max_tokens or n >= req.max_total_tokens:
+            return "length"
+        return None

@@ -5,6 +5,11 @@ request's last token are a pseudo-random function of everything read back for it
 the pools through its block table, plus the new tokens. A paging, prefix-sharing or copy-on-write bug
 (wrong block, stale slot, another request's data) changes what is read, hence the tokens.
 `reference_greedy` runs the same function on the plain token list, with no cache at all.
+
+It is a StepRunner, so the engine drives it through the real ``execute(SchedulerOutput)`` dispatch: a steady
+step reuses the block tables of the decode step before it (as the real runners reuse their arrays and slot
+mappings), so a steady delta sent when a table changed reads the wrong blocks and changes the tokens.
+``kinds`` records each executed step's kind.
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ import hashlib
 from dataclasses import dataclass
 
 import numpy as np
+
+from precast.runtime.llm.runner import StepRunner
 
 __all__ = ["FakeRunner", "FakeSpec", "reference_greedy", "reference_logits"]
 
@@ -49,7 +56,7 @@ def reference_greedy(prompt: list[int], n: int, vocab: int = 64) -> list[int]:
     return toks[len(prompt) :]
 
 
-class FakeRunner:
+class FakeRunner(StepRunner):
     def __init__(self, spec: FakeSpec | None = None, num_blocks: int = 64):
         self.spec = spec or FakeSpec()
         s = self.spec
@@ -58,11 +65,21 @@ class FakeRunner:
         self.value_cache = [np.zeros(shape, np.float32) for _ in range(s.layers)]
         self.calls: list[tuple[int, int]] = []  # (B, S) of every step
         self.steps: list[dict] = []  # feeds of every step (tests inspect batching)
+        self.kinds: list[str] = []  # StepKind value of every execute()
+
+    def execute(self, out):
+        self.kinds.append(out.kind.value)
+        return super().execute(out)
 
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
-        ids, pos, past, new, tables = (
-            np.asarray(a, dtype=np.int64) for a in (input_ids, positions, past_lens, new_lens, block_tables)
+        return self._step(
+            *(
+                np.asarray(a, dtype=np.int64)
+                for a in (input_ids, positions, past_lens, new_lens, block_tables)
+            )
         )
+
+    def _step(self, ids, pos, past, new, tables) -> np.ndarray:
         b, s = ids.shape
         bs, nb = self.spec.block_size, self.key_cache[0].shape[0]
         assert pos.shape == (b, s) and past.shape == (b,) and new.shape == (b,) and tables.shape[0] == b

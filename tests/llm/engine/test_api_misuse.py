@@ -225,14 +225,14 @@ def test_tiny_temperature_is_greedy_and_never_nan():
 
 def test_nan_logits_fail_only_their_request():
     eng = fake_engine(max_context=128)
-    step = eng._runner_step
+    step = eng.runner._step
 
     def nan_for_63(ids, *rest):  # the model breaks down on prompts starting with token 63
         logits = step(ids, *rest)
         logits[np.asarray(ids)[:, 0] == 63] = np.nan
         return logits
 
-    eng._runner_step = nan_for_63
+    eng.runner._step = nan_for_63
     seen = []
     bad = eng.submit([63, 1], SamplingParams(max_tokens=5, temperature=1.0, seed=0), on_token=seen.append)
     good = eng.submit(OK_PROMPT, GREEDY)

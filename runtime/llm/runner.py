@@ -1,0 +1,108 @@
+"""The model runners' one entry point: ``execute(SchedulerOutput) -> logits`` (one row per scheduled request).
+
+    execute(out)      block copies (copy on write) first, then by ``out.kind``:
+      STEADY          _decode_steady(out): the last decode's rows, one token further, tables unchanged
+      DECODE          _decode_rows(out):   one token per row, tables as the scheduler gives them
+      MIXED           _mixed(out):         prefill chunks among the rows
+
+A runner subclasses StepRunner and implements ``_step(ids, pos, past, new, tables)`` (valid int64 arrays:
+the step graph's inputs); the defaults here build those arrays (the decode ones once per steady run, then
+only refilled) and split a mixed step so right-padding stays small. The mapped runner overrides the three
+(its decodes run from Python lists over slot views it keeps mapped).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from precast.runtime.llm.scheduler import SchedulerOutput, StepKind
+
+__all__ = ["StepRunner", "group_by_length"]
+
+
+class StepRunner:
+    """Base of the model runners: ``spec`` (block_size, vocab, pad_id), ``key_cache`` / ``value_cache`` pools."""
+
+    _steady_arrays: tuple | None = None  # (ids, past, tables, new) of the last DECODE step
+
+    def execute(self, out: SchedulerOutput) -> np.ndarray:
+        """Run one scheduled step; logits [len(out.rows), V] of each row's last new token (for a runner
+        that keeps its own buffer, valid until its next step)."""
+        for src, dst in out.copies:
+            for pool in (*self.key_cache, *self.value_cache):
+                pool[dst] = pool[src]
+        kind = out.kind
+        if kind is StepKind.STEADY:
+            return self._decode_steady(out)
+        if kind is StepKind.DECODE:
+            return self._decode_rows(out)
+        return self._mixed(out)
+
+    def _step(self, ids, pos, past, new, tables) -> np.ndarray:
+        raise NotImplementedError
+
+    def _decode_rows(self, out: SchedulerOutput) -> np.ndarray:
+        rows, b = out.rows, len(out.rows)
+        past = np.array([r.num_computed for r in rows], dtype=np.int64)
+        ids = np.array([r.token_ids[r.num_computed] for r in rows], dtype=np.int64).reshape(b, 1)
+        tables = _table_array(out.block_tables)
+        new = np.ones(b, dtype=np.int64)
+        self._steady_arrays = (ids, past, tables, new)
+        return self._step(ids, past.reshape(b, 1), past, new, tables)
+
+    def _decode_steady(self, out: SchedulerOutput) -> np.ndarray:
+        cached = self._steady_arrays
+        if cached is None or len(cached[1]) != len(out.rows):
+            return self._decode_rows(out)
+        ids, past, tables, new = cached
+        # (the same rows as the DECODE step that built the arrays, one token further: refill, nothing else)
+        ids[:, 0] = [r.token_ids[-1] for r in out.rows]
+        past[:] = [r.num_computed for r in out.rows]
+        return self._step(ids, past.reshape(-1, 1), past, new, tables)
+
+    def _mixed(self, out: SchedulerOutput) -> np.ndarray:
+        logits = np.empty((len(out.rows), self.spec.vocab), dtype=np.float32)
+        for group in group_by_length(out.num_new):
+            logits[group] = self._step(*self._arrays(out, group))
+        return logits
+
+    def _arrays(self, out: SchedulerOutput, rows: Sequence[int]) -> tuple[np.ndarray, ...]:
+        """The step inputs of the given rows of ``out``, right-padded to the longest."""
+        n = [out.num_new[i] for i in rows]
+        b, s = len(rows), max(n)
+        ids = np.full((b, s), self.spec.pad_id, dtype=np.int64)
+        pos = np.zeros((b, s), dtype=np.int64)
+        past = np.array([out.rows[i].num_computed for i in rows], dtype=np.int64)
+        for j, i in enumerate(rows):
+            c, k = int(past[j]), n[j]
+            ids[j, :k] = out.rows[i].token_ids[c : c + k]
+            pos[j, :k] = np.arange(c, c + k)
+        tables = _table_array([out.block_tables[i] for i in rows])
+        return ids, pos, past, np.array(n, dtype=np.int64), tables
+
+
+def _table_array(tables: list[list[int]]) -> np.ndarray:
+    out = np.zeros((len(tables), max(map(len, tables))), dtype=np.int64)
+    for i, t in enumerate(tables):
+        out[i, : len(t)] = t
+    return out
+
+
+def group_by_length(num_new: Sequence[int], max_waste: float = 0.25) -> list[list[int]]:
+    """Row indices of one step split into runner calls so right-padding stays small: all decodes together,
+    prefill chunks merged while padded tokens stay within max_waste of the real ones."""
+    decodes = [i for i, n in enumerate(num_new) if n == 1]
+    groups: list[list[int]] = [decodes] if decodes else []
+    current: list[int] = []
+    for i in sorted((i for i, n in enumerate(num_new) if n > 1), key=lambda i: -num_new[i]):
+        trial = [*current, i]
+        real = sum(num_new[x] for x in trial)
+        if current and len(trial) * num_new[trial[0]] > (1 + max_waste) * real:
+            groups.append(current)
+            trial = [i]
+        current = trial
+    if current:
+        groups.append(current)
+    return groups
