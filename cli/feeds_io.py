@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import InputError, UsageError
+from precast.runtime.errors import InputError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
 
 __all__ = ["read_feeds"]
@@ -57,4 +57,4 @@ def read_feeds(path: str | Path, specs: Sequence[TensorSpec] | None = None) -> d
         with np.load(path, allow_pickle=False) as data:
             return {k: data[k] for k in data.files}
     except (ValueError, OSError, zipfile.BadZipFile) as e:
-        raise InputError(f"{path}: not a readable .npz of arrays ({str(e).splitlines()[0]})") from e
+        raise InputError(f"{path}: not a readable .npz of arrays ({first_line(e)})") from e

@@ -7,7 +7,7 @@ import traceback
 
 import click
 
-from precast.runtime.errors import EXIT_INTERNAL, EXIT_USAGE, PrecastError
+from precast.runtime.errors import EXIT_INTERNAL, EXIT_USAGE, PrecastError, first_line
 
 __all__ = ["cli", "main"]
 
@@ -105,12 +105,12 @@ def _skip_shutdown_gc() -> None:
 
 
 def _internal(e: BaseException, debug: bool) -> None:
-    first = str(e).splitlines()[0] if str(e) else ""
     if debug:
         traceback.print_exc()
-        click.echo(f"internal error: {type(e).__name__}: {first}", err=True)
+        click.echo(f"internal error: {first_line(e, with_type=True)}", err=True)
     else:
         click.echo(
-            f"internal error: {type(e).__name__}: {first} (re-run with --debug for the traceback)", err=True
+            f"internal error: {first_line(e, with_type=True)} (re-run with --debug for the traceback)",
+            err=True,
         )
     sys.exit(EXIT_INTERNAL)

@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from precast.runtime.errors import InputError, UsageError
+from precast.runtime.errors import InputError, UsageError, first_line
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import SILENT, ProgressReporter
@@ -45,7 +45,7 @@ def load_calibration(path: str | Path) -> tuple[list[dict[str, np.ndarray]] | No
         with np.load(path, allow_pickle=False) as data:
             arrays = {k: data[k] for k in data.files}
     except (ValueError, OSError, zipfile.BadZipFile) as e:
-        raise InputError(f"{path}: not a readable .npz of arrays ({str(e).splitlines()[0]})") from e
+        raise InputError(f"{path}: not a readable .npz of arrays ({first_line(e)})") from e
     if not arrays:
         raise InputError(f"calibration file {path} holds no arrays")
     prefixed = [k for k in arrays if "/" in k]

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import onnx_ir as ir
 
-from precast.runtime.errors import ModelLoadError, UsageError
+from precast.runtime.errors import ModelLoadError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import reporter
 
@@ -168,8 +168,7 @@ def load_onnx(path: Path) -> Source:
         ir.external_data.load_to_model(model)
         _load_attribute_tensors(model, base)
     except Exception as e:  # onnx_ir raises several types on malformed graphs
-        first = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise ModelLoadError(f"{path}: malformed ONNX graph ({first})") from e
+        raise ModelLoadError(f"{path}: malformed ONNX graph ({first_line(e)})") from e
     return Source("onnx", path.stem, model, hash_files(files, base))
 
 

@@ -17,7 +17,13 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, TargetUnavailableError, UnknownTargetError, UsageError
+from precast.runtime.errors import (
+    ArtifactError,
+    TargetUnavailableError,
+    UnknownTargetError,
+    UsageError,
+    first_line,
+)
 from precast.runtime.hugepages import collapse_new_memory
 from precast.runtime.manifest import model_path
 from precast.runtime.target_blocks import OrtBlock, SessionSettings, TargetBlock
@@ -176,8 +182,7 @@ _IMPL_RE = re.compile(r"Could not find an implementation for (\w+)\((\d+)\) node
 def explain_ort_error(e: BaseException) -> tuple[str | None, str | None, str]:
     """(node name, op type, first line) from an onnxruntime load error, when it names them."""
     text = str(e)
-    first = next((ln.strip() for ln in text.splitlines() if ln.strip()), type(e).__name__)
-    first = first.replace("[ONNXRuntimeError] : ", "")
+    first = first_line(e).replace("[ONNXRuntimeError] : ", "")
     if m := _NODE_RE.search(text):
         return m.group(1), (m.group(3) + "::" if m.group(3) else "") + m.group(2), first
     if m := _IMPL_RE.search(text):

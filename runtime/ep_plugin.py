@@ -274,8 +274,9 @@ def create_plugin_session(root: Path, target: OrtBlock, threads: int | None = No
     try:
         session = ort.InferenceSession(str(model_file), sess_options=so)
     except Exception as e:
-        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-        raise TargetUnavailableError(f"artifact {root}: {ep} cannot load {model_file.name}: {first}") from e
+        raise TargetUnavailableError(
+            f"artifact {root}: {ep} cannot load {model_file.name}: {first_line(e)}"
+        ) from e
     assignment = node_assignment(session)
     elsewhere = {k: v for k, v in assignment.items() if k != ep}
     if elsewhere:

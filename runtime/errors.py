@@ -170,10 +170,11 @@ EXIT_CODES = {
 
 
 def first_line(e: BaseException, *, with_type: bool = False) -> str:
-    """An exception's message cut to its first line (the type's name when it has none), for one-line errors.
+    """An exception's message cut to its first non-blank line (the type's name when it has none), for one-line
+    errors; the one helper for this (never ``str(e).splitlines()[0]``, which fails on an empty message).
     ``with_type`` prefixes the type's name: "ValueError: ..."."""
     text = str(e).strip()
     if not text:
         return type(e).__name__
-    line = text.splitlines()[0]
+    line = text.splitlines()[0].rstrip()
     return f"{type(e).__name__}: {line}" if with_type else line

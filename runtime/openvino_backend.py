@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.backends import register_backend
-from precast.runtime.errors import ArtifactError, TargetUnavailableError
+from precast.runtime.errors import ArtifactError, TargetUnavailableError, first_line
 from precast.runtime.manifest import model_path
 from precast.runtime.target_blocks import OpenVINOBlock
 
@@ -116,8 +116,7 @@ def create_openvino_session(root: Path, target: OpenVINOBlock, threads: int | No
     try:
         compiled = core.compile_model(core.read_model(str(xml)), device, config)
     except Exception as e:
-        first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
         raise ArtifactError(
-            f"artifact {root}: OpenVINO cannot compile {xml.name} for {device}: {first}"
+            f"artifact {root}: OpenVINO cannot compile {xml.name} for {device}: {first_line(e)}"
         ) from e
     return OpenVINOSession(compiled, device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from precast.runtime.errors import IntegrityError, UsageError
+from precast.runtime.errors import IntegrityError, UsageError, first_line
 
 __all__ = ["SIGNATURE_NAME", "SignatureError", "generate_keypair", "sign_bytes", "verify_bytes"]
 
@@ -45,9 +45,7 @@ def _private_key(path: str | os.PathLike):
     try:
         key = serialization.load_pem_private_key(_read_pem(path, "signing key"), password=None)
     except (ValueError, TypeError) as e:
-        raise UsageError(
-            f"signing key {path}: not an unencrypted PEM private key ({str(e).splitlines()[0]})"
-        ) from e
+        raise UsageError(f"signing key {path}: not an unencrypted PEM private key ({first_line(e)})") from e
     if not isinstance(key, ed25519.Ed25519PrivateKey):
         raise UsageError(f"signing key {path}: expected an Ed25519 key, got {type(key).__name__}")
     return key
@@ -58,7 +56,7 @@ def _public_key(path: str | os.PathLike):
     try:
         key = serialization.load_pem_public_key(_read_pem(path, "public key"))
     except (ValueError, TypeError) as e:
-        raise UsageError(f"public key {path}: not a PEM public key ({str(e).splitlines()[0]})") from e
+        raise UsageError(f"public key {path}: not a PEM public key ({first_line(e)})") from e
     if not isinstance(key, ed25519.Ed25519PublicKey):
         raise UsageError(f"public key {path}: expected an Ed25519 key, got {type(key).__name__}")
     return key

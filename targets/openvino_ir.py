@@ -19,7 +19,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from precast.runtime.errors import PassFailedError, UsageError
+from precast.runtime.errors import PassFailedError, UsageError, first_line
 from precast.runtime.openvino_backend import openvino_available
 from precast.targets.base import Availability, Target, register_target
 
@@ -76,9 +76,8 @@ class OpenVINO(Target):
             try:
                 ov_model = ov.Core().read_model(str(src))
             except Exception as e:
-                first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
                 raise PassFailedError(
-                    f"target 'openvino': OpenVINO cannot read the ONNX graph: {first}"
+                    f"target 'openvino': OpenVINO cannot read the ONNX graph: {first_line(e)}"
                 ) from e
             ov.save_model(ov_model, str(out_dir / "model.xml"), compress_to_fp16=False)
         return {

@@ -48,6 +48,7 @@ from precast.runtime.errors import (
     TargetUnavailableError,
     UnsupportedOpError,
     UsageError,
+    first_line,
 )
 from precast.runtime.progress import SILENT
 from precast.runtime.target_blocks import EPPlugin, QnnBlock, SessionSettings
@@ -222,8 +223,7 @@ class OrtQnn(Target):
                 )
                 quantize(str(src), str(dst), config)
         except Exception as e:
-            first = next((ln.strip() for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
-            raise PassFailedError(f"target 'ort-qnn': static QDQ quantization failed: {first}") from e
+            raise PassFailedError(f"target 'ort-qnn': static QDQ quantization failed: {first_line(e)}") from e
         info = {
             "activations": "uint16" if activations == "u16" else "uint8",
             "weights": "uint8" + (f", int16 for {len(wide)} of {_weight_count(proto)}" if wide else ""),
