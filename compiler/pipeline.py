@@ -29,7 +29,7 @@ from precast.compiler.registry import (
 )
 from precast.runtime.errors import PassFailedError, PipelineError, first_line
 
-__all__ = ["PassSpec", "PassRecord", "parse_pipeline", "format_pipeline", "PassManager", "expand_default"]
+__all__ = ["PassSpec", "PassRecord", "parse_pipeline", "format_pipeline", "PassManager"]
 
 _NAME = re.compile(r"[a-z][a-z0-9-]*")
 _VALUE = re.compile(r"[^,{}\[\]=\s]+")
@@ -146,10 +146,6 @@ def parse_pipeline(text: str, default: str | None = None) -> list[PassSpec]:
         cls = get_pass(name)
         specs.append(PassSpec(name, build_options(cls, opts)))
     return specs
-
-
-def expand_default(text: str, default: str) -> str:
-    return format_pipeline(parse_pipeline(text, default=default))
 
 
 def format_pipeline(specs: Iterable[PassSpec]) -> str:

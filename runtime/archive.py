@@ -37,7 +37,6 @@ from precast.runtime.staging import clean_stale, temp_name
 __all__ = [
     "ArchiveError",
     "Limits",
-    "is_packed",
     "read_packed_manifest",
     "remove_temp",
     "unpack_artifact",
@@ -101,10 +100,6 @@ def _bounded_tarinfo(where: str, limit: int) -> type[tarfile.TarInfo]:
             return super()._proc_member(tf)
 
     return BoundedTarInfo
-
-
-def is_packed(path: str | os.PathLike) -> bool:
-    return Path(path).is_file()
 
 
 def _check_name(where: str, name: str) -> None:

@@ -9,8 +9,9 @@ _BATCH = (1, 2, 4, 8, 16, 32, 64, 128)
 _E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 _TOKENS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 
-# Every metric this server exports. deploy/monitoring's dashboard may name only these
-# (tests/deploy/test_monitoring.py), and each of its queries must return data from a live server.
+# Every metric this server exports (a test checks it against the registry below). deploy/monitoring's dashboard
+# shows each of them and names no other, and each of its queries returns data from a live server
+# (tests/deploy/test_monitoring.py).
 METRIC_NAMES = [
     "precast_requests_total",
     "precast_request_latency_seconds",

@@ -86,7 +86,16 @@ def test_kubernetes_resources_match_the_rules_and_the_service():
     )
 
 
-def test_dashboard_names_only_exported_metrics():
+def test_metric_names_are_what_the_server_registers():
+    """METRIC_NAMES (the list the dashboard is checked against) is the server's registry, not a hand copy."""
+    from precast.runtime.server.metrics import METRIC_NAMES, ServerMetrics
+
+    families = ServerMetrics().registry.collect()
+    registered = {f.name + ("_total" if f.type == "counter" else "") for f in families}
+    assert sorted(METRIC_NAMES) == sorted(registered)
+
+
+def test_dashboard_and_the_server_name_the_same_metrics():
     from precast.runtime.server.metrics import METRIC_NAMES
 
     dash = json.loads((MON / "grafana-dashboard.json").read_text())
@@ -95,7 +104,9 @@ def test_dashboard_names_only_exported_metrics():
     for _, expr in dashboard_exprs():
         used |= {re.sub(r"_(bucket|sum|count)$", "", m) for m in re.findall(r"\bprecast_\w+", expr)}
     exported = {re.sub(r"_total$", "", n) for n in METRIC_NAMES}
-    assert {re.sub(r"_total$", "", n) for n in used} <= exported
+    used = {re.sub(r"_total$", "", n) for n in used}
+    assert used <= exported, f"the dashboard queries metrics the server does not export: {used - exported}"
+    assert exported <= used, f"metrics no dashboard panel shows: {exported - used}"
     titles = " ".join(p["title"] for p in dash["panels"]).lower()
     for want in (
         "request rate",
