@@ -127,3 +127,10 @@ def test_bisect_on_a_causal_lm_matches_the_compile(tmp_path):
     assert ok.index is None and ok.error is None and len(ok.passes) > 5
     bad = bisect_model(str(folder), CompileOptions(task="causal-lm", passes=BAD_PIPELINE))
     assert bad.culprit == WRONG and bad.after == ["infer-shapes", "fold-constants"]
+
+
+def test_bisect_holds_a_quantized_pipeline_to_its_budget_like_compile(model_file):
+    """bisect uses the compile's tolerance: a quantize pass is held to the accuracy budget (cosine), not fp32's."""
+    result = bisect_model(str(model_file), CompileOptions(passes="default,quantize-int8"))
+    assert result.tolerance == {"atol": None, "rtol": None, "min_cosine": 0.99}
+    assert result.index is None
