@@ -151,71 +151,8 @@ MEMORY_SIZE = _MemorySize()
     show_default=True,
     type=click.Choice(["critical", "error", "warning", "info", "debug"]),
 )
-def serve_cmd(
-    artifact,
-    host,
-    port,
-    model_name,
-    max_batch_size,
-    max_queue_delay_ms,
-    max_queue,
-    request_timeout,
-    admin_token,
-    threads,
-    instances,
-    drain_timeout,
-    max_request_bytes,
-    max_embedding_inputs,
-    max_embedding_tokens,
-    max_text_chars,
-    max_connections,
-    no_verify,
-    num_blocks,
-    kv_cache_memory,
-    max_num_seqs,
-    max_num_batched_tokens,
-    api_key,
-    log_level,
-):
+def serve_cmd(artifact, no_verify, **options):
     """Serve ARTIFACT over HTTP until SIGINT/SIGTERM; SIGHUP or POST /admin/reload hot-reloads it."""
     from precast.runtime.server import serve
-    from precast.runtime.server.host import check_path
 
-    check_path(artifact)
-    if num_blocks is not None and kv_cache_memory is not None:
-        raise click.UsageError("--kv-cache-memory and --num-blocks both size the KV pool: give one of them")
-    llm = {
-        k: v
-        for k, v in {
-            "num_blocks": num_blocks,
-            "kv_cache_memory": kv_cache_memory,
-            "max_num_seqs": max_num_seqs,
-            "max_num_batched_tokens": max_num_batched_tokens,
-        }.items()
-        if v is not None
-    }
-    serve(
-        ServerConfig(
-            artifact,
-            host=host,
-            port=port,
-            model_name=model_name,
-            max_batch_size=max_batch_size,
-            max_queue_delay_ms=max_queue_delay_ms,
-            max_queue=max_queue,
-            request_timeout=request_timeout,
-            admin_token=admin_token,
-            api_key=api_key,
-            threads=threads,
-            instances=instances,
-            drain_timeout=drain_timeout,
-            max_request_bytes=max_request_bytes,
-            max_embedding_inputs=max_embedding_inputs,
-            max_embedding_tokens=max_embedding_tokens,
-            max_text_chars=max_text_chars,
-            max_connections=max_connections,
-            verify=not no_verify,
-            log_level=log_level,
-            llm=llm,
-        )
-    )
+    serve(ServerConfig.from_options(artifact, verify=not no_verify, **options))

@@ -104,5 +104,6 @@ def config_option(help: str | None = None):
         default=None,
         is_eager=True,
         callback=_load,
-        help=help or f"{DEFAULT_FILE} with defaults for these options (default: ./{DEFAULT_FILE} if present).",
+        help=help
+        or f"{DEFAULT_FILE} with defaults for these options (default: ./{DEFAULT_FILE} if present).",
     )

@@ -30,11 +30,14 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["ADMIN_TOKEN_ENV", "API_KEY_ENV", "ServerConfig", "is_loopback"]
+__all__ = ["ADMIN_TOKEN_ENV", "API_KEY_ENV", "LLM_OPTIONS", "ServerConfig", "is_loopback"]
 
 ADMIN_TOKEN_ENV = "PRECAST_ADMIN_TOKEN"
 API_KEY_ENV = "PRECAST_API_KEY"
 MiB = 1 << 20
+
+# `precast serve` flags that go to the LLM engine (ServerConfig.llm) rather than to the server itself.
+LLM_OPTIONS = ("num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens")
 
 # Fields that must be positive integers (checked in __post_init__, so a library caller gets one line too).
 _COUNTS = (
@@ -119,6 +122,19 @@ class ServerConfig:
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "
                 f"max_request_bytes ({self.max_request_bytes})"
             )
+
+    @classmethod
+    def from_options(cls, artifact, **options) -> ServerConfig:
+        """From `precast serve`'s flags: the artifact path is checked first, the LLM engine's options
+        (LLM_OPTIONS; None = unset) go to ``llm``, everything else is a field."""
+        from precast.runtime.errors import UsageError
+        from precast.runtime.server.host import check_path
+
+        check_path(artifact)
+        llm = {k: v for k in LLM_OPTIONS if (v := options.pop(k, None)) is not None}
+        if "num_blocks" in llm and "kv_cache_memory" in llm:
+            raise UsageError("--kv-cache-memory and --num-blocks both size the KV pool: give one of them")
+        return cls(artifact, llm=llm, **options)
 
     @property
     def name(self) -> str:

@@ -198,3 +198,13 @@ def test_keep_alive_responses_are_not_held_by_nagle(mlp_a):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_serve_options_become_the_config_and_conflicts_are_one_line(mlp_a, cli):
+    from precast.runtime.server.config import ServerConfig
+
+    config = ServerConfig.from_options(mlp_a, port=0, num_blocks=None, max_num_seqs=4, request_timeout=5.0)
+    assert config.llm == {"max_num_seqs": 4} and config.request_timeout == 5.0 and config.port == 0
+    r = cli("serve", mlp_a, "--num-blocks", "4", "--kv-cache-memory", "1MiB")
+    assert r.code == 1
+    assert r.err.strip() == "error: --kv-cache-memory and --num-blocks both size the KV pool: give one of them"
