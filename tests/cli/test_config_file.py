@@ -31,7 +31,9 @@ def _last_error(r) -> str:
 
 def test_every_compile_option_is_a_key(compile_cmd):
     keys = config_keys(compile_cmd)
-    options = {p.name for p in compile_cmd.params if p.opts[0].startswith("-") and p.name not in ("config", "help")}
+    options = {
+        p.name for p in compile_cmd.params if p.opts[0].startswith("-") and p.name not in ("config", "help")
+    }
     assert options <= {o.name for o in keys.values()}
     assert len(options) >= 18
     for key in ("targets", "target", "dim", "dims", "min_cosine", "kv_layout", "cache_dir", "json", "quiet"):
@@ -84,7 +86,9 @@ def test_cli_reads_the_file_and_the_command_line_wins(cli, mlp_path, tmp_path, m
     (tmp_path / "precast.toml").write_text('[compile]\ndim = ["nosuch=3"]\n')
     r = cli("compile", mlp_path, "-o", tmp_path / "o", "-q")
     assert r.code == 1 and "'nosuch'" in _last_error(r)  # the file's --dim reached the compile
-    (tmp_path / "precast.toml").write_text(f'[compile]\noutput = "{tmp_path / "o"}"\njson = true\natol = 0.5\n')
+    (tmp_path / "precast.toml").write_text(
+        f'[compile]\noutput = "{tmp_path / "o"}"\njson = true\natol = 0.5\n'
+    )
     r = cli("compile", mlp_path, "--atol", "0.25")
     assert r.code == 0, r.err
     manifest = json.loads(r.out)
