@@ -31,6 +31,8 @@ __all__ = [
     "all_passes",
     "load_all",
     "parse_option_value",
+    "option",
+    "option_help",
 ]
 
 
@@ -152,8 +154,23 @@ def option_fields(options_cls: type) -> list[tuple[str, Any, Any]]:
     return out
 
 
+def option(default: Any, help: str) -> Any:
+    """A pass option and its one-line help (shown by ``precast passes``): ``block: int = option(32, "...")``."""
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
+def option_help(options_cls: type) -> dict[str, str]:
+    """{option: its one-line help ('' when it has none)}."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(options_cls)}
+
+
 def describe_options(options_cls: type) -> str:
-    return ", ".join(f"{n}={_fmt(d)} ({_type_name(t)})" for n, t, d in option_fields(options_cls))
+    """One line per option: ``percdamp=0.01 (float): gptq: Hessian dampening, ...``."""
+    helps = option_help(options_cls)
+    return "\n".join(
+        f"{n}={_fmt(d)} ({_type_name(t)})" + (f": {helps[n]}" if helps[n] else "")
+        for n, t, d in option_fields(options_cls)
+    )
 
 
 def _fmt(value: Any) -> str:

@@ -19,9 +19,11 @@ import itertools
 
 import numpy as np
 import onnx_ir as ir
-from onnxscript.rewriter import _fusion_utils, _ir_utils, pattern
+from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions.cos_sin_cache import CosSinCacheFusion
 from onnxscript.rewriter.ort_fusions.gqa import GroupQueryAttention
+
+from precast.passes._rewrite import bind_shape, dim, has_rank, scalar_value
 
 __all__ = ["cos_sin_cache_mul_rules", "gqa_no_past_rules", "is_causal_mask"]
 
@@ -51,13 +53,11 @@ class CosSinCacheMul(CosSinCacheFusion):
 
     def check(self, context, x, inv_freq, position_ids, axes, **_) -> pattern.MatchResult:
         result = pattern.MatchResult()
-        if not _ir_utils.has_rank(position_ids, 2) or not _ir_utils.is_singleton_value(
-            axes, lambda a: a in (2, -1)
-        ):
+        if not has_rank(position_ids, 2) or scalar_value(axes) not in (2, -1):
             return result.fail("position_ids is not [B,S] unsqueezed on the last axis", position_ids)
         if inv_freq.const_value is None or inv_freq.const_value.size != (inv_freq.shape or [0])[-1]:
             return result.fail("inv_freq is not a constant vector", inv_freq)
-        if not _ir_utils.has_rank(x, 4) or x.dtype != ir.DataType.FLOAT:
+        if not has_rank(x, 4) or x.dtype != ir.DataType.FLOAT:
             return result.fail("x is not a float32 [B,H,S,D] tensor", x)
         return result
 
@@ -79,10 +79,10 @@ class CosSinCacheMul(CosSinCacheFusion):
 
     def _batch_positions(self, op, x: ir.Value, position_ids: ir.Value) -> ir.Value:
         """ORT's RotaryEmbedding wants position_ids [B,S]; the export builds them as [1,S]."""
-        if _ir_utils.get_dim(position_ids, 0) != 1 or _ir_utils.get_dim(x, 0) == 1:
+        if dim(position_ids, 0) != 1 or dim(x, 0) == 1:
             return position_ids
         # Same symbolic batch and sequence dims => the same runtime sizes, so one Expand serves all.
-        key = (position_ids, str(_ir_utils.get_dim(x, 0)), str(_ir_utils.get_dim(x, 2)))
+        key = (position_ids, str(dim(x, 0)), str(dim(x, 2)))
         if key not in self._positions:
             batch = op.Shape(x, start=0, end=1)
             self._positions[key] = op.Expand(
@@ -136,7 +136,7 @@ class GqaNoPast(GroupQueryAttention):
             (query_BSHDh, ["B", "S", "H", "Dh"]),
             (key_BSHkvDh, ["B", "S", "Hkv", "Dh"]),
         ):
-            if not _fusion_utils.check_shape_bool(dims, val, names):
+            if not bind_shape(dims, val, names):
                 return result.fail("query/key/value shapes do not line up", val)
         if not all(isinstance(dims[d], int) for d in ("H", "Hkv", "Dh")) or dims["H"] % dims["Hkv"]:
             return result.fail("head counts are not static multiples", query_BSHDh)
@@ -190,7 +190,7 @@ def is_causal_mask(model: ir.Model, mask: ir.Value, query_BSD: ir.Value) -> bool
     """True when ``mask`` is a function of input shapes only and evaluates to the causal [.,1,S,S] mask."""
     if mask is None or mask.shape is None or mask.shape.rank() != 4:
         return False
-    if not (mask.shape[-1] == mask.shape[-2] == _ir_utils.get_dim(query_BSD, 1)):
+    if not (mask.shape[-1] == mask.shape[-2] == dim(query_BSD, 1)):
         return False
     key = id(mask)
     if key not in _mask_cache:

@@ -10,7 +10,7 @@ from onnxscript.rewriter import pattern
 
 from precast.compiler.registry import Pass, PassResult
 
-__all__ = ["RewritePass", "apply_rules", "last_dim_vector"]
+__all__ = ["RewritePass", "apply_rules", "bind_shape", "dim", "has_rank", "last_dim_vector", "scalar_value"]
 
 
 def apply_rules(model: ir.Model, rules: pattern.RewriteRuleSet | Sequence[pattern.RewriteRule]) -> int:
@@ -25,6 +25,36 @@ def apply_rules(model: ir.Model, rules: pattern.RewriteRuleSet | Sequence[patter
     if total:
         RemoveUnusedNodesPass()(model)
     return total
+
+
+# Small shape/constant helpers for rule checks. onnxscript has the same in rewriter._ir_utils and
+# rewriter._fusion_utils, which are private modules (not a stable API), so precast keeps its own.
+def has_rank(value: ir.Value | None, rank: int) -> bool:
+    return value is not None and value.shape is not None and len(value.shape) == rank
+
+
+def dim(value: ir.Value | None, axis: int):
+    """``value``'s size on ``axis`` (an int or a symbolic dim), or None when its shape is unknown."""
+    if value is None or value.shape is None or not -len(value.shape) <= axis < len(value.shape):
+        return None
+    return value.shape[axis]
+
+
+def scalar_value(value: ir.Value | None) -> float | int | None:
+    """The value of a constant one-element tensor, else None."""
+    tensor = None if value is None else ir.convenience.get_const_tensor(value)
+    return None if tensor is None or tensor.size != 1 else tensor.numpy().reshape(()).item()
+
+
+def bind_shape(bindings: dict, value: ir.Value, names: Sequence[str]) -> bool:
+    """True when ``value``'s shape is ``names`` long and agrees with the sizes already bound to those names
+    (binding the new ones): [B, S, D] and then [B, S, Dkv] share B and S."""
+    if value.shape is None or len(value.shape) != len(names):
+        return False
+    for actual, name in zip(value.shape, names):
+        if bindings.setdefault(name, actual) != actual:
+            return False
+    return True
 
 
 def last_dim_vector(vec: ir.Value | None, x: ir.Value) -> bool:

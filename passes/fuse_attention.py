@@ -14,12 +14,12 @@ from onnxscript.rewriter.ort_fusions.gqa import gqa_rules
 from onnxscript.rewriter.ort_fusions.gqa_packed_qkv import fuse_qkv_gqa_rules
 from onnxscript.rewriter.ort_fusions.mha import mha_rules_no_past, mha_rules_with_past
 from onnxscript.rewriter.ort_fusions.mha_bias import mha_bias_rules
-from onnxscript.rewriter.ort_fusions.mha_scale import _mha_scale_rules
+from onnxscript.rewriter.ort_fusions.mha_scale import fuse_mha_scale
 from onnxscript.rewriter.ort_fusions.rotary_embedding import partial_embedding_rules, rotary_embedding_rules
 from onnxscript.rewriter.ort_fusions.sdpa import sdpa_rules
-from onnxscript.rewriter.ort_fusions.sdpa_via_mha import _rules as sdpa_to_mha_rules
+from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 from precast.passes._decoder_rules import cos_sin_cache_mul_rules, gqa_no_past_rules
 from precast.passes._rewrite import apply_rules
 
@@ -62,8 +62,8 @@ class FuseAttention(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        packed: bool = True  # MultiHeadAttention -> Attention (one packed QKV MatMul)
-        decoder: bool = True  # rotary / grouped-query attention rules
+        packed: bool = option(True, "MultiHeadAttention -> Attention with one packed QKV MatMul")
+        decoder: bool = option(True, "also the decoder rules: rotary embeddings and grouped-query attention")
 
     def call(self, model: ir.Model) -> PassResult:
         backup = model.clone()
@@ -87,12 +87,12 @@ class FuseAttention(Pass):
             step("packed_qkv_gqa", fuse_qkv_gqa_rules)
         step("mha", mha_rules_with_past)
         stats["mha"] += apply_rules(model, mha_rules_no_past)
-        step("mha_scale", _mha_scale_rules)
+        stats["mha_scale"] = fuse_mha_scale(model)
         if stats["mha"]:
             step("mha_bias", mha_bias_rules)
             if self.options.packed:
                 step("attention", attention_rules)
-        step("sdpa_to_mha", sdpa_to_mha_rules)
+        stats["sdpa_to_mha"] = replace_sdpa_by_mha(model)
         leftover = [n.name for n in model.graph if n.domain == _PRIVATE_DOMAIN]
         if leftover:  # a half-fused graph would not run; keep the input as it was
             return PassResult(backup, {"fused": 0, "skipped": f"unfinished fusion at node '{leftover[0]}'"})

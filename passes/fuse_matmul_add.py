@@ -7,50 +7,56 @@ from dataclasses import dataclass
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions.fused_matmul_rule_sets import fused_matmul_rule_sets
-from onnxscript.rewriter.rules.common._matmul_add_to_gemm import (
-    MatMulAddToGemm,
-    TransABMatMulAddToGemm,
-    TransAMatMulAddToGemm,
-    TransBMatMulAddToGemm,
-)
 
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 from precast.passes._rewrite import apply_rules
 
 _GEMM_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16}
 
 
-def _bias_fits(c: ir.Value, a: ir.Value, b: ir.Value) -> bool:
+def _bias_fits(c: ir.Value, m, n) -> bool:
     """Gemm's C must broadcast to (M, N) without growing the result (Add would broadcast further)."""
-    if (
-        c.shape is None
-        or a.shape is None
-        or b.shape is None
-        or len(c.shape) > 2
-        or c.dtype not in _GEMM_TYPES
-    ):
+    if c.shape is None or len(c.shape) > 2 or c.dtype not in _GEMM_TYPES:
         return False
-    m, n = a.shape[0], b.shape[1]
     want = (m, n)[2 - len(c.shape) :]
     return all(d == 1 or d == w for d, w in zip(c.shape, want))
 
 
-def _checked(rule_cls: type) -> type:
-    class Checked(rule_cls):  # type: ignore[misc, valid-type]
-        def check(self, context, input_a, input_b, input_c, **kw) -> pattern.MatchResult:  # type: ignore[override]
-            result = super().check(context, input_a, input_b, **kw)
-            if result and not _bias_fits(input_c, input_a, input_b):
-                return pattern.MatchResult().fail("bias does not broadcast to (M, N)", input_c)
-            return result
+# Written here from onnxscript 0.7.2's MatMulAddToGemm family (rewriter/rules/common/_matmul_add_to_gemm.py):
+# onnxscript exports only the rules, not the classes, and precast adds a check (the bias must broadcast).
+class _MatMulAddToGemm(pattern.RewriteRuleClassBase):
+    """Add(MatMul(a', b'), c) ==> Gemm(a, b, c, transA, transB), where a' is a or Transpose(a) (b' likewise)."""
 
-    Checked.__name__ = rule_cls.__name__
-    return Checked
+    def __init__(self, trans_a: bool, trans_b: bool):
+        super().__init__(f"MatMulAddToGemm{'A' if trans_a else ''}{'B' if trans_b else ''}")
+        self.trans_a, self.trans_b = trans_a, trans_b
+
+    def pattern(self, op, input_a, input_b, input_c):
+        a = op.Transpose(input_a, perm=[1, 0]) if self.trans_a else input_a
+        b = op.Transpose(input_b, perm=[1, 0]) if self.trans_b else input_b
+        return op.Add(op.MatMul(a, b), input_c)
+
+    def check(self, context, input_a, input_b, input_c, **_) -> pattern.MatchResult:  # type: ignore[override]
+        result = pattern.MatchResult()
+        if any(v.shape is None or len(v.shape) != 2 for v in (input_a, input_b)):
+            return result.fail("MatMul operands are not rank 2", input_a)
+        a_rows = input_a.shape[1] if self.trans_a else input_a.shape[0]
+        b_cols = input_b.shape[0] if self.trans_b else input_b.shape[1]
+        if not _bias_fits(input_c, a_rows, b_cols):
+            return result.fail("bias does not broadcast to (M, N)", input_c)
+        return result
+
+    def rewrite(self, op, input_a, input_b, input_c):
+        attributes = {"transA": 1} if self.trans_a else {}
+        if self.trans_b:
+            attributes["transB"] = 1
+        return op.Gemm(input_a, input_b, input_c, **attributes)
 
 
 _GEMM_RULES = pattern.RewriteRuleSet(
     [
-        _checked(cls).rule()
-        for cls in (MatMulAddToGemm, TransAMatMulAddToGemm, TransBMatMulAddToGemm, TransABMatMulAddToGemm)
+        _MatMulAddToGemm.rule(ta, tb)
+        for ta, tb in ((True, True), (True, False), (False, True), (False, False))
     ],
     commute=True,
 )
@@ -69,8 +75,8 @@ class FuseMatMulAdd(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        gemm: bool = True
-        fused_matmul: bool = True
+        gemm: bool = option(True, "MatMul + bias Add on 2-D operands -> Gemm")
+        fused_matmul: bool = option(True, "Transpose / scale around MatMul -> FusedMatMul")
 
     def call(self, model: ir.Model) -> PassResult:
         gemm = apply_rules(model, _GEMM_RULES) if self.options.gemm else 0
