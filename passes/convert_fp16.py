@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
 
 __all__ = ["ConvertFp16", "SENSITIVE_OPS"]
@@ -31,9 +31,11 @@ class ConvertFp16(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        keep_io: bool = True
-        keep_sensitive: bool = True
-        exclude: tuple[str, ...] = ()
+        keep_io: bool = option(True, "keep the graph inputs and outputs fp32 (Casts at the edges)")
+        keep_sensitive: bool = option(
+            True, "keep precision-sensitive ops (normalizations, softmax, exp/log, ...) fp32"
+        )
+        exclude: tuple[str, ...] = option((), "node names or op types to keep fp32")
 
     def call(self, model: ir.Model) -> PassResult:
         from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16

@@ -14,7 +14,7 @@ from onnx_ir.passes.common import (
 )
 
 from precast.compiler.pipeline import count_nodes
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 
 
 def _distinct_outputs(model: ir.Model) -> int:
@@ -50,8 +50,8 @@ class EliminateDeadCode(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        cse: bool = True
-        dedup_initializers: bool = True
+        cse: bool = option(True, "merge common subexpressions (the same op on the same inputs)")
+        dedup_initializers: bool = option(True, "share initializers whose bytes are identical")
 
     def call(self, model: ir.Model) -> PassResult:
         nodes0 = count_nodes(model)

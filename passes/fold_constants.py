@@ -9,7 +9,7 @@ from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedN
 from onnxscript.optimizer import fold_constants
 
 from precast.compiler.pipeline import count_nodes
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 from precast.passes._opset_compat import axes_as_attributes
 from precast.runtime.errors import PassFailedError, first_line
 
@@ -23,8 +23,13 @@ class FoldConstants(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        input_size_limit: int = 8192
-        output_size_limit: int = 1 << 20  # elements; bigger results stay computed at run time
+        input_size_limit: int = option(
+            8192, "fold a node only if each constant input has at most this many elements"
+        )
+        output_size_limit: int = option(
+            1 << 20,
+            "fold a node only if its result has at most this many elements (bigger ones stay computed at run time)",
+        )
 
     def call(self, model: ir.Model) -> PassResult:
         before = count_nodes(model)

@@ -10,7 +10,7 @@ from onnxscript.rewriter.ort_fusions.bias_gelu import bias_gelu_rules
 from onnxscript.rewriter.ort_fusions.erfgelu import rules as erf_gelu_rules
 from onnxscript.rewriter.ort_fusions.gelu import gelu_rules
 
-from precast.compiler.registry import PassResult, register
+from precast.compiler.registry import PassResult, option, register
 from precast.passes._rewrite import RewritePass, apply_rules
 
 
@@ -53,7 +53,7 @@ class FuseGelu(RewritePass):
 
     @dataclass(frozen=True)
     class Options:
-        bias: bool = True  # also absorb a preceding bias Add
+        bias: bool = option(True, "also absorb a preceding bias Add (BiasGelu)")
 
     rules = pattern.RewriteRuleSet(
         [*erf_gelu_rules.rules, *gelu_rules.rules, _OnnxTanhGelu.rule()], commute=True

@@ -10,7 +10,7 @@ from onnxscript.rewriter.ort_fusions.skip_normalization import (
     skip_rms_normalization_ruleset,
 )
 
-from precast.compiler.registry import PassResult, register
+from precast.compiler.registry import PassResult, option, register
 from precast.passes._rewrite import RewritePass, apply_rules
 
 
@@ -30,7 +30,9 @@ class FuseSkipLayerNorm(RewritePass):
 
     @dataclass(frozen=True)
     class Options:
-        rms: bool = True
+        rms: bool = option(
+            True, "also residual Add + SimplifiedLayerNormalization -> SkipSimplifiedLayerNormalization"
+        )
 
     def call(self, model: ir.Model) -> PassResult:
         fused = apply_rules(model, skip_layer_normalization_ruleset)

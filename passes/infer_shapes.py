@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,9 @@ class InferShapes(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        data_prop: bool = True
+        data_prop: bool = option(
+            True, "propagate constant shape values through Shape/Gather/Concat (ONNX data propagation)"
+        )
 
     def call(self, model: ir.Model) -> PassResult:
         before = _known_shapes(model)

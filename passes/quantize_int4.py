@@ -22,7 +22,7 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
 from precast.runtime.errors import PassOptionError
 
@@ -45,13 +45,20 @@ class QuantizeInt4(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        algo: Literal["rtn", "gptq"] = "rtn"
-        block: int = 32
-        symmetric: bool = True
-        accuracy_level: int | None = None  # None: by task (see the docstring)
-        exclude: tuple[str, ...] = ()
-        percdamp: float = 0.01
-        embeddings: bool = True
+        algo: Literal["rtn", "gptq"] = option(
+            "rtn", "rtn: round to nearest; gptq: calibrated, error-compensating (needs --calibration)"
+        )
+        block: int = option(32, "weights per quantization block (16, 32, 64, 128 or 256)")
+        symmetric: bool = option(True, "symmetric blocks (no zero point)")
+        accuracy_level: int | None = option(
+            None,
+            "MatMulNBits compute type: 0 unset, 1 fp32, 2 fp16, 3 bf16, 4 int8 (none: 4 for causal LMs, else 0)",
+        )
+        exclude: tuple[str, ...] = option((), "node names or op types to keep fp32 (e.g. the lm head)")
+        percdamp: float = option(0.01, "gptq: Hessian dampening, a fraction of its mean diagonal, in (0, 1)")
+        embeddings: bool = option(
+            True, "also 4-bit embedding tables (2-D float Gathers of at least 64Ki elements)"
+        )
 
         def __post_init__(self) -> None:
             if self.block not in _BLOCKS:

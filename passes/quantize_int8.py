@@ -16,7 +16,7 @@ from typing import Literal
 import onnx
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
 from precast.passes._unpack_attention import unpack_attention
 
@@ -49,16 +49,28 @@ class QuantizeInt8(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        mode: Literal["dynamic", "static"] = "dynamic"
-        per_channel: bool = True
-        method: Literal["minmax", "entropy", "percentile"] = "minmax"
-        format: Literal["qdq", "qoperator"] = "qdq"
-        activation: Literal["uint8", "int8"] = "uint8"
-        weight: Literal["int8", "uint8"] = "int8"
-        reduce_range: bool = False
-        ops: tuple[str, ...] = ()
-        exclude: tuple[str, ...] = ()
-        unpack_attention: bool = True
+        mode: Literal["dynamic", "static"] = option(
+            "dynamic",
+            "dynamic: weights only, activations quantized at run time; static: calibrated activations",
+        )
+        per_channel: bool = option(True, "one scale per output channel instead of per tensor")
+        method: Literal["minmax", "entropy", "percentile"] = option(
+            "minmax", "static: calibration method for activation ranges"
+        )
+        format: Literal["qdq", "qoperator"] = option(
+            "qdq", "static: QDQ pairs around float ops, or QOperator (QLinear*) nodes"
+        )
+        activation: Literal["uint8", "int8"] = option("uint8", "static: activation type")
+        weight: Literal["int8", "uint8"] = option("int8", "weight type")
+        reduce_range: bool = option(
+            False, "7-bit weights (can help accuracy on CPUs without VNNI, whose int8 products may saturate)"
+        )
+        ops: tuple[str, ...] = option((), "op types to quantize (empty: ONNX Runtime's default set)")
+        exclude: tuple[str, ...] = option((), "node names or op types to keep fp32 (mixed precision)")
+        unpack_attention: bool = option(
+            True,
+            "packed Attention -> Q/K/V MatMuls + MultiHeadAttention first, so the projections quantize too",
+        )
 
     def call(self, model: ir.Model) -> PassResult:
         from onnxruntime.quantization import QuantType

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 from precast.passes._opset_compat import axes_as_attributes
 
 
@@ -284,7 +284,7 @@ class UnrollLoops(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        max_trip: int = 16
+        max_trip: int = option(16, "unroll a Loop / Scan only up to this many iterations")
 
     def call(self, model: ir.Model) -> PassResult:
         unrolled, kept = 0, {}
