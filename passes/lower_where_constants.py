@@ -13,7 +13,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from precast.compiler.registry import PassResult, register
+from precast.compiler.registry import PassResult, option, register
 from precast.passes._rewrite import RewritePass, apply_rules
 
 __all__ = ["LowerWhereConstants"]
@@ -86,7 +86,10 @@ class LowerWhereConstants(RewritePass):
 
     @dataclass(frozen=True)
     class Options:
-        limit: float = 0.0  # 0: off
+        limit: float = option(
+            0.0,
+            "clamp the constant branches to [-limit, limit] first (0: off); changes the Where's own output",
+        )
 
     def call(self, model: ir.Model) -> PassResult:
         rules = pattern.RewriteRuleSet([_WhereScalars.rule(self.options.limit or None)])

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, register
+from precast.compiler.registry import Pass, PassResult, option, register
 from precast.passes.infer_shapes import InferShapes
 from precast.runtime.errors import PassFailedError
 
@@ -36,7 +36,7 @@ class PinDims(Pass):
 
     @dataclass(frozen=True)
     class Options:
-        infer: bool = True  # run shape inference afterwards (static shapes reach every value)
+        infer: bool = option(True, "run shape inference afterwards, so static shapes reach every value")
 
     def call(self, model: ir.Model) -> PassResult:
         feeds = self.context.sample_feeds
