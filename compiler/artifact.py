@@ -3,17 +3,31 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import json
 import os
 import shutil
 import stat
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, UsageError
-from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, dump_json, read_manifest, sha256_file
+from precast.runtime.llm_spec import LLMSpec
+from precast.runtime.manifest import (
+    BUILD_INFO_NAME,
+    MANIFEST_NAME,
+    MULTI_TARGET,
+    SCHEMA_VERSION,
+    Manifest,
+    dump_json,
+    read_manifest,
+    sha256_file,
+)
+from precast.runtime.schema import IOSignature, TargetEntry, TensorSpec
 from precast.runtime.staging import clean_stale, temp_name
+from precast.runtime.target_blocks import IndexTargetBlock, TargetBlock
 from precast.runtime.verify import SEQUENCE_LENGTH, SEQUENCE_SUFFIX, load_parity_value
 
 __all__ = [
@@ -207,9 +221,10 @@ def load_tensors(root: Path, index: Mapping[str, str]) -> dict[str, object]:
 
 
 def finalize_manifest(
-    root: Path, manifest: dict, build_info: dict | None = None, files: dict[str, str] | None = None
+    root: Path, manifest: Manifest, build_info: dict | None = None, files: dict[str, str] | None = None
 ) -> dict:
-    """Hash every file under ``root`` into ``manifest['files']`` and write manifest.json (+ build-info).
+    """Hash every file under ``root`` into the manifest's ``files``, write manifest.json (+ build-info) and
+    return the JSON written.
 
     ``files``: hashes already taken (the files have not changed since); a model of several GB is then not
     read again just to rewrite the manifest.
@@ -221,26 +236,29 @@ def finalize_manifest(
                 rel = path.relative_to(root).as_posix()
                 if rel not in (MANIFEST_NAME, BUILD_INFO_NAME):
                     files[rel] = sha256_file(path)
-    manifest = dict(manifest, files=files)
-    dump_json(manifest, root / MANIFEST_NAME)
+    return _write(root, dataclasses.replace(manifest, files=files), build_info)
+
+
+def _write(root: Path, manifest: Manifest, build_info: dict | None = None) -> dict:
+    data = manifest.to_json()
+    # Read back as the runtime will: a field the compiler filled with the wrong type fails here, not at load.
+    Manifest.from_json(json.loads(json.dumps(data)), f"{root / MANIFEST_NAME} (as compiled)")
+    dump_json(data, root / MANIFEST_NAME)
     if build_info is not None:
         dump_json(build_info, root / BUILD_INFO_NAME)
-    return manifest
+    return data
 
 
-def write_index(root: Path, index: dict) -> dict:
+def write_index(root: Path, index: Manifest) -> dict:
     """A multi-target index hashes only the sub-manifests; each sub-artifact hashes its own files."""
     files = {
         f"{d}/{MANIFEST_NAME}": sha256_file(root / d / MANIFEST_NAME)
-        for d in sorted(e["dir"] for e in index["targets"].values())
+        for d in sorted(index.target_dirs().values())
     }
-    manifest = dict(index, files=files)
-    dump_json(manifest, root / MANIFEST_NAME)
-    return manifest
+    return _write(root, dataclasses.replace(index, files=files))
 
 
-# Manifest assembly lives here, in these two functions, so that the typed schema (runtime/manifest.py) can
-# replace the dict literals in one place.
+# Manifest assembly: the typed records of runtime/manifest.py (the runtime owns the schema).
 
 
 def build_manifest(
@@ -248,55 +266,55 @@ def build_manifest(
     source,
     pipeline: str,
     passes: list[dict],
-    target_block: dict,
-    inputs,
-    outputs,
+    target_block: TargetBlock,
+    inputs: Sequence[TensorSpec],
+    outputs: Sequence[TensorSpec],
     toolchain: dict[str, str],
     parity: dict,
-) -> dict:
-    """One target's manifest (before ``finalize_manifest`` adds ``files``). ``source``: a compiler Source."""
+) -> Manifest:
+    """One target's manifest (``finalize_manifest`` adds ``files``). ``source``: a compiler Source."""
     from precast import __version__
-    from precast.runtime.manifest import SCHEMA_VERSION
 
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "precast_version": __version__,
-        "toolchain": toolchain,
-        "source": {
+    llm = source.info.get("llm")
+    return Manifest(
+        schema_version=SCHEMA_VERSION,
+        files={},
+        target=target_block,
+        io=IOSignature(tuple(inputs), tuple(outputs)),
+        precast_version=__version__,
+        toolchain=toolchain,
+        source={
             "kind": source.kind,
             "name": source.name,
             "sha256": source.sha256,
             **{k: v for k, v in source.info.items() if k != "llm"},
         },
-        **({"llm": source.info["llm"]} if "llm" in source.info else {}),
-        "pipeline": pipeline,
-        "passes": passes,
-        "target": target_block,
-        "io": {"inputs": [s.to_json() for s in inputs], "outputs": [s.to_json() for s in outputs]},
-        "extra_files": sorted(source.ship_files),
-        "parity": parity,
-    }
+        llm=LLMSpec.from_json(llm, f"source {source.name}") if llm is not None else None,
+        pipeline=pipeline,
+        passes=passes,
+        extra_files=sorted(source.ship_files),
+        parity=parity,
+    )
 
 
 def build_index(
     manifests: Mapping[str, dict], precisions: Mapping[str, str], failed: Mapping[str, dict]
-) -> dict:
-    """A multi-target index (before ``write_index`` adds ``files``): one entry per written target, in the
-    runtime's fallback order, and the ``failed`` table of the targets that were not written."""
+) -> Manifest:
+    """A multi-target index (``write_index`` adds ``files``): one entry per written target (``manifests``:
+    their JSON as written), in the runtime's fallback order, and the ``failed`` table of those not written."""
     from precast import __version__
-    from precast.runtime.manifest import SCHEMA_VERSION
     from precast.runtime.model import preference_order
 
-    entries = {n: {"dir": n, "target": n, "precision": precisions[n]} for n in manifests}
     first = next(iter(manifests.values()))
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "multi-target",
-        "precast_version": __version__,
-        "source": first["source"],
-        "targets": entries,
-        "fallback_order": preference_order(entries),
-        "io": first["io"],
-        "target": {"name": "multi"},
-        **({"failed": dict(failed)} if failed else {}),
-    }
+    return Manifest(
+        schema_version=SCHEMA_VERSION,
+        files={},
+        target=IndexTargetBlock(name="multi"),
+        io=IOSignature.from_json(first["io"], "index"),
+        kind=MULTI_TARGET,
+        precast_version=__version__,
+        source=first["source"],
+        targets={n: TargetEntry(dir=n, target=n, precision=precisions[n]) for n in manifests},
+        fallback_order=preference_order(manifests),
+        failed=dict(failed) or None,
+    )

@@ -8,6 +8,7 @@ tolerances, budget, bisection), ``compiler/artifact.py`` assembles and writes ma
 
 from __future__ import annotations
 
+import dataclasses
 import platform
 import shutil
 import time
@@ -38,6 +39,7 @@ from precast.compiler.verify import Verifier, bisect_parity, sample_feeds
 from precast.runtime.errors import InputError, PartialCompileError, PrecastError, UsageError
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import ProgressReporter, reporter
+from precast.runtime.target_blocks import TargetBlock
 from precast.targets.base import Target
 
 __all__ = [
@@ -215,7 +217,7 @@ class _Build:
         progress.step(f"[{tp.name}] building")
         target.context = context  # targets that calibrate (ort-qnn) read the sample/calibration feeds
         block = target.build(optimized, out_dir)
-        for note in block.get("notes", []):  # what the target wants the user to know (e.g. "plan only")
+        for note in block.notes or ():  # what the target wants the user to know (e.g. "plan only")
             progress.note(f"[{tp.name}] {note}")
         self.ship_files(out_dir)
         tensors = {
@@ -241,7 +243,7 @@ class _Build:
         parity = self.verify(tp, target, block, out_dir, context)
         timings[f"{tp.name}:verify"] = time.perf_counter() - t2
         # Same files as staged (the runtime load checked them): only the manifest's parity block changes.
-        final = {**manifest, "parity": {**parity, **tensors}}
+        final = dataclasses.replace(manifest, parity={**parity, **tensors})
         return finalize_manifest(out_dir, final, self.build_info(tp.name), files=staged["files"])
 
     def passes(self, tp: TargetPlan, context):
@@ -268,7 +270,7 @@ class _Build:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
 
-    def verify(self, tp: TargetPlan, target: Target, block: dict, out_dir: Path, context) -> dict:
+    def verify(self, tp: TargetPlan, target: Target, block: TargetBlock, out_dir: Path, context) -> dict:
         """Run the staged artifact exactly as a user would load it (or the target's stand-in); check it."""
         from precast.runtime import load as runtime_load
 

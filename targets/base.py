@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Literal, get_args, get_origin
 import onnx_ir as ir
 
 from precast.runtime.errors import UnknownTargetError, UsageError
+from precast.runtime.target_blocks import TargetBlock
 
 __all__ = ["Target", "NoTargetOptions", "Availability", "register_target", "get_target", "all_targets"]
 
@@ -105,11 +106,12 @@ class Target:
     def can_run(cls) -> Availability:
         return Availability(True)
 
-    def build(self, model: ir.Model, out_dir: Path) -> dict:
-        """Write the target's files into ``out_dir``; return the manifest ``target`` block."""
+    def build(self, model: ir.Model, out_dir: Path) -> TargetBlock:
+        """Write the target's files into ``out_dir``; return the manifest ``target`` block (the
+        runtime's record for the target's backend, runtime/target_blocks.py)."""
         raise NotImplementedError
 
-    def stand_in(self, out_dir: Path, block: dict):
+    def stand_in(self, out_dir: Path, block: TargetBlock):
         """For artifacts that cannot run on the build host (a TensorRT build plan): a ``feeds -> outputs``
         callable the driver verifies instead, named in the block's ``verified_as``. None: load the artifact."""
         return None

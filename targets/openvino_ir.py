@@ -21,6 +21,7 @@ import onnx_ir as ir
 
 from precast.runtime.errors import PassFailedError, UsageError, first_line
 from precast.runtime.openvino_backend import openvino_available
+from precast.runtime.target_blocks import OpenVINOBlock
 from precast.targets.base import Availability, Target, register_target
 
 __all__ = ["OpenVINO"]
@@ -60,7 +61,7 @@ class OpenVINO(Target):
         ok, why = openvino_available("CPU")
         return Availability(ok, why)
 
-    def build(self, model: ir.Model, out_dir: Path) -> dict:
+    def build(self, model: ir.Model, out_dir: Path) -> OpenVINOBlock:
         import openvino as ov
 
         prec, hint = self.options["inference_precision"], self.options["performance_hint"].upper()
@@ -80,13 +81,13 @@ class OpenVINO(Target):
                     f"target 'openvino': OpenVINO cannot read the ONNX graph: {first_line(e)}"
                 ) from e
             ov.save_model(ov_model, str(out_dir / "model.xml"), compress_to_fp16=False)
-        return {
-            "name": self.name,
-            "backend": "openvino",
-            "model": "model.xml",
-            "weights": "model.bin",
-            "device": self.options["device"],
-            "precision": _PRECISIONS[prec],
-            "config": {"INFERENCE_PRECISION_HINT": prec, "PERFORMANCE_HINT": hint},
-            "requires": {"openvino": ov.get_version().split("-")[0]},
-        }
+        return OpenVINOBlock(
+            name=self.name,
+            backend="openvino",
+            model="model.xml",
+            weights="model.bin",
+            device=self.options["device"],
+            precision=_PRECISIONS[prec],
+            config={"INFERENCE_PRECISION_HINT": prec, "PERFORMANCE_HINT": hint},
+            requires={"openvino": ov.get_version().split("-")[0]},
+        )

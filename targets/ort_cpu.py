@@ -16,6 +16,7 @@ from typing import Literal
 import onnx_ir as ir
 
 from precast.runtime.backends import ort_session_options
+from precast.runtime.target_blocks import OrtBlock, SessionSettings
 from precast.targets.base import Target, register_target
 
 __all__ = ["OrtCpu", "save_onnx"]
@@ -67,7 +68,7 @@ class OrtCpu(Target):
             default="all", metadata={"help": "graph_optimization_level of the session at load"}
         )
 
-    def build(self, model: ir.Model, out_dir: Path) -> dict:
+    def build(self, model: ir.Model, out_dir: Path) -> OrtBlock:
         files = save_onnx(model, out_dir / "model.onnx")
         level = self.options["ort_level"]
         if level not in ("none", "basic", "extended"):
@@ -76,25 +77,24 @@ class OrtCpu(Target):
             raise UsageError(f"target 'ort-cpu' option ort_level must be none|basic|extended, got '{level}'")
         if level != "none" and len(files) == 1:
             self._ort_offline_optimize(out_dir / "model.onnx", level)
-        return {
-            "name": self.name,
-            "backend": "onnxruntime",
-            "model": "model.onnx",
-            "providers": ["CPUExecutionProvider"],
-            "device": "cpu",
-            "precision": self.precision,
-            "session": {
-                "graph_optimization_level": self.options["runtime_level"],
-                "intra_op_num_threads": int(self.options["threads"]),
-            },
-            "offline_ort_level": level,
-        }
+        return OrtBlock(
+            name=self.name,
+            model="model.onnx",
+            providers=["CPUExecutionProvider"],
+            device="cpu",
+            precision=self.precision,
+            session=SessionSettings(
+                graph_optimization_level=self.options["runtime_level"],
+                intra_op_num_threads=int(self.options["threads"]),
+            ),
+            offline_ort_level=level,
+        )
 
     @staticmethod
     def _ort_offline_optimize(path: Path, level: str) -> None:
         import onnxruntime as ort
 
-        so = ort_session_options({"graph_optimization_level": level})
+        so = ort_session_options(SessionSettings(graph_optimization_level=level))
         with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
             optimized = Path(tmp) / "opt.onnx"
             so.optimized_model_filepath = str(optimized)

@@ -24,6 +24,7 @@ import onnx
 import onnx_ir as ir
 
 from precast.runtime.errors import UsageError
+from precast.runtime.target_blocks import TensorRTBlock
 from precast.runtime.tensorrt_backend import tensorrt_available
 from precast.targets import trt_engine_builder
 from precast.targets.base import Availability, Target, register_target
@@ -104,7 +105,7 @@ class TensorRT(Target):
         ok, why = tensorrt_available()
         return Availability(ok, why)
 
-    def build(self, model: ir.Model, out_dir: Path) -> dict:
+    def build(self, model: ir.Model, out_dir: Path) -> TensorRTBlock:
         precision = self.options["precision"]
         if precision not in _PRECISIONS:
             raise UsageError(f"target 'tensorrt' option precision must be one of {', '.join(_PRECISIONS)}")
@@ -129,31 +130,33 @@ class TensorRT(Target):
             lock = trt_engine_builder.build_engine(
                 out_dir / "model.onnx", plan, out_dir / "model.engine", cache
             )
-            return trt_engine_builder.engine_block({**block, "backend": "tensorrt-plan"}, lock)
+            # engine_block also runs without precast (build_engine.py on the GPU host): plain JSON both ways
+            engine = trt_engine_builder.engine_block({**block, "backend": "tensorrt-plan"}, lock)
+            return TensorRTBlock.from_json(engine, f"target '{self.name}'")
         (out_dir / "plan.json").write_text(
             json.dumps(plan, indent=2, sort_keys=True) + "\n", encoding="utf-8"
         )
         shutil.copyfile(trt_engine_builder.__file__, out_dir / "build_engine.py")
-        return {
+        return TensorRTBlock(
             **block,
-            "backend": "tensorrt-plan",
-            "model": "model.onnx",
-            "plan": "plan.json",
-            "engine_built": False,
-            "why_plan": f"no engine built on this host: {why}; run build_engine.py on the deployment GPU host",
-            "verified_as": "prepared ONNX on onnxruntime CPU (the engine is verified where it is built)",
-            "notes": [
+            backend="tensorrt-plan",
+            model="model.onnx",
+            plan="plan.json",
+            engine_built=False,
+            why_plan=f"no engine built on this host: {why}; run build_engine.py on the deployment GPU host",
+            verified_as="prepared ONNX on onnxruntime CPU (the engine is verified where it is built)",
+            notes=[
                 f"TensorRT build plan only, no engine: {why}; build it with build_engine.py on the GPU host"
             ],
-        }
+        )
 
-    def stand_in(self, out_dir: Path, block: dict):
+    def stand_in(self, out_dir: Path, block: TensorRTBlock):
         """A build plan cannot run here: the driver verifies its prepared ONNX on ONNX Runtime's CPU EP."""
-        if block.get("backend") != "tensorrt-plan":
+        if not block.is_plan:
             return None
         import onnxruntime as ort
 
-        sess = ort.InferenceSession(str(out_dir / block["model"]), providers=["CPUExecutionProvider"])
+        sess = ort.InferenceSession(str(out_dir / block.model_file), providers=["CPUExecutionProvider"])
         names = [o.name for o in sess.get_outputs()]
         return lambda feeds: dict(zip(names, sess.run(names, dict(feeds))))
 

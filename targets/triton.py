@@ -26,6 +26,7 @@ import onnx_ir as ir
 from precast.compiler.parity import io_signature
 from precast.runtime.errors import UsageError
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.target_blocks import SessionSettings, TritonBlock
 from precast.targets.base import Target, register_target
 from precast.targets.ort_cpu import OrtCpu, save_onnx
 from precast.targets.triton_config import (
@@ -130,7 +131,7 @@ class Triton(Target):
         o["preferred_batch_sizes"] = sizes
         return o
 
-    def build(self, model: ir.Model, out_dir: Path) -> dict:
+    def build(self, model: ir.Model, out_dir: Path) -> TritonBlock:
         o = self._checked_options()
         inputs, outputs = io_signature(model)
         mode = o["mode"]
@@ -158,16 +159,15 @@ class Triton(Target):
         (repo / py_name / "config.pbtxt").write_text(render_config(py_cfg), encoding="utf-8")
 
         model_rel = f"{REPOSITORY_DIR}/{name}/{o['version']}/model.onnx"
-        return {
-            "name": self.name,
-            "backend": "onnxruntime",
-            "model": model_rel,
-            "providers": ["CPUExecutionProvider"],
-            "device": "cpu",
-            "precision": self.precision,
-            "session": {"graph_optimization_level": "all", "intra_op_num_threads": int(o["threads"])},
-            "offline_ort_level": o["ort_level"],
-            "triton": {
+        return TritonBlock(
+            name=self.name,
+            model=model_rel,
+            providers=["CPUExecutionProvider"],
+            device="cpu",
+            precision=self.precision,
+            session=SessionSettings(graph_optimization_level="all", intra_op_num_threads=int(o["threads"])),
+            offline_ort_level=o["ort_level"],
+            triton={
                 "repository": REPOSITORY_DIR,
                 "onnx_model": name,
                 "python_model": py_name,
@@ -178,13 +178,13 @@ class Triton(Target):
                 "decoupled": mode == "llm",
                 "instance_kind": onnx_cfg.instance_kind,
             },
-            "notes": [
+            notes=[
                 (
                     f"Triton model repository: {REPOSITORY_DIR}/ (models '{name}' on the onnxruntime backend, "
                     f"'{py_name}' on the python backend{', decoupled' if mode == 'llm' else ''})"
                 )
             ],
-        }
+        )
 
     @staticmethod
     def _onnx_config(

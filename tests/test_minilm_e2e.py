@@ -113,10 +113,10 @@ def test_manifest_records_tokenizer_and_parity(artifact):
         "tokenizer/vocab.txt",
         "tokenizer/special_tokens_map.json",
     }
-    assert tokenizer_files <= set(m["extra_files"])
-    assert tokenizer_files <= set(m["files"])  # hashed, so `precast verify` covers them
-    assert m["source"]["kind"] == "hf" and m["source"]["model_type"] == "bert"
-    parity = m["parity"]
+    assert tokenizer_files <= set(m.extra_files)
+    assert tokenizer_files <= set(m.files)  # hashed, so `precast verify` covers them
+    assert m.source["kind"] == "hf" and m.source["model_type"] == "bert"
+    parity = m.parity
     assert parity["ok"] is True
     assert parity["reference"].startswith("torch")
     assert set(parity["outputs"]) == {"last_hidden_state", "pooler_output"}

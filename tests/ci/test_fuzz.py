@@ -20,7 +20,7 @@ from precast.compiler.pipeline import PassSpec, format_pipeline, parse_pipeline
 from precast.compiler.registry import all_passes, option_fields
 from precast.runtime.archive import unpack_artifact
 from precast.runtime.errors import ArtifactError, PipelineError
-from precast.runtime.manifest import check_integrity, read_manifest
+from precast.runtime.manifest import Manifest, check_integrity, read_manifest
 from tests.ci.archive_helpers import tree
 from tests.helpers import save, tiny_mlp
 
@@ -128,7 +128,7 @@ manifest_like = st.fixed_dictionaries(
 
 @FUZZ
 @given(st.one_of(json_values, manifest_like), st.booleans())
-def test_manifest_loader_gives_dict_or_artifact_error(doc, raw_bytes):
+def test_manifest_loader_gives_a_manifest_or_artifact_error(doc, raw_bytes):
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         (root / "manifest.json").write_text(json.dumps(doc) if not raw_bytes else json.dumps(doc)[:-1])
@@ -136,7 +136,7 @@ def test_manifest_loader_gives_dict_or_artifact_error(doc, raw_bytes):
             manifest = read_manifest(root)
         except ArtifactError:
             return
-        assert isinstance(manifest, dict)
+        assert isinstance(manifest, Manifest)
         try:
             check_integrity(root, manifest)
         except ArtifactError:

@@ -132,8 +132,8 @@ def test_artifact_matches_hugging_face(compiled):
     family, model, artifact = compiled
     runtime = load(artifact)
     manifest = read_manifest(artifact)
-    assert manifest["parity"]["ok"] is True
-    names = [i["name"] for i in manifest["io"]["inputs"]]
+    assert manifest.parity["ok"] is True
+    names = [i.name for i in manifest.io.inputs]
     feeds = _fresh_feeds(model, names)
     assert set(names) == set(feeds), f"{family}: inputs {names}"
     ours = runtime.run(feeds)

@@ -104,11 +104,11 @@ def test_precast_artifacts_and_empty_folders_are_still_replaced(cli, mlp, tmp_pa
     empty.mkdir()
     assert cli("compile", mlp, "-o", empty, "-q").code == 0
     assert cli("compile", mlp, "-o", empty, "-q", "--atol", "1e-3").code == 0  # an artifact: replaced whole
-    assert read_manifest(empty)["parity"]["tolerance"]["atol"] == 1e-3
+    assert read_manifest(empty).parity["tolerance"]["atol"] == 1e-3
     multi = tmp_path / "multi"
     for _ in range(2):  # a multi-target artifact (sub-artifact dirs) is replaceable too
         assert cli("compile", mlp, "-o", multi, "-t", "ort-cpu", "-t", "triton", "-q").code == 0
-    assert read_manifest(multi)["kind"] == "multi-target"
+    assert read_manifest(multi).is_multi_target
     assert _leftovers(tmp_path) == []
 
 
@@ -237,7 +237,7 @@ def test_staging_dir_of_a_killed_compile_is_cleaned_on_the_next_compile(mlp, tmp
         assert stale[0] not in left and old_legacy.name not in left
         assert {link.name, live.name, fresh_legacy.name, ".out.tmp-notprecast"} <= left
         assert (keep / "precious.txt").read_text() == "mine" and (tmp_path / "notes.tmp-12345678").exists()
-        assert read_manifest(out)["files"]
+        assert read_manifest(out).files
     finally:
         sleeper.kill()
         sleeper.wait()
