@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import click
 
@@ -43,7 +42,8 @@ def generate_cmd(
     as_json,
 ):
     """Generate a continuation of PROMPT with the compiled model in ARTIFACT."""
-    from precast.runtime.llm import Engine, SamplingParams
+    from precast.runtime.llm import SamplingParams
+    from precast.runtime.llm.generate import generate
 
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -54,44 +54,26 @@ def generate_cmd(
         seed=seed,
         stop=tuple(stop),
     )
-    params.validate()  # bad options fail before the model loads
-    runner_kwargs = {"threads": threads} if threads is not None else {}
-    engine = Engine.load(artifact, num_blocks=num_blocks, **runner_kwargs)
-    handle = engine.submit(prompt, params)
-    req, cap = handle.request, handle.request.max_total_tokens
-    if req.num_prompt + max_tokens > cap:  # the engine stops there (finish "length"), for the server too
-        limit = "the context length" if cap == engine.max_context else "the KV pool (--num-blocks)"
-        err_console.print(
-            f"note: --max-tokens {max_tokens} capped at {cap - req.num_prompt}: {limit} is {cap} tokens "
-            f"and the prompt has {req.num_prompt}",
-            markup=False,
-        )
-    if stream and not as_json:
-        for ev in handle:
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        out = handle.result()
-    else:
-        out = handle.result()
-        if not as_json:
-            click.echo(out.text)
+    streaming = stream and not as_json
+    out = generate(
+        artifact,
+        prompt,
+        params,
+        num_blocks=num_blocks,
+        threads=threads,
+        on_text=_write if streaming else None,
+        on_note=lambda note: err_console.print(f"note: {note}", markup=False),
+    )
     if as_json:
-        emit_json(
-            {
-                "text": out.text,
-                "token_ids": out.token_ids,
-                "finish_reason": out.finish_reason,
-                "ttft_s": out.ttft_s,
-                "metrics": engine.metrics().as_dict(),
-            }
-        )
-    else:
-        total = time.perf_counter() - handle.t_submit
-        decode = (
-            (len(out.token_ids) - 1) / (total - out.ttft_s) if len(out.token_ids) > 1 and out.ttft_s else 0.0
-        )
-        err_console.print(
-            f"[dim]{len(out.token_ids)} tokens, finish: {out.finish_reason}, time to first token "
-            f"{1000 * (out.ttft_s or 0):.1f} ms, decode {decode:.1f} tokens/s[/dim]"
-        )
+        emit_json(out.as_dict())
+        return
+    click.echo("" if streaming else out.text)  # a stream ends its line here
+    err_console.print(
+        f"[dim]{len(out.token_ids)} tokens, finish: {out.finish_reason}, time to first token "
+        f"{1000 * (out.ttft_s or 0):.1f} ms, decode {out.decode_tokens_per_s:.1f} tokens/s[/dim]"
+    )
+
+
+def _write(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()

@@ -32,7 +32,7 @@ def llm_client(tmp_path):
     from precast.runtime.server.llm_service import LLMService
 
     config = ServerConfig(tmp_path, model_name="tiny")
-    state = ServerState(config, host=_Host(LLMService(fake_engine(max_context=128), tmp_path, {"llm": {}})))
+    state = ServerState(config, host=_Host(LLMService(fake_engine(max_context=128), tmp_path, SimpleNamespace(llm=None, files={}))))
     with fastapi_testclient.TestClient(create_app(config, state), raise_server_exceptions=False) as c:
         yield c
 
@@ -97,3 +97,24 @@ def test_llm_options_on_a_non_llm_artifact_are_refused(mlp_a):
     with pytest.raises(UsageError, match="num_blocks.*not an LLM artifact"):
         ModelHost(mlp_a, llm_options={"num_blocks": 5})
     assert ModelHost(mlp_a).current.llm is None
+
+
+def test_a_field_of_the_wrong_type_is_a_400_naming_it(llm_client, tiny_encoder):
+    """protocol.py's request models: the message and OpenAI's error.param name the field."""
+    from fastapi.testclient import TestClient
+
+    from precast.runtime.server.app import create_app
+
+    r = llm_client.post("/v1/completions", json={"prompt": "def", "model": 5})
+    _bad(r, "'model'")
+    assert r.json()["error"]["param"] == "model"
+    _bad(llm_client.post("/v1/chat/completions", json=["hi"]), "must be a JSON object")
+    with TestClient(create_app(ServerConfig(tiny_encoder, max_queue_delay_ms=0))) as c:
+        for field, value in (("dimensions", "6"), ("encoding_format", "int8"), ("user", 3)):
+            r = c.post("/v1/embeddings", json={"input": "fox", field: value})
+            _bad(r, f"'{field}'")
+            assert r.json()["error"]["param"] == field, r.json()
+        r = c.post("/v2/models/nosuch/infer", json={"inputs": []})  # KServe's shape outside /v1/
+        assert r.status_code == 404 and r.json() == {
+            "error": f"unknown model 'nosuch'; this server serves '{tiny_encoder.name}'"
+        }
