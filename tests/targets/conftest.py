@@ -31,3 +31,28 @@ def child_entry(monkeypatch):
         monkeypatch.setitem(isolated.ENTRIES, entry, f"tests.targets.crash_entries:{func}")
 
     return use
+
+
+# Held-out sentences for MiniLM parity: none of them is in precast's calibration or sample sentences.
+EVAL_SENTENCES = (
+    "A woman is slicing tomatoes in the kitchen.",
+    "The new smartphone has a larger battery and a better camera.",
+    "Where can I find cheap flights to Tokyo in April?",
+    "The doctor advised him to get more sleep and exercise regularly.",
+    "Heavy rain caused flooding in several villages along the river.",
+    "I would like to cancel my subscription, please.",
+    "The orchestra performed Beethoven's ninth symphony last night.",
+    "Two dogs are running through a field of tall grass.",
+)
+
+
+@pytest.fixture(scope="session")
+def minilm_multi(minilm_dir, tmp_path_factory):
+    """all-MiniLM-L6-v2 (real weights) compiled once for ort-cpu + ort-qnn (seq 64), default budget (~90 s)."""
+    pytest.importorskip("onnxruntime_qnn")
+    from precast.compiler.driver import CompileOptions, compile_model
+
+    out = tmp_path_factory.mktemp("minilm") / "art"
+    opts = CompileOptions(targets=["ort-cpu", "ort-qnn"], dims={"batch": 1, "sequence": 64})
+    result = compile_model(str(minilm_dir), out, opts)
+    return out, result

@@ -1,0 +1,130 @@
+"""ort-qnn on real models: every node on the HTP (one EPContext node) and INT8-budget parity under HTP
+emulation. MiniLM with its real weights on held-out sentences against Hugging Face's own model; two tiny
+random BERT-family encoders (N(0, 0.1) weights) on fresh padded inputs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from precast.compiler.driver import CompileOptions, compile_model
+from precast.runtime import load
+from tests.targets.conftest import EVAL_SENTENCES, cosine
+
+pytest.importorskip("onnxruntime_qnn")
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.slow
+
+
+def _assert_all_on_htp(art):
+    block = json.loads((art / "manifest.json").read_text())["target"]
+    assert block["placement"]["on_htp"] == block["placement"]["nodes"]
+    assert [n.op_type for n in onnx.load(str(art / "model.onnx")).graph.node] == ["EPContext"]
+    model = load(art)
+    assert list(model._session.assignment) == ["QNNExecutionProvider"]  # nothing fell back to the CPU EP
+    return block
+
+
+def _mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    m = mask[..., None].astype(np.float64)
+    return (hidden * m).sum(-2) / m.sum(-2)
+
+
+def test_minilm_every_node_on_the_htp(minilm_multi):
+    block = _assert_all_on_htp(minilm_multi[0] / "ort-qnn")
+    assert block["placement"]["nodes"] > 500
+    q = block["quantization"]
+    assert q["activations"] == "uint16" and q["calibration"].startswith("built-in sentences")
+    assert 0 < len(q["int16_weights"]) < 12  # the outlier weights only, not all 37
+
+
+def test_minilm_embeddings_match_hugging_face_on_real_sentences(minilm_multi, minilm_dir):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tok.enable_padding(length=64)
+    hf = transformers.AutoModel.from_pretrained(str(minilm_dir), local_files_only=True).eval()
+    qnn = load(minilm_multi[0] / "ort-qnn")
+    cosines = []
+    for sentence in EVAL_SENTENCES:
+        e = tok.encode(sentence)
+        feeds = {
+            "input_ids": np.array([e.ids], np.int64),
+            "attention_mask": np.array([e.attention_mask], np.int64),
+            "token_type_ids": np.array([e.type_ids], np.int64),
+        }
+        n = int(feeds["attention_mask"].sum())
+        with torch.no_grad():  # the HF model on the unpadded sentence
+            want = hf(**{k: torch.from_numpy(v[:, :n]) for k, v in feeds.items()}).last_hidden_state.numpy()
+        got = qnn.run(feeds)["last_hidden_state"]
+        cosines.append(cosine(_mean_pool(want, np.ones((1, n))), _mean_pool(got, feeds["attention_mask"])))
+    assert min(cosines) >= 0.99, cosines
+
+
+_TINY = dict(
+    vocab_size=99,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    intermediate_size=128,
+    max_position_embeddings=64,
+)
+SEQ = 16
+
+
+def _tiny(family: str):
+    config, cls = {
+        "bert": (transformers.BertConfig, transformers.BertModel),
+        "roberta": (transformers.RobertaConfig, transformers.RobertaModel),
+    }[family]
+    torch.manual_seed(0)
+    model = cls(config(**_TINY)).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            torch.nn.init.normal_(p, 0, 0.1)
+            if "norm" in name.lower() and name.endswith("weight"):
+                p.add_(1.0)
+    return model
+
+
+def _padded(rng, family: str, length: int) -> dict[str, np.ndarray]:
+    """Random ids, right-padded to SEQ with the mask 0 past ``length`` (roberta's pad id is 1)."""
+    ids = rng.integers(3, 98, size=(1, SEQ)).astype(np.int64)
+    mask = (np.arange(SEQ)[None, :] < length).astype(np.int64)
+    ids[mask == 0] = 1
+    feeds = {"input_ids": ids, "attention_mask": mask}
+    return feeds if family == "roberta" else {**feeds, "token_type_ids": np.zeros_like(ids)}
+
+
+@pytest.fixture(scope="module", params=["bert", "roberta"])
+def tiny_qnn(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    model = _tiny(request.param)
+    model.save_pretrained(root / "hf")
+    rng = np.random.default_rng(1)
+    # Calibration with padded rows: the mask's fill must be inside the calibrated range of the scores.
+    calib = [_padded(rng, request.param, int(rng.integers(4, SEQ + 1))) for _ in range(16)]
+    opts = CompileOptions(targets=["ort-qnn"], dims={"batch": 1, "sequence": SEQ}, calibration_feeds=calib)
+    compile_model(str(root / "hf"), root / "art", opts)
+    return request.param, model, root / "art"
+
+
+def test_bert_family_every_node_on_the_htp(tiny_qnn):
+    _assert_all_on_htp(tiny_qnn[2])
+
+
+def test_bert_family_matches_hugging_face_on_padded_inputs(tiny_qnn):
+    family, model, art = tiny_qnn
+    qnn = load(art)
+    rng = np.random.default_rng(7)  # not the calibration's
+    for length in (5, 11, SEQ):
+        feeds = _padded(rng, family, length)
+        with torch.no_grad():
+            want = model(**{k: torch.from_numpy(v[:, :length]) for k, v in feeds.items()}).last_hidden_state
+        got = qnn.run(feeds)["last_hidden_state"][:, :length]
+        assert cosine(want.numpy(), got) >= 0.99, (length, cosine(want.numpy(), got))
