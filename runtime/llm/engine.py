@@ -292,15 +292,15 @@ class Engine:
 
     def _stream(self, out: SchedulerOutput, sampled: list[int | None], logits: np.ndarray) -> int:
         produced = 0
-        for req, tok, row in zip(out.rows, sampled, logits):
+        for i, (req, tok) in enumerate(zip(out.rows, sampled)):
             if tok is not None:
                 handle = self._handles.get(req.request_id)
                 if handle is not None:  # (None: an earlier row's callback cancelled it)
-                    self._emit(handle, req, tok, row)
+                    self._emit(handle, req, tok, logits, i)
                     produced += 1
         return produced
 
-    def _emit(self, handle: RequestHandle, req: Request, tok: int, logits: np.ndarray) -> None:
+    def _emit(self, handle: RequestHandle, req: Request, tok: int, logits: np.ndarray, row: int) -> None:
         """Stream one sampled token (the scheduler appended it, and finished the request if it ended there)."""
         p = req.params
         self.counters.generation_tokens += 1
@@ -312,7 +312,7 @@ class Engine:
             self._forget(req.request_id)
         holdback = max(map(len, p.stop)) - 1 if p.stop else 0
         # (opt-in: costs a softmax)
-        lp = None if p.logprobs is None else token_logprobs(logits, tok, p.logprobs)
+        lp = None if p.logprobs is None else token_logprobs(logits[row], tok, p.logprobs)
         handle._push(tok, text, holdback, lp)
         if handle.error is not None:  # its on_token callback raised
             self._fail(req)

@@ -67,6 +67,39 @@ def _count_kinds(eng) -> collections.Counter:
     return kinds
 
 
+@pytest.fixture(scope="module")
+def gpt2(tiny_gpt2_dir, tmp_path_factory):
+    """The tiny GPT-2: the gather ("paged") KV layout, run by ModelRunner itself."""
+    from tests.llm.test_causal_lm import compile_llm
+
+    return compile_llm(tiny_gpt2_dir, tmp_path_factory.mktemp("art") / "gpt2").output
+
+
+@pytest.fixture(scope="module")
+def gpt2_expected(gpt2, tiny_gpt2_dir):
+    from tests.llm.test_causal_lm import hf_greedy
+
+    tok = Engine.load(gpt2, num_blocks=8).tokenizer
+    return {t: hf_greedy(tiny_gpt2_dir, tok.encode(t), NEW) for t in TEXTS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_blocks,budget", [(64, 64), (6, 24)])
+def test_gather_layout_engine_matches_hf_generate(gpt2, gpt2_expected, num_blocks, budget):
+    eng = Engine.load(gpt2, num_blocks=num_blocks, config=SchedulerConfig(max_num_batched_tokens=budget))
+    assert eng.runner.spec.kv_layout == "paged"
+    kinds = _count_kinds(eng)
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    handles = [eng.submit(t, params, priority=i % 2) for i, t in enumerate(TEXTS)]
+    eng.run_until_done()
+    for t, h in zip(TEXTS, handles):
+        assert h.result().token_ids == gpt2_expected[t], t
+    m = eng.metrics()
+    assert kinds["steady"] > 0 and m.kv_blocks_used == 0 and m.requests_finished == len(TEXTS)
+    if num_blocks == 6:
+        assert m.preemptions > 0 and kinds["mixed"] > len(TEXTS)
+
+
 @pytest.mark.slow
 def test_steady_plans_survive_arrivals_cancels_and_finishes(llama, expected):
     # Requests arrive mid-generation, one is cancelled mid-plan, others finish at different lengths: each
