@@ -15,6 +15,7 @@ from precast.runtime.errors import ArtifactError, LLMRequestError, UsageError
 from precast.runtime.llm import Engine, LLMSpec, SamplingParams, SchedulerConfig
 from precast.runtime.llm.sampler import filtered_probs, sample
 from tests.fake_llm import fake_engine
+from tests.helpers import tiny_llm_block
 from tests.llm.engine.fake_runner import reference_greedy
 
 GREEDY = SamplingParams(max_tokens=6)
@@ -270,24 +271,8 @@ def test_scheduler_config_is_checked(field):
     "field,value", [("block_size", 0), ("vocab", "512"), ("layers", -1), ("pad_id", None)]
 )
 def test_malformed_llm_block_is_an_artifact_error(field, value):
-    block = {
-        "architecture": "llama",
-        "layers": 1,
-        "heads": 1,
-        "kv_heads": 1,
-        "head_size": 16,
-        "hidden": 16,
-        "vocab": 512,
-        "max_context": 64,
-        "block_size": 16,
-        "kv_layout": "paged",
-        "kv_inputs": [["k", "v"]],
-        "kv_outputs": [["k_out", "v_out"]],
-        "bos_id": None,
-        "eos_ids": [2],
-        "pad_id": 0,
-        "tokenizer": "tokenizer/tokenizer.json",
-    }
+    block = tiny_llm_block()
+    del block["model_type"], block["batched_prefill"]  # optional keys: a minimal block
     assert LLMSpec.from_json(block).block_size == 16
     with pytest.raises(ArtifactError, match=f"art: llm block: '{field}'|art: llm block: {field}"):
         LLMSpec.from_json({**block, field: value}, "art")
