@@ -89,7 +89,7 @@ def precast_engine(artifact: Path, threads: int) -> tuple[Engine, str]:
     def run(feeds: dict[str, np.ndarray]) -> np.ndarray:
         return model.run(feeds, outputs=["last_hidden_state"])["last_hidden_state"]
 
-    return run, f"precast artifact ({model.target}, {model.manifest['target'].get('precision', '?')})"
+    return run, f"precast artifact ({model.target}, {model.manifest.target.precision or '?'})"
 
 
 def build(folder: Path, work: Path, artifact: Path | None) -> tuple[Path, Path]:
