@@ -144,7 +144,8 @@ def ort_session_options(settings: SessionSettings | Mapping | None = None, threa
 
 @register_backend("onnxruntime")
 def create_ort_session(root: Path, target: TargetBlock, threads: int | None = None) -> Session:
-    assert isinstance(target, OrtBlock)  # target_block_from_json maps "onnxruntime" to OrtBlock
+    if not isinstance(target, OrtBlock):  # target_block_from_json maps "onnxruntime" to OrtBlock
+        raise TypeError(f"an onnxruntime session needs an OrtBlock, got {type(target).__name__}")
     if target.ep_plugin is not None:
         from precast.runtime.ep_plugin import create_plugin_session
 

@@ -4,7 +4,8 @@
 chooses code): ``onnxruntime`` -> ``OrtBlock`` (``QnnBlock`` for the ``ort-qnn`` target, ``TritonBlock``
 for ``triton``), ``openvino`` -> ``OpenVINOBlock``, ``tensorrt`` / ``tensorrt-plan`` -> ``TensorRTBlock``;
 a multi-target index's ``{"name": "multi"}`` is an ``IndexTargetBlock``. A backend this runtime does not
-know reads as a bare ``TargetBlock`` and fails at load with "not supported by this runtime" (exit 4).
+know reads as a bare ``TargetBlock`` (keys beyond the common ones refused, exit 3) and fails at load with
+"not supported by this runtime" (exit 4).
 """
 
 from __future__ import annotations
@@ -95,11 +96,13 @@ class OrtBlock(TargetBlock):
 @dataclass(frozen=True)
 class QnnBlock(OrtBlock):
     """``ort-qnn``: the QNN HTP plugin. ``quantization``, ``htp`` and ``placement`` ({on_htp, nodes}) are
-    build records for people and tools; the runtime does not read them."""
+    build records for people and tools; the runtime does not read them. ``buckets`` (several static sequence
+    lengths, one EP-context model each) is read by runtime/buckets.py."""
 
     quantization: dict | None = None
     htp: dict | None = None
     placement: dict | None = None
+    buckets: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -164,7 +167,9 @@ _ORT_BY_TARGET: dict[str, type[OrtBlock]] = {"ort-qnn": QnnBlock, "triton": Trit
 def target_block_from_json(obj: object, where: str) -> TargetBlock | IndexTargetBlock:
     if not isinstance(obj, dict):
         raise ArtifactError(f"{where}: 'target' must be a JSON object, got {type_name(obj)}")
-    name, backend = obj.get("name"), obj.get("backend", ORT)
+    if "name" not in obj:
+        raise ArtifactError(f"{where}: target block: missing required key 'name'")
+    name, backend = obj["name"], obj.get("backend", ORT)
     if not isinstance(name, str) or not isinstance(backend, str):
         raise ArtifactError(f"{where}: target block: 'name' and 'backend' must be strings")
     block_where = f"{where}: target block '{name}'"

@@ -164,6 +164,10 @@ CASES = {
         "llm block: missing required key 'vocab'",
     ),
     "top-missing": (_set("io", _DELETE), "manifest.json: missing required key 'io'"),
+    "target-missing": (
+        _set("target.name", _DELETE),
+        "manifest.json: target block: missing required key 'name'",
+    ),
     "target-type": (
         _set("target.offline_ort_level", 3),
         "target block 'ort-cpu': 'offline_ort_level' must be a string, got int",
