@@ -125,13 +125,19 @@ def _ids(value) -> list[int]:
     return [int(v) for v in (value if isinstance(value, list) else [value])]
 
 
-def _context(config: dict) -> int:
-    """The mapped Llama family's context: MappedLlama does not mask windows, so Mistral stops at its window."""
-    ctx = _max_positions(config)
-    window = config.get("sliding_window")
-    if window and config.get("model_type") == "mistral":
-        ctx = min(ctx, int(window))  # beyond the window Mistral attends differently; refuse longer contexts
-    return ctx
+def _layer_windows(hf) -> list[int]:
+    """Each layer's sliding window as the model's attention applies it, -1 for none (Qwen2: per layer, from
+    its layer types; Mistral: the config's, on every layer)."""
+    windows = []
+    for layer in hf.model.layers:
+        attn = layer.self_attn
+        w = (
+            attn.sliding_window
+            if hasattr(attn, "sliding_window")
+            else getattr(hf.config, "sliding_window", None)
+        )
+        windows.append(int(w) if w else -1)
+    return windows
 
 
 def _max_positions(config: dict) -> int:
@@ -163,7 +169,7 @@ def llm_block(folder: Path, config: dict, module) -> dict:
     eos = _ids(gen.get("eos_token_id", config.get("eos_token_id")))
     pad = gen.get("pad_token_id", config.get("pad_token_id"))
     pad = int(pad) if pad is not None else (eos[0] if eos else 0)
-    ctx = getattr(module, "max_context", None) or _context(config)
+    ctx = getattr(module, "max_context", None) or _max_positions(config)
     layers = len(module.layers) if hasattr(module, "layers") else len(module.blocks)
     mapped = module.kv_layout == "mapped"
     arch = (
@@ -237,10 +243,7 @@ def build_paged_decoder(
         progress.step(
             f"longrope: context capped at original_max_position_embeddings={_max_positions(config)}"
         )
-    generic = model_type not in (*LLAMA_FAMILY, "gpt2") or (
-        model_type in LLAMA_FAMILY and _windowed(config) and kv_layout != "mapped"
-    )
-    if generic:
+    if model_type not in (*LLAMA_FAMILY, "gpt2"):
         if kv_layout == "mapped":
             raise UsageError(
                 f"{folder}: --kv-layout mapped needs a Llama-family model; '{model_type}' takes 'paged'"
@@ -256,8 +259,12 @@ def build_paged_decoder(
             f"{folder}: --kv-layout mapped needs a head size that is a multiple of 16 (GroupQueryAttention); "
             f"this model's is {head}"
         )
+    windowed = _windowed(config)
     if kv_layout != "paged" and supports_gqa(head):  # one GroupQueryAttention per layer, in place
-        return hf, MappedLlama(hf, max_context=_context(config)).eval()
+        windows = _layer_windows(hf) if windowed else None  # local_window_size: exact, the full context
+        return hf, MappedLlama(hf, max_context=_max_positions(config), windows=windows).eval()
+    if windowed:  # the gather layout masks windows on the generic path (PagedLlama does not)
+        return hf, _generic(folder, hf, config, progress)
     return hf, PagedLlama(hf).eval()
 
 

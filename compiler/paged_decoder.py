@@ -152,10 +152,13 @@ class MappedLlama(_LlamaBody):
 
     kv_layout = "mapped"
 
-    def __init__(self, hf_model: nn.Module, max_context: int | None = None):
+    def __init__(self, hf_model: nn.Module, max_context: int | None = None, windows: list[int] | None = None):
+        """``windows``: each layer's sliding window (-1: none), masked by GroupQueryAttention's
+        local_window_size, so a windowed Mistral / Qwen2 keeps its whole context."""
         super().__init__(hf_model)
         body, cfg = hf_model.model, hf_model.config
         self.scaling = float(self.layers[0].self_attn.scaling)
+        self.windows = list(windows) if windows is not None else [-1] * len(self.layers)
         ctx = int(max_context or cfg.max_position_embeddings)
         with torch.no_grad():  # the model's own rotary module at every position: [C, D/2] tables
             cos, sin = body.rotary_emb(torch.zeros(1, dtype=torch.float32), torch.arange(ctx)[None])
@@ -199,6 +202,7 @@ class MappedLlama(_LlamaBody):
                 self.heads,
                 self.kv_heads,
                 self.scaling,
+                self.windows[i],
             )
             x = x + layer.self_attn.o_proj(a)
             h, mlp = layer.post_attention_layernorm(x), layer.mlp

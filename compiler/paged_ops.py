@@ -4,9 +4,9 @@ A torch reference (the parity reference, any batch shape) plus a translation tha
 uses instead of decomposing it:
 
     precast::mapped_gqa(qkv [B,S,(H+2KV)*D], positions [B,S], cos, sin [C',D/2], past_key, past_value [B,KV,C,D],
-                        seqlens_k [B] int32, total int32) -> (out [B,S,H*D], present_key, present_value [B,KV,C,D])
+                        seqlens_k [B] int32, total int32, window) -> (out [B,S,H*D], present_key, present_value)
         ==>  GroupQueryAttention(packed qkv, past_key, past_value, seqlens_k, total, cos, sin,
-                                 do_rotary=1)                                               (1 node per layer)
+                                 do_rotary=1, local_window_size=window)                     (1 node per layer)
 
     precast::last_token(hidden [B,S,E], index [B,1] int64) -> [B,E]   ==>  GatherND(batch_dims=1)   (1 node)
 
@@ -86,7 +86,14 @@ _GQA = _msft_op(
         "position_ids?",
     ],
     ["output", "present_key", "present_value"],
-    {"num_heads": _INT, "kv_num_heads": _INT, "scale": _FLOAT, "do_rotary": _INT, "rotary_interleaved": _INT},
+    {
+        "num_heads": _INT,
+        "kv_num_heads": _INT,
+        "scale": _FLOAT,
+        "do_rotary": _INT,
+        "rotary_interleaved": _INT,
+        "local_window_size": _INT,
+    },
 )
 
 
@@ -115,10 +122,12 @@ def mapped_gqa(
     heads: int,
     kv_heads: int,
     scale: float,
+    window: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotary + attention of packed qkv [B,S,(H+2KV)*D] over each row's past (rows [0, past_lens[b]) of
     past_key/value [B,KV,C,D]) and its new tokens; returns (out [B,S,H*D], present_key, present_value), the
-    presents being the pasts with the new rows written in. The reference (any B, S)."""
+    presents being the pasts with the new rows written in. ``window`` > 0: a query sees only the keys less
+    than ``window`` positions back (HF's sliding window); <= 0: no window. The reference (any B, S)."""
     b, s, _ = qkv.shape
     d = past_key.shape[-1]
     q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
@@ -134,21 +143,35 @@ def mapped_gqa(
     qg = q.reshape(b, s, kv_heads, g, d).permute(0, 2, 3, 1, 4)  # [B,KV,G,S,D]: head i reads KV head i // G
     scores = torch.matmul(qg, keys[:, :, None].transpose(-1, -2)) * scale  # [B,KV,G,S,C]
     j = torch.arange(keys.shape[2])
-    mask = (j[None, None, :] <= rows[:, :, None])[:, None, None]  # [B,1,1,S,C]: causal over past + new
+    ok = j[None, None, :] <= rows[:, :, None]  # [B,S,C]: causal over past + new
+    if window > 0:
+        ok = ok & (j[None, None, :] > rows[:, :, None] - window)
+    mask = ok[:, None, None]  # [B,1,1,S,C]
     probs = torch.softmax(torch.where(mask, scores, torch.full_like(scores, _NEG)), dim=-1)
     out = torch.matmul(probs, values[:, :, None])  # [B,KV,G,S,D]
     return out.permute(0, 3, 1, 2, 4).reshape(b, s, heads * d), keys, values
 
 
 @mapped_gqa.register_fake
-def _(qkv, positions, cos, sin, past_key, past_value, seqlens_k, total, heads, kv_heads, scale):
+def _(qkv, positions, cos, sin, past_key, past_value, seqlens_k, total, heads, kv_heads, scale, window):
     b, s, _ = qkv.shape
     d = past_key.shape[-1]
     return qkv.new_empty((b, s, heads * d)), torch.empty_like(past_key), torch.empty_like(past_value)
 
 
 def _mapped_gqa_onnx(
-    qkv, positions, cos, sin, past_key, past_value, seqlens_k, total, heads: int, kv_heads: int, scale: float
+    qkv,
+    positions,
+    cos,
+    sin,
+    past_key,
+    past_value,
+    seqlens_k,
+    total,
+    heads: int,
+    kv_heads: int,
+    scale: float,
+    window: int,
 ):
     # Packed QKV straight from the projection, rotary inside (as onnxruntime-genai's graphs). No
     # position_ids: the kernel derives them from its lengths (past_b + s for a prompt chunk over a past,
@@ -169,6 +192,8 @@ def _mapped_gqa_onnx(
         kv_num_heads=kv_heads,
         scale=scale,
         do_rotary=1,
+        # the kernel's window is HF's: window keys, the query's own included (measured: test_mapped_window)
+        local_window_size=window if window > 0 else None,  # None: no attribute (the kernel's -1)
     )
 
 

@@ -30,8 +30,8 @@ ARCHS = [
     "starcoder2",  # window 8
     "opt",  # learned positions
     "gemma3_text",  # sliding / full layers with their own rotary bases
-    "mistral",  # window 8, smaller than the prompt: the generic path (the mapped one stops at the window)
-    "qwen2",  # use_sliding_window on its second layer
+    "mistral",  # window 8, smaller than the prompt (--kv-layout paged: the generic path; default: mapped)
+    "qwen2",  # use_sliding_window on its second layer (likewise)
     "mixtral",  # mixtures of experts (4, top-2): routed in-graph, every expert as one batched MatMul
     "qwen2_moe",  # + a gated shared expert
     "qwen3_moe",
@@ -41,6 +41,7 @@ ARCHS = [
     "bloom",  # ALiBi: prompt + 32 tokens reach position ~80, where head 0's bias spans ~20 logits
 ]
 MOE = ("mixtral", "qwen2_moe", "qwen3_moe")
+WINDOWED_LLAMA = ("mistral", "qwen2")  # default: the mapped layout (GroupQueryAttention's local window)
 NEW_TOKENS = 32
 TEXTS = [
     "def wrap(text, width=70):\n    return [line for line in text.split()]",
@@ -64,11 +65,14 @@ def generic_dirs(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_generic_greedy_matches_hf_generate(model_type, generic_dirs, tmp_path):
+    from precast.compiler.driver import CompileOptions, compile_model
     from precast.runtime.llm import Engine
     from precast.runtime.llm.sampler import SamplingParams
 
     folder = generic_dirs(model_type)
-    out = compile_llm(folder, tmp_path / "art").output
+    layout = "paged" if model_type in WINDOWED_LLAMA else None
+    opts = CompileOptions(targets=("ort-cpu",), task="causal-lm", kv_layout=layout)
+    out = compile_model(str(folder), tmp_path / "art", opts).output
     llm = json.loads((out / "manifest.json").read_text())["llm"]
     assert (llm["architecture"], llm["kv_layout"], llm["layers"]) == ("generic", "paged", 2)
     assert llm["max_context"] == 256  # windows are masked in the graph, not a limit on the context
@@ -81,6 +85,35 @@ def test_generic_greedy_matches_hf_generate(model_type, generic_dirs, tmp_path):
         extended = first[:17] + second
         done = engine.generate([extended, second], params)  # batched; `extended` reuses first's block 0
         assert engine.counters.prefix_hit_tokens >= 16
+    finally:
+        engine.close()
+    for prompt, completion in zip((extended, second), done):
+        expected = hf_greedy(folder, prompt, NEW_TOKENS)
+        assert completion.token_ids == expected, f"{model_type}: {completion.token_ids} != {expected}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", WINDOWED_LLAMA)
+def test_windowed_llama_family_maps_its_window_exactly(model_type, generic_dirs, tmp_path):
+    """Windowed Mistral / Qwen2 by default: the mapped layout, each windowed layer's GroupQueryAttention
+    taking the window (local_window_size), the full context; prompts 9x the window (8) and over a block."""
+    from precast.runtime.llm import Engine
+    from precast.runtime.llm.sampler import SamplingParams
+
+    folder = generic_dirs(model_type)
+    out = compile_llm(folder, tmp_path / "art").output
+    llm = json.loads((out / "manifest.json").read_text())["llm"]
+    assert (llm["architecture"], llm["kv_layout"], llm["max_context"]) == ("llama", "mapped", 256)
+    engine = Engine.load(out, num_blocks=32)
+    try:
+        first, second = engine.tokenizer.encode(TEXTS[0] * 3), engine.tokenizer.encode(TEXTS[1])
+        bs = llm["block_size"]
+        assert len(first) > bs
+        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+        engine.generate([first], params)
+        extended = first[: bs + 1] + second
+        done = engine.generate([extended, second], params)  # batched; `extended` reuses first's block 0
+        assert engine.counters.prefix_hit_tokens >= bs
     finally:
         engine.close()
     for prompt, completion in zip((extended, second), done):

@@ -44,7 +44,7 @@ CASES = [
     ("llama", "dynamic", None, "mapped"),
     ("llama", "dynamic", "paged", "paged"),  # rotary in the graph: the frequency update must be skipped
     ("mistral", "longrope", "paged", "paged"),
-    ("qwen2", "yarn", None, "generic"),  # use_sliding_window: the generic path, the model's own forward
+    ("qwen2", "yarn", "paged", "generic"),  # use_sliding_window + paged: the generic path
 ]
 
 
