@@ -12,7 +12,7 @@ against the model's real attention.
     bloom   query_key_value -> split -> precast_paged_attention(alibi_slopes = bloom's slopes) -> dense
             -> + residual                (ALiBi: score += slope[h] * key position, as bloom's alibi tensor)
 
-Falcon with ``alibi=True`` is refused before this (causal_lm.REFUSED_CONFIGS): transformers' own eager and
+Falcon with ``alibi=True`` is refused before this (causal_lm._check_architecture): transformers' own eager and
 sdpa attention disagree for it, so there is no reference to match.
 """
 

@@ -59,8 +59,6 @@ GENERIC = (
     "bloom",  # + ALiBi in precast's paged attention
 )
 SUPPORTED = (*LLAMA_FAMILY, "gpt2", *GENERIC)
-# Known not to fit (model_type -> why).
-REFUSED: dict[str, str] = {}
 BLOCK_SIZE = 16
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -72,10 +70,10 @@ _TOKENIZER_FILES = (
 
 def _check_architecture(folder: Path, config: dict) -> str:
     model_type = config.get("model_type", "?")
-    if model_type in REFUSED or model_type == "?":
+    if model_type == "?":
         raise ModelLoadError(
-            f"{folder}: architecture '{model_type}' is not supported for task causal-lm "
-            f"({REFUSED.get(model_type, 'no model_type in config.json')}; supported: {', '.join(SUPPORTED)})"
+            f"{folder}: architecture '?' is not supported for task causal-lm "
+            f"(no model_type in config.json; supported: {', '.join(SUPPORTED)})"
         )
     if model_type == "falcon" and config.get("alibi"):
         raise ModelLoadError(
