@@ -56,23 +56,18 @@ def error_response(
 
 
 def install_error_handlers(app, request_timeout: float) -> None:
-    def path(request) -> str:
-        return request.url.path
+    """Register ``answer`` (below) on the app for every exception a route may raise on purpose."""
 
-    async def http_error(request, e: HTTPError):
-        return error_response(path(request), e.status, e.message, e.kind, e.param, e.headers)
+    async def answer(request, e: Exception) -> JSONResponse:
+        path = request.url.path
+        if isinstance(e, HTTPError):
+            return error_response(path, e.status, e.message, e.kind, e.param, e.headers)
+        if isinstance(e, QueueFullError):
+            headers = {"Retry-After": str(int(e.retry_after))}
+            return error_response(path, 429, str(e), "rate_limit_error", headers=headers)
+        if isinstance(e, TimeoutError):
+            return error_response(path, 504, f"request timed out after {request_timeout:g} s", "timeout")
+        return error_response(path, 400, str(e), param=getattr(e, "param", None))  # a PrecastError
 
-    async def queue_full(request, e: QueueFullError):
-        headers = {"Retry-After": str(int(e.retry_after))}
-        return error_response(path(request), 429, str(e), "rate_limit_error", headers=headers)
-
-    async def timed_out(request, e: TimeoutError):
-        return error_response(path(request), 504, f"request timed out after {request_timeout:g} s", "timeout")
-
-    async def bad_request(request, e: PrecastError):
-        return error_response(path(request), 400, str(e), param=getattr(e, "param", None))
-
-    app.add_exception_handler(HTTPError, http_error)
-    app.add_exception_handler(QueueFullError, queue_full)
-    app.add_exception_handler(TimeoutError, timed_out)
-    app.add_exception_handler(PrecastError, bad_request)
+    for cls in (HTTPError, TimeoutError, PrecastError):
+        app.add_exception_handler(cls, answer)
