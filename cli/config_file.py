@@ -16,7 +16,6 @@ context's ``default_map`` before click reads any other option.
 from __future__ import annotations
 
 import difflib
-import tomllib
 from pathlib import Path
 
 import click
@@ -44,6 +43,8 @@ def config_keys(command: click.Command) -> dict[str, click.Option]:
 
 def read_config(command: click.Command, path: str | None, table: str | None = None) -> dict[str, object]:
     """The command's defaults from ``path`` (or ./precast.toml when present): {parameter name: value}."""
+    import tomllib  # Python 3.11+ (the file is optional: 3.10 fails only when it reads one)
+
     table = table or command.name
     cfg = Path(path) if path else Path(DEFAULT_FILE)
     if not cfg.is_file():
