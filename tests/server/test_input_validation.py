@@ -32,7 +32,10 @@ def llm_client(tmp_path):
     from precast.runtime.server.llm_service import LLMService
 
     config = ServerConfig(tmp_path, model_name="tiny")
-    state = ServerState(config, host=_Host(LLMService(fake_engine(max_context=128), tmp_path, SimpleNamespace(llm=None, files={}))))
+    state = ServerState(
+        config,
+        host=_Host(LLMService(fake_engine(max_context=128), tmp_path, SimpleNamespace(llm=None, files={}))),
+    )
     with fastapi_testclient.TestClient(create_app(config, state), raise_server_exceptions=False) as c:
         yield c
 

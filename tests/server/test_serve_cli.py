@@ -207,4 +207,6 @@ def test_serve_options_become_the_config_and_conflicts_are_one_line(mlp_a, cli):
     assert config.llm == {"max_num_seqs": 4} and config.request_timeout == 5.0 and config.port == 0
     r = cli("serve", mlp_a, "--num-blocks", "4", "--kv-cache-memory", "1MiB")
     assert r.code == 1
-    assert r.err.strip() == "error: --kv-cache-memory and --num-blocks both size the KV pool: give one of them"
+    assert (
+        r.err.strip() == "error: --kv-cache-memory and --num-blocks both size the KV pool: give one of them"
+    )
