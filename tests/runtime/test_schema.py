@@ -209,3 +209,28 @@ def test_backends_register_every_backend_precast_writes(artifact, tmp_path):
 
     with pytest.raises(TargetUnavailableError, match="backend 'os.system' is not supported"):
         create_session(artifact, TargetBlock(name="x", backend="os.system"), 1)
+
+
+def test_the_engine_block_build_engine_py_writes_reads_as_a_tensorrt_block():
+    """build_engine.py turns a plan's block into an engine's on the GPU host, without precast (plain JSON)."""
+    from precast.targets.trt_engine_builder import engine_block
+
+    plan = TensorRTBlock(
+        name="tensorrt",
+        backend="tensorrt-plan",
+        model="model.onnx",
+        device="cuda",
+        precision="fp16",
+        profiles={"x": {"min": [1, 8], "opt": [2, 8], "max": [8, 8]}},
+        prepared_with="onnx-graphsurgeon 0.6.1",
+        plan="plan.json",
+        engine_built=False,
+        why_plan="no GPU here",
+        verified_as="prepared ONNX on onnxruntime CPU",
+        notes=["plan only"],
+    )
+    built = engine_block(plan.to_json(), {"tensorrt_version": "10.9.0", "compute_capability": "9.0"})
+    block = target_block_from_json(built, "manifest.json")
+    assert type(block) is TensorRTBlock and not block.is_plan and block.model_file == "model.engine"
+    assert (block.onnx, block.tensorrt_version, block.compute_capability) == ("model.onnx", "10.9.0", "9.0")
+    assert block.plan is None and block.notes is None and block.profiles == plan.profiles
