@@ -148,6 +148,8 @@ class Manifest(Record):
             p = Path(rel)
             if p.is_absolute() or ".." in p.parts or rel in (MANIFEST_NAME, ""):
                 raise ArtifactError(f"{where}: unsafe file entry {rel!r}")
+        if self.kind not in (None, MULTI_TARGET):
+            raise ArtifactError(f"{where}: unknown kind {self.kind!r} (known: '{MULTI_TARGET}')")
         if self.is_multi_target and self.targets is None:
             raise ArtifactError(f"{where}: a multi-target manifest needs 'targets'")
         if self.parity is not None:

@@ -164,6 +164,7 @@ CASES = {
         "llm block: missing required key 'vocab'",
     ),
     "top-missing": (_set("io", _DELETE), "manifest.json: missing required key 'io'"),
+    "top-kind": (_set("kind", "multi-targets"), "manifest.json: unknown kind 'multi-targets'"),
     "target-missing": (
         _set("target.name", _DELETE),
         "manifest.json: target block: missing required key 'name'",
