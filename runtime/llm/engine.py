@@ -241,7 +241,11 @@ class Engine:
         """One scheduler step: schedule -> run -> sample -> update -> stream. Returns the tokens sampled."""
         with self._cond:
             out = self.scheduler.schedule()
-            self._count(out)
+            c = self.counters
+            c.steps += 1
+            c.computed_tokens += out.total_tokens
+            if out.kind is not StepKind.STEADY:  # (a steady step has no copies, preemptions or admissions)
+                self._count(out)
             produced = 0
             if out.rows:
                 logits = self.runner.execute(out)
@@ -257,13 +261,10 @@ class Engine:
 
     def _count(self, out: SchedulerOutput) -> None:
         c = self.counters
-        c.steps += 1
-        c.computed_tokens += out.total_tokens
-        if out.kind is not StepKind.STEADY:  # (a steady step has no copies, preemptions or admissions)
-            c.preemptions += len(out.preempted)
-            c.cow_copies += len(out.copies)
-            c.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
-            c.prefix_query_tokens = self.scheduler.prefix_query_tokens
+        c.preemptions += len(out.preempted)
+        c.cow_copies += len(out.copies)
+        c.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
+        c.prefix_query_tokens = self.scheduler.prefix_query_tokens
 
     def _forget(self, request_id: str) -> None:
         """A finished request leaves the engine (a long-running server must not keep every handle)."""
@@ -279,6 +280,9 @@ class Engine:
         for req, n, row in zip(out.rows, out.num_new, logits):
             if req.num_computed + n < len(req.token_ids):
                 sampled.append(None)  # a prefill chunk: nothing to sample yet
+                continue
+            if req.argmax:  # (the common case, without the sampler's dispatch)
+                sampled.append(int(row.argmax()))
                 continue
             try:
                 sampled.append(sample(row, req.params, req.token_ids, req.rng, len(req.prompt_ids)))

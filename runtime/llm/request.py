@@ -37,12 +37,18 @@ class Request:
     rng: np.random.Generator | None = None
     # Incremental detokenization (engine-owned): output text so far, and the output offsets it was decoded at
     detok: tuple = ("", 0, 0)
+    argmax: bool = False  # greedy with no penalty: the next token is the logits' argmax (set from params)
+    # Set by Scheduler.add: the token ids that stop it (EOS unless ignored, stop_token_ids), and the length
+    # (prompt + output) at which it ends: max_tokens or the context cap
+    stop_ids: frozenset = frozenset()
+    end_len: int = 0
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         if self.rng is None:
             self.rng = np.random.default_rng(self.params.seed)
+        self.argmax = self.params.greedy and self.params.plain
 
     @property
     def num_prompt(self) -> int:

@@ -30,12 +30,12 @@ class StepRunner:
     def execute(self, out: SchedulerOutput) -> np.ndarray:
         """Run one scheduled step; logits [len(out.rows), V] of each row's last new token (for a runner
         that keeps its own buffer, valid until its next step)."""
+        kind = out.kind
+        if kind is StepKind.STEADY:  # (no copies in a steady step)
+            return self._decode_steady(out)
         for src, dst in out.copies:
             for pool in (*self.key_cache, *self.value_cache):
                 pool[dst] = pool[src]
-        kind = out.kind
-        if kind is StepKind.STEADY:
-            return self._decode_steady(out)
         if kind is StepKind.DECODE:
             return self._decode_rows(out)
         return self._mixed(out)

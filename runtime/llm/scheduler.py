@@ -104,6 +104,9 @@ class Scheduler:
     def add(self, req: Request) -> None:
         req.seq, self._seq = self._seq, self._seq + 1
         req.arrival_step = self.step_count
+        p = req.params
+        req.stop_ids = frozenset(p.stop_token_ids) | (frozenset() if p.ignore_eos else self.eos_ids)
+        req.end_len = min(len(req.prompt_ids) + p.max_tokens, req.max_total_tokens)
         req.status = Status.WAITING
         self.waiting.append(req)
 
@@ -228,10 +231,14 @@ class Scheduler:
                 intact = False  # (a prefill chunk: this is no steady decode)
                 continue
             req.token_ids.append(tok)
-            reason = self._stop_reason(req, tok)
-            if reason is not None:
-                self.finish(req, reason)
-                finished.append(req)
+            if tok in req.stop_ids:
+                reason = "stop"
+            elif len(req.token_ids) >= req.end_len:
+                reason = "length"
+            else:
+                continue
+            self.finish(req, reason)
+            finished.append(req)
         if finished or not intact or out.kind is StepKind.MIXED or self.waiting:
             self._end_run()
         elif out.kind is StepKind.DECODE:
@@ -253,12 +260,3 @@ class Scheduler:
         # Row r wrote position num_computed-1 in a private block (allocate_slots copied a shared one):
         # positions up to the block's end need no allocation.
         self._steady_left = min(-r.num_computed % self.kv.block_size for r in out.rows)
-
-    def _stop_reason(self, req: Request, tok: int) -> str | None:
-        p = req.params
-        if (tok in self.eos_ids and not p.ignore_eos) or tok in p.stop_token_ids:
-            return "stop"
-        n = len(req.token_ids)
-        if n - len(req.prompt_ids) >= p.max_tokens or n >= req.max_total_tokens:
-            return "length"
-        return None
