@@ -21,14 +21,16 @@ import hmac
 import ipaddress
 import re
 
-from fastapi import Request
+from fastapi import APIRouter, Request
 
-from precast.runtime.errors import InputError
-from precast.runtime.server.bodies import parse_json, v2_error
+from precast.runtime.server.bodies import parse_json
 from precast.runtime.server.config import is_loopback
 from precast.runtime.server.host import ReloadBusyError, ReloadError, ReloadKindError
+from precast.runtime.server.http_errors import HTTPError
 
-__all__ = ["add_admin_routes", "admin_denied"]
+__all__ = ["add_admin_routes", "check_admin", "router"]
+
+router = APIRouter()
 
 # Headers a reverse proxy (or a CDN) adds when it relays a request.
 FORWARDING_HEADERS = (
@@ -49,29 +51,28 @@ FORWARDING_HEADERS = (
 _LOCAL_FETCH_SITES = ("same-origin", "none")  # "none": typed into the address bar, not sent by a page
 
 
-def admin_denied(request: Request, config):
-    """None if this request may use the admin endpoints, else the 401/403 response saying why."""
+def check_admin(request: Request, config) -> None:
+    """Returns if this request may use the admin endpoints, else raises the 401/403 saying why."""
     token = config.admin_token
     if token is not None:
         auth = request.headers.get("authorization", "")
         given = auth[7:] if auth.lower().startswith("bearer ") else request.headers.get("x-admin-token", "")
         if not hmac.compare_digest(given.encode(), token.encode()):
-            return v2_error(401, "admin token missing or wrong (Authorization: Bearer <token>)")
-        return None
+            raise HTTPError(401, "admin token missing or wrong (Authorization: Bearer <token>)")
+        return
     if not is_loopback(config.host):
-        return v2_error(
+        raise HTTPError(
             403,
             "admin endpoints are disabled on a non-loopback bind without a token: "
             "start with --admin-token or PRECAST_ADMIN_TOKEN",
         )
     reason = _not_direct_and_local(request)
     if reason is not None:
-        return v2_error(
+        raise HTTPError(
             403,
             f"admin request refused: {reason}; without --admin-token admin endpoints answer only "
             "direct requests from this host",
         )
-    return None
 
 
 def _not_direct_and_local(request: Request) -> str | None:
@@ -117,64 +118,67 @@ def _host_part(host: str) -> str:
     return "" if m is None else (m["v6"] or m["name"])
 
 
-def _json_content_type_problem(request: Request, raw: bytes):
+def _check_json_content_type(request: Request, raw: bytes) -> None:
     """A body must be declared JSON: a browser sends that cross-site only after a CORS preflight, which
     this server never approves (text/plain and form posts need none)."""
     ctype = request.headers.get("content-type")
     media = ctype.split(";", 1)[0].strip().lower() if ctype is not None else None
     if (raw.strip() or media is not None) and media != "application/json":
-        return v2_error(
+        raise HTTPError(
             415,
             f"admin request body must be sent as application/json, got {ctype or 'no Content-Type'} "
             "(add -H 'Content-Type: application/json')",
         )
-    return None
 
 
-def add_admin_routes(app, state) -> None:
-    @app.post("/admin/reload")
-    async def admin_reload(request: Request):
-        if (err := admin_denied(request, state.config)) is not None:
-            return err
-        raw = await request.body()
-        if (err := _json_content_type_problem(request, raw)) is not None:
-            return err
-        path = None
-        if raw.strip():
-            try:
-                body = parse_json(raw)
-            except InputError as e:
-                return v2_error(400, str(e))
-            if not isinstance(body, dict) or not isinstance(body.get("path", ""), str):
-                return v2_error(400, 'reload body must be {"path": "<artifact dir>"} or empty')
-            path = body.get("path") or None
-        try:
-            served = await asyncio.to_thread(state.reload, path)
-        except (ReloadBusyError, ReloadKindError) as e:
-            return v2_error(409, str(e))
-        except ReloadError as e:
-            return v2_error(422, str(e))
-        return {
-            "ok": True,
-            "model": state.name,
-            "version": served.version,
-            "path": str(served.path),
-            "seconds": state.host.last_reload.get("seconds"),
-        }
+def _reload_path(request: Request, raw: bytes) -> str | None:
+    """The artifact a reload body names (None: the same path again); a malformed body is a 400 (InputError)."""
+    _check_json_content_type(request, raw)
+    if not raw.strip():
+        return None
+    body = parse_json(raw)
+    if not isinstance(body, dict) or not isinstance(body.get("path", ""), str):
+        raise HTTPError(400, 'reload body must be {"path": "<artifact dir>"} or empty')
+    return body.get("path") or None
 
-    @app.get("/admin/status")
-    async def admin_status(request: Request):
-        if (err := admin_denied(request, state.config)) is not None:
-            return err
-        served = state.host.current
-        return {
-            "model": state.name,
-            "version": served.version,
-            "kind": served.kind,
-            "path": str(served.path),
-            "digest": served.digest,
-            "target": served.model.target,
-            "last_reload": state.host.last_reload,
-            "queue_depth": state.batcher.depth,
-            "batches": state.batcher.batches,
-        }
+
+@router.post("/admin/reload")
+async def admin_reload(request: Request):
+    state = request.app.state.precast
+    check_admin(request, state.config)
+    path = _reload_path(request, await request.body())
+    try:
+        served = await asyncio.to_thread(state.reload, path)
+    except (ReloadBusyError, ReloadKindError) as e:
+        raise HTTPError(409, str(e)) from None
+    except ReloadError as e:
+        raise HTTPError(422, str(e)) from None
+    return {
+        "ok": True,
+        "model": state.name,
+        "version": served.version,
+        "path": str(served.path),
+        "seconds": state.host.last_reload.get("seconds"),
+    }
+
+
+@router.get("/admin/status")
+async def admin_status(request: Request):
+    state = request.app.state.precast
+    check_admin(request, state.config)
+    served = state.host.current
+    return {
+        "model": state.name,
+        "version": served.version,
+        "kind": served.kind,
+        "path": str(served.path),
+        "digest": served.digest,
+        "target": served.model.target,
+        "last_reload": state.host.last_reload,
+        "queue_depth": state.batcher.depth,
+        "batches": state.batcher.batches,
+    }
+
+
+def add_admin_routes(app, state=None) -> None:
+    app.include_router(router)
