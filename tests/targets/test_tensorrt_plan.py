@@ -123,7 +123,7 @@ def test_profile_syntax(text, msg):
     [
         ({"profile": "seq=1:2:3"}, "names dim 'seq'"),
         ({"profile": "batch=8:2:16"}, "MIN <= OPT <= MAX"),
-        ({"precision": "fp4"}, "precision must be one of"),
+        ({"precision": "fp4"}, "option .precision. must be one of fp32|fp16"),
     ],
 )
 def test_bad_options(mlp_path, tmp_path, opt, msg):
