@@ -23,6 +23,7 @@ __all__ = [
     "MANIFEST_NAME",
     "BUILD_INFO_NAME",
     "Manifest",
+    "MULTI_TARGET",
     "TensorSpec",
     "sha256_file",
     "read_manifest",
