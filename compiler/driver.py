@@ -210,6 +210,10 @@ class _Build:
         target, progress, timings = tp.make(), self.run.progress, self.run.timings
         self.targets.append(target)
         context = self.verifier.pass_context()
+        # A target that builds several static shapes (ort-qnn sequence buckets) re-runs the pipeline per shape
+        context.extra["run_pipeline"] = lambda feeds: PassManager(
+            list(tp.pipeline), context=dataclasses.replace(context, sample_feeds=feeds)
+        ).run(self.source.model)
         t0 = time.perf_counter()
         optimized = self.passes(tp, context)
         timings[f"{tp.name}:passes"] = time.perf_counter() - t0
