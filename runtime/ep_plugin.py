@@ -270,18 +270,30 @@ def create_plugin_session(root: Path, target: OrtBlock, threads: int | None = No
         if key != "session.disable_cpu_ep_fallback":  # always on for plugin EPs (set above)
             so.add_session_config_entry(str(key), str(value))
     so.add_session_config_entry("session.record_ep_graph_assignment_info", "1")
-    model_file = model_path(root, target)
-    try:
-        session = ort.InferenceSession(str(model_file), sess_options=so)
-    except Exception as e:
-        raise TargetUnavailableError(
-            f"artifact {root}: {ep} cannot load {model_file.name}: {first_line(e)}"
-        ) from e
-    assignment = node_assignment(session)
-    elsewhere = {k: v for k, v in assignment.items() if k != ep}
-    if elsewhere:
-        other, nodes = next(iter(elsewhere.items()))
-        raise TargetUnavailableError(
-            f"artifact {root}: {len(nodes)} node(s) are not on {ep} but on {other}: {', '.join(nodes[:5])}"
+
+    def open_one(model_file: Path, static_shapes) -> PluginSession:
+        try:
+            session = ort.InferenceSession(str(model_file), sess_options=so)
+        except Exception as e:
+            raise TargetUnavailableError(
+                f"artifact {root}: {ep} cannot load {model_file.name}: {first_line(e)}"
+            ) from e
+        assignment = node_assignment(session)
+        elsewhere = {k: v for k, v in assignment.items() if k != ep}
+        if elsewhere:
+            other, nodes = next(iter(elsewhere.items()))
+            raise TargetUnavailableError(
+                f"artifact {root}: {len(nodes)} node(s) are not on {ep} but on {other}: {', '.join(nodes[:5])}"
+            )
+        return PluginSession(session, ep, static_shapes, assignment)
+
+    buckets = getattr(target, "buckets", None)
+    if buckets:  # several static sequence lengths (ort-qnn): runtime/buckets.py picks one per call
+        from precast.runtime.buckets import BucketedSession, bucket_shapes
+
+        return BucketedSession.open(
+            root,
+            buckets,
+            lambda path, size: open_one(path, bucket_shapes(target.static_shapes, buckets, size)),
         )
-    return PluginSession(session, ep, target.static_shapes, assignment)
+    return open_one(model_path(root, target), target.static_shapes)
