@@ -43,6 +43,13 @@ class PinDims(Pass):
         if not feeds:
             raise PassFailedError("pin-dims needs the compile's sample feeds (it pins dims to their shapes)")
         graph = model.graph
+        # The symbolic shapes before pinning: a target that builds several sizes of one dim (ort-qnn sequence
+        # buckets) reads which axis of each input and output that dim is.
+        self.context.extra["symbolic_io"] = {
+            v.name: [d if isinstance(d, int) else d.value for d in v.shape]
+            for v in [*graph.inputs, *graph.outputs]
+            if v.shape is not None and v.name not in graph.initializers
+        }
         sizes: dict[str, int] = {}
         pinned_inputs = 0
         for value in graph.inputs:

@@ -26,6 +26,7 @@ feeds. A pipeline that already quantizes (a ``quantize-int8{mode=static,format=q
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import logging
 import re
@@ -134,11 +135,19 @@ class OrtQnn(Target):
         soc_model: str = field(default="0", metadata={"help": "QNN SoC model (0: let QNN pick; 57 = SM8550)"})
         shapes: str = field(default="", metadata={"help": "NAME=2x8;... (default: the sample feeds' shapes)"})
         timeout_s: int = field(default=900, metadata={"help": "seconds per vendor step in its child process"})
+        buckets: str = field(
+            default="",
+            metadata={
+                "help": "sequence lengths, e.g. 64,128: one static model each; the runtime runs the smallest that fits"
+            },
+        )
+        bucket_dim: str = field(default="sequence", metadata={"help": "the symbolic input dim buckets size"})
 
     def check_options(self) -> None:
         if self.options["weights"] == "int16" and self.options["activations"] == "u8":
             raise UsageError("target 'ort-qnn': weights=int16 needs activations=u16 (the HTP has no A8W16)")
         parse_shapes(self.options["shapes"])
+        self._bucket_sizes()
 
     @classmethod
     def can_build(cls) -> Availability:
@@ -150,6 +159,71 @@ class OrtQnn(Target):
         return cls.can_build()
 
     def build(self, model: ir.Model, out_dir: Path) -> QnnBlock:
+        sizes = self._bucket_sizes()
+        if not sizes:
+            return self._build_one(model, out_dir, "model.onnx")
+        dim = self.options["bucket_dim"]
+        axes = self._bucket_axes(dim)
+        inputs = {k: a for k, a in axes.items() if k in (self.context.sample_feeds or {})}
+        outputs = {k: a for k, a in axes.items() if k not in inputs}
+        context, blocks, models = self.context, {}, {}
+        try:
+            for size in sizes:
+                models[size] = "model.onnx" if size == sizes[-1] else f"model_{dim}{size}.onnx"
+                self.context = _context_at(context, inputs, size)
+                pinned = self._pinned_size(model, inputs)
+                at_size = (
+                    model if pinned == size else context.extra["run_pipeline"](self.context.sample_feeds)
+                )
+                blocks[size] = self._build_one(at_size, out_dir, models[size])
+        finally:
+            self.context = context
+        block = blocks[sizes[-1]]
+        buckets = {
+            "dim": dim,
+            "sizes": sizes,
+            "models": {str(s): models[s] for s in sizes},
+            "inputs": inputs,
+            "outputs": outputs,
+            "placement": {str(s): blocks[s].placement for s in sizes},
+        }
+        notes = [*block.notes, f"sequence buckets {sizes} ({dim}): one EP-context model each"]
+        return dataclasses.replace(block, buckets=buckets, notes=notes)
+
+    def _bucket_sizes(self) -> list[int]:
+        text = str(self.options["buckets"]).strip()
+        if not text:
+            return []
+        try:
+            sizes = sorted({int(s) for s in text.replace(";", ",").split(",") if s.strip()})
+        except ValueError:
+            sizes = []
+        if not sizes or sizes[0] < 1:
+            raise UsageError(f"target 'ort-qnn' option buckets: expected sizes like 64,128, got '{text}'")
+        return sizes
+
+    def _bucket_axes(self, dim: str) -> dict[str, int]:
+        """Input / output name -> the axis of symbolic dim ``dim`` (read by pin-dims before it pinned)."""
+        io = (self.context.extra if self.context else {}).get("symbolic_io")
+        if io is None or "run_pipeline" not in self.context.extra:
+            raise UsageError("target 'ort-qnn' option buckets needs a pipeline that starts with pin-dims")
+        axes = {name: shape.index(dim) for name, shape in io.items() if dim in shape}
+        if not any(name in (self.context.sample_feeds or {}) for name in axes):
+            dims = sorted({d for shape in io.values() for d in shape if isinstance(d, str)})
+            raise UsageError(
+                f"target 'ort-qnn' option buckets: no input has a dim '{dim}' (symbolic dims: "
+                f"{', '.join(dims) or 'none'}); pick one with --target-option bucket_dim=NAME"
+            )
+        return axes
+
+    @staticmethod
+    def _pinned_size(model: ir.Model, inputs: dict[str, int]) -> int | None:
+        for value in model.graph.inputs:
+            if value.name in inputs and value.shape is not None:
+                return value.shape[inputs[value.name]]
+        return None
+
+    def _build_one(self, model: ir.Model, out_dir: Path, filename: str) -> QnnBlock:
         proto = ir.serde.serialize_model(model)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             tmpdir = Path(tmp)
@@ -161,10 +235,10 @@ class OrtQnn(Target):
             proto = _fix_shapes(proto, shapes)
             onnx.save(proto, tmpdir / "static_qdq.onnx")
             placement = self._check_placement(tmpdir / "static_qdq.onnx")
-            self._compile(tmpdir / "static_qdq.onnx", out_dir / "model.onnx")
+            self._compile(tmpdir / "static_qdq.onnx", out_dir / filename)
         return QnnBlock(
             name=self.name,
-            model="model.onnx",
+            model=filename,
             providers=[EP],
             device="npu",
             precision=self.precision,
@@ -389,6 +463,17 @@ def _precision(q: dict) -> str:
     if "activations" not in q:
         return ""
     return f" ({q['activations']} activations, {q['weights']} weights)"
+
+
+def _context_at(context, inputs: dict[str, int], size: int):
+    """The pass context at one bucket size: sample and calibration feeds padded (mask 0) or cut to ``size``."""
+    from precast.runtime.buckets import pad_to
+
+    def at(feeds: dict) -> dict:
+        return {k: pad_to(np.asarray(v), inputs[k], size) if k in inputs else v for k, v in feeds.items()}
+
+    calibration = [at(f) for f in context.calibration_feeds] if context.calibration_feeds else None
+    return dataclasses.replace(context, sample_feeds=at(context.sample_feeds), calibration_feeds=calibration)
 
 
 def _fix_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:

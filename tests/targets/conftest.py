@@ -48,11 +48,14 @@ EVAL_SENTENCES = (
 
 @pytest.fixture(scope="session")
 def minilm_multi(minilm_dir, tmp_path_factory):
-    """all-MiniLM-L6-v2 (real weights) compiled once for ort-cpu + ort-qnn (seq 64), default budget (~90 s)."""
+    """all-MiniLM-L6-v2 (real weights) compiled once for ort-cpu + ort-qnn with sequence buckets 64 and 128,
+    batch 1, the default budget (~150 s)."""
     pytest.importorskip("onnxruntime_qnn")
     from precast.compiler.driver import CompileOptions, compile_model
 
     out = tmp_path_factory.mktemp("minilm") / "art"
-    opts = CompileOptions(targets=["ort-cpu", "ort-qnn"], dims={"batch": 1, "sequence": 64})
+    opts = CompileOptions(
+        targets=["ort-cpu", "ort-qnn"], dims={"batch": 1}, target_options={"buckets": "64,128"}
+    )
     result = compile_model(str(minilm_dir), out, opts)
     return out, result

@@ -40,30 +40,73 @@ def test_minilm_every_node_on_the_htp(minilm_multi):
     assert block["placement"]["nodes"] > 500
     q = block["quantization"]
     assert q["activations"] == "uint16" and q["calibration"].startswith("built-in sentences")
+    assert (
+        block["buckets"]["sizes"] == [64, 128] and block["buckets"]["models"]["64"] == "model_sequence64.onnx"
+    )
+    assert block["buckets"]["placement"]["64"] == {
+        "on_htp": block["placement"]["on_htp"],
+        "nodes": block["placement"]["nodes"],
+    }
     assert 0 < len(q["int16_weights"]) < 12  # the outlier weights only, not all 37
 
 
-def test_minilm_embeddings_match_hugging_face_on_real_sentences(minilm_multi, minilm_dir):
+def _text_feeds(tok, text: str) -> dict[str, np.ndarray]:
+    e = tok.encode(text)  # unpadded: the runtime pads to its bucket
+    return {
+        "input_ids": np.array([e.ids], np.int64),
+        "attention_mask": np.array([e.attention_mask], np.int64),
+        "token_type_ids": np.array([e.type_ids], np.int64),
+    }
+
+
+@pytest.fixture(scope="module")
+def minilm(minilm_multi, minilm_dir):
     from tokenizers import Tokenizer
 
-    tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
-    tok.enable_padding(length=64)
     hf = transformers.AutoModel.from_pretrained(str(minilm_dir), local_files_only=True).eval()
-    qnn = load(minilm_multi[0] / "ort-qnn")
+    tok = Tokenizer.from_file(str(minilm_dir / "tokenizer.json"))
+    tok.no_padding()  # its tokenizer.json pads to 128 and truncates: the runtime's buckets must do the padding
+    tok.no_truncation()
+    return tok, hf, load(minilm_multi[0] / "ort-qnn")
+
+
+def _embedding_cosine(hf, qnn, feeds) -> float:
+    with torch.no_grad():
+        want = hf(**{k: torch.from_numpy(v) for k, v in feeds.items()}).last_hidden_state.numpy()
+    got = qnn.run(feeds)["last_hidden_state"]
+    assert got.shape == want.shape  # sliced back from the bucket to the input's length
+    mask = feeds["attention_mask"]
+    return cosine(_mean_pool(want, mask), _mean_pool(got, mask))
+
+
+def test_minilm_embeddings_match_hugging_face_on_real_sentences(minilm):
+    tok, hf, qnn = minilm
     cosines = []
     for sentence in EVAL_SENTENCES:
-        e = tok.encode(sentence)
-        feeds = {
-            "input_ids": np.array([e.ids], np.int64),
-            "attention_mask": np.array([e.attention_mask], np.int64),
-            "token_type_ids": np.array([e.type_ids], np.int64),
-        }
-        n = int(feeds["attention_mask"].sum())
-        with torch.no_grad():  # the HF model on the unpadded sentence
-            want = hf(**{k: torch.from_numpy(v[:, :n]) for k, v in feeds.items()}).last_hidden_state.numpy()
-        got = qnn.run(feeds)["last_hidden_state"]
-        cosines.append(cosine(_mean_pool(want, np.ones((1, n))), _mean_pool(got, feeds["attention_mask"])))
+        feeds = _text_feeds(tok, sentence)
+        assert 8 <= feeds["input_ids"].shape[1] <= 20
+        cosines.append(_embedding_cosine(hf, qnn, feeds))
+        assert qnn._session.last_bucket == 64  # the smallest bucket that fits
     assert min(cosines) >= 0.99, cosines
+
+
+def test_minilm_longer_input_runs_the_128_bucket(minilm):
+    tok, hf, qnn = minilm
+    feeds = _text_feeds(tok, " ".join(EVAL_SENTENCES))
+    assert 64 < feeds["input_ids"].shape[1] <= 128
+    assert _embedding_cosine(hf, qnn, feeds) >= 0.99 and qnn._session.last_bucket == 128
+
+
+def test_minilm_input_longer_than_every_bucket_is_refused(minilm):
+    from precast.runtime.errors import InputError
+
+    tok, _, qnn = minilm
+    feeds = _text_feeds(tok, " ".join(EVAL_SENTENCES * 2))
+    n = feeds["input_ids"].shape[1]
+    with pytest.raises(
+        InputError, match=rf"sequence length {n} is longer than this artifact's largest bucket \(128\)"
+    ):
+        qnn.run(feeds)
 
 
 _TINY = dict(
