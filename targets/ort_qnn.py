@@ -107,7 +107,8 @@ def parse_shapes(text: str) -> dict[str, list[int]]:
 @register_target("ort-qnn")
 class OrtQnn(Target):
     summary = (
-        "Qualcomm NPU (HTP) via the onnxruntime-qnn EP plugin: static INT8 QDQ, EP-context compiled offline"
+        "Qualcomm NPU (HTP) via the onnxruntime-qnn EP plugin: static A16W8 QDQ, EP-context compiled offline, "
+        "sequence buckets"
     )
     # Static graph (pin dims, fold the shape arithmetic), then lower what the HTP refuses; the build quantizes.
     # limit=1000: a finite attention-mask fill (-3.4e38 would take the whole range of the scores' scale;
