@@ -42,19 +42,18 @@ class _TimedSession:
     def __getattr__(self, name):
         return getattr(self._inner, name)
 
-    def run(self, *args, **kwargs):
+    def _timed(self, fn, *args, **kwargs):
         t0 = time.perf_counter()
         try:
-            return self._inner.run(*args, **kwargs)
+            return fn(*args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - t0
 
+    def run(self, *args, **kwargs):
+        return self._timed(self._inner.run, *args, **kwargs)
+
     def run_with_iobinding(self, *args, **kwargs):
-        t0 = time.perf_counter()
-        try:
-            return self._inner.run_with_iobinding(*args, **kwargs)
-        finally:
-            self.seconds += time.perf_counter() - t0
+        return self._timed(self._inner.run_with_iobinding, *args, **kwargs)
 
 
 class _FreeRunner:

@@ -31,10 +31,15 @@ def llama(llama_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def expected(llama, llama_dir):
+    return _hf_tokens(llama, llama_dir)
+
+
+def _hf_tokens(artifact, folder) -> dict[str, list[int]]:
+    """Hugging Face generate()'s greedy tokens for each of TEXTS, tokenized by the artifact's tokenizer."""
     from tests.llm.test_causal_lm import hf_greedy
 
-    tok = Engine.load(llama, num_blocks=8).tokenizer
-    return {t: hf_greedy(llama_dir, tok.encode(t), NEW) for t in TEXTS}
+    tok = Engine.load(artifact, num_blocks=8).tokenizer
+    return {t: hf_greedy(folder, tok.encode(t), NEW) for t in TEXTS}
 
 
 @pytest.mark.slow
@@ -77,10 +82,7 @@ def gpt2(tiny_gpt2_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def gpt2_expected(gpt2, tiny_gpt2_dir):
-    from tests.llm.test_causal_lm import hf_greedy
-
-    tok = Engine.load(gpt2, num_blocks=8).tokenizer
-    return {t: hf_greedy(tiny_gpt2_dir, tok.encode(t), NEW) for t in TEXTS}
+    return _hf_tokens(gpt2, tiny_gpt2_dir)
 
 
 @pytest.mark.slow
