@@ -1,4 +1,4 @@
-"""ort-qnn: static INT8 QDQ -> QNN EP-context model, run on x86 through HTP emulation, checked against fp32."""
+"""ort-qnn: static QDQ (A16W8 by default) -> QNN EP-context model, run on x86 through HTP emulation, checked against fp32."""
 
 import json
 import time
