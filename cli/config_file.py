@@ -84,10 +84,29 @@ def _value(cfg: Path, table: str, key: str, option: click.Option, value: object)
         if not isinstance(value, list):
             raise UsageError(f"{where} must be a list (it is repeatable: {option.opts[-1]})")
         value = [str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v for v in value]
+        for i, v in enumerate(value):
+            _check_kind(f"{where}[{i}]", option, v)
+    else:
+        _check_kind(where, option, value)
     try:
         return option.type_cast_value(click.Context(click.Command(key)), value)
     except click.BadParameter as e:
         raise UsageError(f"{where}: {e.format_message()}") from None
+
+
+def _check_kind(where: str, option: click.Option, value: object) -> None:
+    """The TOML value is of the option's kind: click would cast true to 1.0 for a float and fail inside
+    on 5 for a path, so a value of another kind is refused here, naming the key."""
+    kind = option.type
+    if isinstance(kind, click.types.BoolParamType):
+        ok, want = isinstance(value, bool), "true or false"
+    elif isinstance(kind, (click.types.FloatParamType, click.types.IntParamType)):
+        ok, want = isinstance(value, (int, float)) and not isinstance(value, bool), "a number"
+    else:  # strings, paths, choices
+        ok, want = isinstance(value, str), "a string"
+    if not ok:
+        got = {bool: str(value).lower(), list: "a list", dict: "a table"}.get(type(value), repr(value))
+        raise UsageError(f"{where} must be {want}, got {got}")
 
 
 def _load(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:

@@ -68,6 +68,12 @@ def test_values_take_the_option_type(compile_cmd, tmp_path):
         ("[compile]\ntarget = 'ort-cpu'\n", ["target must be a list"]),
         ("[compile]\natol = 1\nrtol = 1\nrtol = 2\n", ["invalid TOML"]),
         ("[compile]\ntarget = ['a']\ntargets = ['b']\n", ["twice"]),
+        # a TOML value of the wrong kind: not cast (true is not atol 1.0), not an internal error
+        ("[compile]\natol = true\n", ["[compile] atol must be a number, got true"]),
+        ("[compile]\nquiet = 1\n", ["[compile] quiet must be true or false, got 1"]),
+        ("[compile]\nreport = 5\n", ["[compile] report must be a string, got 5"]),
+        ("[compile]\npasses = ['fold-constants']\n", ["[compile] passes must be a string, got a list"]),
+        ("[compile]\ntarget = ['ort-cpu', true]\n", ["[compile] target[1] must be a string, got true"]),
     ],
 )
 def test_mistakes_name_the_file_and_key(compile_cmd, tmp_path, body, needles):
