@@ -170,4 +170,6 @@ def test_bert_family_matches_hugging_face_on_padded_inputs(tiny_qnn):
         with torch.no_grad():
             want = model(**{k: torch.from_numpy(v[:, :length]) for k, v in feeds.items()}).last_hidden_state
         got = qnn.run(feeds)["last_hidden_state"][:, :length]
-        assert cosine(want.numpy(), got) >= 0.99, (length, cosine(want.numpy(), got))
+        # 0.999, not the 0.99 budget: these near-uniform random attentions hide a broken mask from 0.99
+        # (A8W8 with the -3.4e38 fill, the old default, gives 0.993 here; A16W8 0.9998)
+        assert cosine(want.numpy(), got) >= 0.999, (length, cosine(want.numpy(), got))
