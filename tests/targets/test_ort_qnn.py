@@ -87,6 +87,8 @@ def test_budget_can_fail(mlp_path, tmp_path):
         ({"activations": "u4"}, "activations"),
         ({"weights": "fp8"}, "weights"),
         ({"activations": "u8", "weights": "int16"}, "weights=int16 needs activations=u16"),
+        ({"buckets": "6x"}, "option buckets: expected sizes like 64,128, got '6x'"),
+        ({"buckets": "4,8"}, r"no input has a dim 'sequence' \(symbolic dims: batch\)"),
     ],
 )
 def test_bad_options(mlp_path, tmp_path, opt, msg):
