@@ -174,14 +174,16 @@ def _check_parity(parity: dict, where: str) -> None:
     for key in ("inputs", "expected"):
         if key in parity and not isinstance(parity[key], dict):
             raise ArtifactError(f"{where}: 'parity.{key}' must map tensor names to stored files")
-    tol = parity.get("tolerance")
-    if tol is not None:
+    if "tolerance" in parity:
+        tol = parity["tolerance"]
         if not isinstance(tol, dict) or set(tol) - _TOLERANCE_KEYS:
             raise ArtifactError(
                 f"{where}: 'parity.tolerance' must be an object with keys {sorted(_TOLERANCE_KEYS)}"
             )
-        for k, v in tol.items():
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+        for k, v in tol.items():  # atol / rtol null: no elementwise bound (runtime/verify.Tolerance)
+            if (v is not None or k == "min_cosine") and (
+                isinstance(v, bool) or not isinstance(v, (int, float))
+            ):
                 raise ArtifactError(f"{where}: 'parity.tolerance.{k}' must be a number")
 
 

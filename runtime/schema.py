@@ -6,7 +6,7 @@ missing (ArtifactError, exit 3, naming the key and ``where``: ``manifest.json: t
 unknown key 'ort_levle'``); ``to_json()`` gives the object back as it was written.
 
 Optional fields default to None, which means "absent": ``to_json`` leaves them out, so a record written
-and read back is the same JSON (artifacts stay byte-identical). A record whose every key is always written
+and read back is the same JSON (artifacts stay byte-identical); a key written as null is refused. A record whose every key is always written
 (the ``llm`` block) sets ``WRITE_NONE = True``.
 
 Free-form parts (the source's info, pass stats, the parity report, vendor settings) stay ``dict``: the
@@ -49,6 +49,9 @@ class Record:
         values = {}
         for f in dataclasses.fields(cls):  # type: ignore[arg-type]
             if f.name in obj:
+                if obj[f.name] is None and not cls.WRITE_NONE:  # absent keys are left out, never null
+                    want = _describe(_without_null(hints[f.name]))
+                    raise ArtifactError(f"{where}: '{path}{f.name}' must be {want}, got null")
                 parse = cls.field_parser(f.name)
                 values[f.name] = (
                     parse(obj[f.name], where)
@@ -97,6 +100,13 @@ def _hints(cls: type) -> dict[str, Any]:
 
 def type_name(value: object) -> str:
     return "null" if value is None else type(value).__name__
+
+
+def _without_null(tp: Any) -> Any:
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return args[0] if len(args) == 1 else Union[tuple(args)]
+    return tp
 
 
 def _describe(tp: Any) -> str:
@@ -187,8 +197,8 @@ class TensorSpec(Record):
 class IOSignature(Record):
     """The model's inputs and outputs, in order."""
 
-    inputs: tuple[TensorSpec, ...] = ()
-    outputs: tuple[TensorSpec, ...] = ()
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
 
 
 @dataclass(frozen=True)

@@ -178,6 +178,19 @@ CASES = {
         _set("io.inputs", [{"name": "x", "dtype": 1, "shape": None}]),
         "'io.inputs[0].dtype' must be a string",
     ),
+    # null is not "absent": the old runtime refused these, the typed schema read them as the default
+    "target-null": (_set("target.model", None), "target block 'ort-cpu': 'model' must be a string, got null"),
+    "session-null": (
+        _set("target.session.graph_optimization_level", None),
+        "'session.graph_optimization_level' must be a string, got null",
+    ),
+    "io-empty": (_set("io", {}), "manifest.json: missing required key 'io.inputs'"),
+    # were internal errors (TypeError) in precast verify
+    "tolerance-null": (_set("parity.tolerance", None), "'parity.tolerance' must be an object"),
+    "min-cosine-null": (
+        _set("parity.tolerance.min_cosine", None),
+        "'parity.tolerance.min_cosine' must be a number",
+    ),
 }
 
 
@@ -190,7 +203,10 @@ def test_a_wrong_key_is_an_artifact_error_naming_it(artifact, tmp_path, case):
     assert message in str(e.value) and str(e.value).startswith(str(art))
 
 
-@pytest.mark.parametrize("case", ["top-unknown", "target-unknown", "llm-unknown", "target-type"])
+@pytest.mark.parametrize(
+    "case",
+    ["top-unknown", "target-unknown", "llm-unknown", "target-type", "tolerance-null", "min-cosine-null"],
+)
 def test_precast_verify_exits_3_naming_the_key(artifact, tmp_path, case):
     change, message = CASES[case]
     art = _edited(artifact, tmp_path, change)
