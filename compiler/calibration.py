@@ -142,7 +142,7 @@ def calibration_batches(
     if not feeds:
         if not sample:
             raise UsageError("this pass needs calibration data: pass --calibration feeds.npz")
-        feeds, source = [sample], "sample-feeds"
+        feeds, source = [sample, *_padded_copy(sample)], "sample-feeds"
     checked = []
     for i, batch in enumerate(feeds):
         try:
@@ -150,6 +150,19 @@ def calibration_batches(
         except InputError as e:
             raise InputError(f"calibration batch {i}: {e}") from e
     return checked, source
+
+
+def _padded_copy(sample: dict) -> list[dict[str, np.ndarray]]:
+    """[the sample feeds with the trailing half of each attention_mask row 0] (or [] without such a mask).
+
+    Generated sample masks are all ones: calibrated on them alone, the attention-mask fill never shows in
+    the activation ranges (a zero-width range, which QNN's HTP finalize refuses; elsewhere a clipped fill)."""
+    mask = sample.get("attention_mask")
+    if mask is None or np.ndim(mask) != 2 or np.shape(mask)[1] < 2 or not np.all(np.asarray(mask) == 1):
+        return []
+    padded = np.array(mask, copy=True)
+    padded[:, (padded.shape[1] + 1) // 2 :] = 0
+    return [{**sample, "attention_mask": padded}]
 
 
 def _static_shapes(inputs: Sequence[TensorSpec], sample: dict | None) -> dict[str, tuple[int, ...]]:

@@ -269,7 +269,8 @@ class OrtQnn(Target):
         how = {
             "calibration": f"calibration data ({len(batches)} batches)",
             "calibration-sentences": f"built-in sentences, tokenized and padded ({len(batches)} batches)",
-            "sample-feeds": "sample feeds (1 batch; pass --calibration for representative ranges)",
+            "sample-feeds": f"sample feeds ({len(batches)} batches, a padded mask copy included; "
+            "pass --calibration for representative ranges)",
         }
         return batches, how.get(source, source)
 

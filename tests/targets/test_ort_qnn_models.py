@@ -150,9 +150,15 @@ def tiny_qnn(request, tmp_path_factory):
     model = _tiny(request.param)
     model.save_pretrained(root / "hf")
     rng = np.random.default_rng(1)
-    # Calibration with padded rows: the mask's fill must be inside the calibrated range of the scores.
+    # roberta: user calibration data with padded rows. bert: none, so the generated sample feeds (mask all
+    # ones) plus their padded copy: without that copy the mask fill had a zero-width range and QNN's
+    # finalize failed (QNN_COMMON_ERROR_MEM_ALLOC).
     calib = [_padded(rng, request.param, int(rng.integers(4, SEQ + 1))) for _ in range(16)]
-    opts = CompileOptions(targets=["ort-qnn"], dims={"batch": 1, "sequence": SEQ}, calibration_feeds=calib)
+    opts = CompileOptions(
+        targets=["ort-qnn"],
+        dims={"batch": 1, "sequence": SEQ},
+        calibration_feeds=calib if request.param == "roberta" else None,
+    )
     compile_model(str(root / "hf"), root / "art", opts)
     return request.param, model, root / "art"
 
