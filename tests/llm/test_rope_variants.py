@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from tests.llm.fixtures import build_llama
+from tests.llm.fixtures import build_causal_lm, build_llama
 from tests.llm.test_causal_lm import hf_greedy
 from tests.llm.test_generic_decoders import NEW_TOKENS, TEXTS
 
@@ -45,6 +45,7 @@ CASES = [
     ("llama", "dynamic", "paged", "paged"),  # rotary in the graph: the frequency update must be skipped
     ("mistral", "longrope", "paged", "paged"),
     ("qwen2", "yarn", "paged", "generic"),  # use_sliding_window + paged: the generic path
+    ("phi3", "longrope", None, "generic"),  # Phi-3's own rope type, on the generic path
 ]
 
 
@@ -61,7 +62,15 @@ def rope_dirs(tmp_path_factory):
                 extra = {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 0}
             params = {**ROPES[rope], "rope_theta": 10000.0}
             folder = root / f"{model_type}-{rope}"
-            cache[key] = build_llama(folder, seed=5, model_type=model_type, rope_parameters=params, **extra)
+            if model_type == "phi3":
+                # Phi3Config keeps its own top-level original_max_position_embeddings (default 4096)
+                cache[key] = build_causal_lm(
+                    folder, "phi3", seed=5, rope_parameters=params, original_max_position_embeddings=128
+                )
+            else:
+                cache[key] = build_llama(
+                    folder, seed=5, model_type=model_type, rope_parameters=params, **extra
+                )
         return cache[key]
 
     return get
