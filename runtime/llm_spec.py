@@ -14,6 +14,7 @@ if TYPE_CHECKING:
 __all__ = ["LLMSpec", "KV_LAYOUTS"]
 
 KV_LAYOUTS = ("paged", "mapped")
+_INT32_MAX = 2**31 - 1
 _SIZES = ("layers", "heads", "kv_heads", "head_size", "hidden", "vocab", "max_context", "block_size")
 
 
@@ -61,6 +62,12 @@ class LLMSpec(Record):
                 raise ArtifactError(
                     f"{where}: {name} must be a positive integer, got {getattr(self, name)!r}"
                 )
+        # sizes and ids go into int32/int64 arrays: a larger JSON integer was an OverflowError at load
+        ids = {"pad_id": self.pad_id, "bos_id": self.bos_id or 0}
+        ids.update({f"eos_ids[{i}]": e for i, e in enumerate(self.eos_ids)})
+        for name, value in [*((n, getattr(self, n)) for n in _SIZES), *ids.items()]:
+            if abs(value) > _INT32_MAX:
+                raise ArtifactError(f"{where}: {name} must be at most {_INT32_MAX}, got {value}")
         if (
             self.kv_layout not in KV_LAYOUTS
             or len(self.kv_inputs) != self.layers

@@ -185,6 +185,12 @@ CASES = {
         "'session.graph_optimization_level' must be a string, got null",
     ),
     "io-empty": (_set("io", {}), "manifest.json: missing required key 'io.inputs'"),
+    # was an OverflowError when the engine sized its arrays
+    "llm-huge": (
+        _set("llm", tiny_llm_block(block_size=10**30)),
+        "llm block: block_size must be at most 2147483647",
+    ),
+    "llm-huge-id": (_set("llm", tiny_llm_block(eos_ids=[2, 2**63])), "llm block: eos_ids[1] must be at most"),
     # were internal errors (TypeError) in precast verify
     "tolerance-null": (_set("parity.tolerance", None), "'parity.tolerance' must be an object"),
     "min-cosine-null": (
