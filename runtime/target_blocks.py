@@ -4,15 +4,15 @@
 chooses code): ``onnxruntime`` -> ``OrtBlock`` (``QnnBlock`` for the ``ort-qnn`` target, ``TritonBlock``
 for ``triton``), ``openvino`` -> ``OpenVINOBlock``, ``tensorrt`` / ``tensorrt-plan`` -> ``TensorRTBlock``;
 a multi-target index's ``{"name": "multi"}`` is an ``IndexTargetBlock``. A backend this runtime does not
-know reads as a bare ``TargetBlock`` (keys beyond the common ones refused, exit 3) and fails at load with
-"not supported by this runtime" (exit 4).
+know reads as a bare ``TargetBlock`` and fails at load with "not supported by this runtime" (exit 4); one
+with keys beyond the common ones fails so when read (they are that backend's, or a misspelt backend's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
-from precast.runtime.errors import ArtifactError
+from precast.runtime.errors import ArtifactError, TargetUnavailableError
 from precast.runtime.schema import Record, type_name
 
 __all__ = [
@@ -176,6 +176,12 @@ def target_block_from_json(obj: object, where: str) -> TargetBlock | IndexTarget
     if name == INDEX_TARGET and "backend" not in obj:
         return IndexTargetBlock.from_json(obj, block_where)
     cls = _BY_BACKEND.get(backend, TargetBlock)
+    if cls is TargetBlock and set(obj) - {f.name for f in fields(TargetBlock)}:
+        # its keys belong to a backend this runtime lacks (or a misspelt one): name the backend, not a key
+        raise TargetUnavailableError(
+            f"{block_where}: backend '{backend}' is not supported by this runtime "
+            f"(known: {', '.join(sorted(_BY_BACKEND))})"
+        )
     if cls is OrtBlock:
         cls = _ORT_BY_TARGET.get(name, OrtBlock)
     return cls.from_json(obj, block_where)

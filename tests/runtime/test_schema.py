@@ -223,6 +223,19 @@ def test_precast_verify_exits_3_naming_the_key(artifact, tmp_path, case):
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.parametrize("backend", ["onnxruntme", "coreml"])
+def test_an_unknown_backend_is_exit_4_naming_it_not_a_key(artifact, tmp_path, backend):
+    """A misspelt backend (or a newer precast's) under an ort block: the old runtime said the backend is not
+    supported (exit 4); the typed schema said "unknown key 'providers'" (exit 3), naming the wrong culprit."""
+    art = _edited(artifact, tmp_path, _set("target.backend", backend))
+    proc = subprocess.run(
+        [sys.executable, "-m", "precast", "verify", str(art)], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 4, proc.stderr
+    assert f"backend '{backend}' is not supported by this runtime" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 def test_backends_register_every_backend_precast_writes(artifact, tmp_path):
     """The registry holds exactly precast's own backends; an unknown one is refused, never imported."""
     create_session(artifact, read_manifest(artifact).target, 1)  # fills the registry
