@@ -138,6 +138,15 @@ class Manifest(Record):
     def is_multi_target(self) -> bool:
         return self.kind == MULTI_TARGET
 
+    def __getitem__(self, key: str):
+        """``manifest["files"]``: the key's JSON value, as the previous release's ``read_manifest`` (a dict)
+        gave it. Code shipped inside artifacts it wrote reads it so (the Triton target's model.py), and
+        runs against whatever precast the serving host has."""
+        return self.to_json()[key]
+
+    def get(self, key: str, default=None):
+        return self.to_json().get(key, default)
+
     def target_dirs(self) -> dict[str, str]:
         """Target name -> its sub-artifact folder (a multi-target index; empty otherwise)."""
         return {name: e.dir if e.dir is not None else name for name, e in (self.targets or {}).items()}

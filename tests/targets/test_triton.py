@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 import types
 from pathlib import Path
@@ -17,6 +18,7 @@ from onnx import TensorProto, helper
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import load
 from precast.runtime.errors import UsageError
+from precast.runtime.manifest import dump_json, sha256_file
 from precast.targets import get_target
 from tests.helpers import make_model, ort_run, save, tiny_mlp
 from tests.targets.pbtxt import one, parse
@@ -225,6 +227,25 @@ def test_python_model_batches_requests_and_isolates_a_bad_one(art, pb_utils, rng
     assert "expected dtype float32" in responses[3].error and "'x'" in responses[3].error
     assert responses[4].error == "missing input 'x'"
     load(art)  # the artifact is still exactly what the manifest lists (no __pycache__ left beside model.py)
+
+
+def test_python_model_of_the_previous_release_runs_on_this_runtime(art, pb_utils, tmp_path, rng):
+    """A Triton artifact's model.py runs against the serving host's precast. The previous release's reads
+    the manifest as a dict (read_manifest(root)["files"]); the typed Manifest broke it (TypeError)."""
+    old = tmp_path / "old"
+    shutil.copytree(art, old)
+    rel = "model_repository/mlp_precast/1/model.py"
+    text = (old / rel).read_text()
+    assert "read_manifest(root).files.items()" in text
+    (old / rel).write_text(text.replace(".files.items()", '["files"].items()'))  # as 10513b7 wrote it
+    manifest = json.loads((old / "manifest.json").read_text())
+    manifest["files"][rel] = sha256_file(old / rel)
+    dump_json(manifest, old / "manifest.json")
+    instance = _load_python_model(old, "mlp_precast")
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    (response,) = instance.execute([_Request(x=x)])
+    assert response.error is None
+    np.testing.assert_allclose(response.outputs["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.slow
