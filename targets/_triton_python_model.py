@@ -29,7 +29,7 @@ def _verify(root: Path) -> None:
     from precast.runtime.errors import IntegrityError
     from precast.runtime.manifest import read_manifest, sha256_file
 
-    for rel, digest in sorted(read_manifest(root).files.items()):
+    for rel, digest in sorted(read_manifest(root)["files"].items()):
         path = root / rel
         if not path.is_file() or sha256_file(path) != digest:
             raise IntegrityError(f"artifact {root}: file '{rel}' is missing or was modified")
