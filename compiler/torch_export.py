@@ -121,7 +121,19 @@ def dynamo_export(module, args: tuple, progress: ProgressReporter = SILENT, **ex
     model.graph.name = model.graph.name or "main"
     model.metadata_props.clear()
     model.graph.metadata_props.clear()
+    _drop_stack_traces(model)
     return model
+
+
+def _drop_stack_traces(model) -> None:
+    """Remove the exporter's per-node Python stack traces: they hold absolute source paths (where precast and
+    transformers are installed), so the same model compiled from two installs gave different bytes."""
+    import onnx_ir as ir
+
+    graphs = [model.graph, *model.functions.values()]
+    for graph in graphs:
+        for node in ir.traversal.RecursiveGraphIterator(graph):
+            node.metadata_props.pop("pkg.torch.onnx.stack_trace", None)
 
 
 def _by_keyword(module, names: Sequence[str]) -> bool:

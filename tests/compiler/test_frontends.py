@@ -117,3 +117,24 @@ def test_hf_folder_errors(tmp_path):
     with pytest.raises(UsageError, match="unknown task 'translate'"):
         (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
         load_source(str(folder), task="translate")
+
+
+def test_torch_export_holds_no_source_paths(tmp_path):
+    """The exporter's per-node stack traces name absolute source paths (this file, where precast and torch are
+    installed): an artifact compiled from two installs differed in bytes. None may be left in the graph."""
+    torch = pytest.importorskip("torch")
+    from precast.compiler.torch_export import dynamo_export
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 3)
+
+        def forward(self, x):
+            return torch.relu(self.lin(x)) * 2
+
+    model = dynamo_export(Net().eval(), (torch.ones(2, 4),))
+    values = [v for node in ir.traversal.RecursiveGraphIterator(model.graph) for v in node.metadata_props.values()]
+    assert values, "the exporter's other node metadata (names, scopes) is kept"
+    here = str(__import__("pathlib").Path(__file__).resolve().parent)
+    assert not [v for v in values if here in v or "site-packages" in v]
