@@ -169,7 +169,10 @@ _KILL_DURING = textwrap.dedent(
     """
     import os, signal, sys
     sys.path.insert(0, {repo!r})
-    import {module} as m
+    import importlib
+    m = importlib.import_module({module!r}.split(":")[0])
+    for part in {module!r}.split(":")[1:]:
+        m = getattr(m, part)  # a class in the module: "pkg.mod:Class"
     real = getattr(m, {func!r})
     def killed(*a, **k):
         hit = {when!r} in str(a[-1] if a else "")
@@ -206,7 +209,7 @@ def _killed_compile(model: Path, out: Path, module: str, func: str, *, after: bo
 def test_staging_dir_of_a_killed_compile_is_cleaned_on_the_next_compile(mlp, tmp_path):
     out = tmp_path / "out"
     # killed while building in the stage
-    _killed_compile(mlp, out, "precast.compiler.driver", "_build_one", after=False)
+    _killed_compile(mlp, out, "precast.compiler.driver:_Build", "all_targets", after=False)
     stale = _leftovers(tmp_path)
     assert len(stale) == 1 and stale[0].startswith(".out."), stale
 
