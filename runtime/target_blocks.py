@@ -4,15 +4,15 @@
 chooses code): ``onnxruntime`` -> ``OrtBlock`` (``QnnBlock`` for the ``ort-qnn`` target, ``TritonBlock``
 for ``triton``), ``openvino`` -> ``OpenVINOBlock``, ``tensorrt`` / ``tensorrt-plan`` -> ``TensorRTBlock``;
 a multi-target index's ``{"name": "multi"}`` is an ``IndexTargetBlock``. A backend this runtime does not
-know reads as a bare ``TargetBlock`` and fails at load with "not supported by this runtime" (exit 4); one
-with keys beyond the common ones fails so when read (they are that backend's, or a misspelt backend's).
+know reads as an ``UnknownBackendBlock`` (its own keys kept, unread) and fails at load with "not supported
+by this runtime" (exit 4).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
-from precast.runtime.errors import ArtifactError, TargetUnavailableError
+from precast.runtime.errors import ArtifactError
 from precast.runtime.schema import Record, type_name
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "OpenVINOBlock",
     "TensorRTBlock",
     "IndexTargetBlock",
+    "UnknownBackendBlock",
     "target_block_from_json",
 ]
 
@@ -154,6 +155,30 @@ class IndexTargetBlock(Record):
     name: str
 
 
+@dataclass(frozen=True)
+class UnknownBackendBlock(TargetBlock):
+    """A block whose ``backend`` this runtime does not know (a newer precast's, or misspelt): the common keys
+    are checked, the backend's own are kept unread (``backend_keys``) and written back as they were. The
+    manifest reads (inspect, integrity, a multi-target index falls back past it); a session for it fails
+    with "backend '...' is not supported by this runtime" (exit 4), as before the typed schema."""
+
+    backend_keys: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, obj: object, where: str, path: str = "") -> UnknownBackendBlock:
+        if not isinstance(obj, dict):
+            return super().from_json(obj, where, path)  # the base's "must be a JSON object"
+        common = {f.name for f in fields(TargetBlock)}
+        block = TargetBlock.from_json({k: v for k, v in obj.items() if k in common}, where, path)
+        own = {k: v for k, v in obj.items() if k not in common}
+        return cls(**{f.name: getattr(block, f.name) for f in fields(TargetBlock)}, backend_keys=own)
+
+    def to_json(self) -> dict:
+        out = super().to_json()
+        del out["backend_keys"]
+        return {**out, **self.backend_keys}
+
+
 INDEX_TARGET = "multi"
 _BY_BACKEND: dict[str, type[TargetBlock]] = {
     ORT: OrtBlock,
@@ -175,13 +200,7 @@ def target_block_from_json(obj: object, where: str) -> TargetBlock | IndexTarget
     block_where = f"{where}: target block '{name}'"
     if name == INDEX_TARGET and "backend" not in obj:
         return IndexTargetBlock.from_json(obj, block_where)
-    cls = _BY_BACKEND.get(backend, TargetBlock)
-    if cls is TargetBlock and set(obj) - {f.name for f in fields(TargetBlock)}:
-        # its keys belong to a backend this runtime lacks (or a misspelt one): name the backend, not a key
-        raise TargetUnavailableError(
-            f"{block_where}: backend '{backend}' is not supported by this runtime "
-            f"(known: {', '.join(sorted(_BY_BACKEND))})"
-        )
+    cls = _BY_BACKEND.get(backend, UnknownBackendBlock)
     if cls is OrtBlock:
         cls = _ORT_BY_TARGET.get(name, OrtBlock)
     return cls.from_json(obj, block_where)

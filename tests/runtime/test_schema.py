@@ -15,7 +15,7 @@ from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import ArtifactError, load
 from precast.runtime.backends import BACKENDS, TARGET_NAMES, create_session
 from precast.runtime.llm_spec import LLMSpec
-from precast.runtime.manifest import Manifest, read_manifest
+from precast.runtime.manifest import Manifest, dump_json, read_manifest, sha256_file
 from precast.runtime.schema import IOSignature, TargetEntry, TensorSpec
 from precast.runtime.target_blocks import (
     EPPlugin,
@@ -234,6 +234,27 @@ def test_an_unknown_backend_is_exit_4_naming_it_not_a_key(artifact, tmp_path, ba
     assert proc.returncode == 4, proc.stderr
     assert f"backend '{backend}' is not supported by this runtime" in proc.stderr, proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    block = read_manifest(art).target  # it still reads (inspect, integrity) and writes back as it was
+    assert block.to_json() == json.loads((art / "manifest.json").read_text())["target"]
+
+
+def test_a_multi_target_index_skips_a_sub_target_of_an_unknown_backend(tmp_path):
+    """verify checks the files of a sub-target this runtime cannot run and reports it skipped (as before the
+    typed schema); it was exit 3 naming one of that backend's keys."""
+    from precast.runtime.verify import verify_artifact
+
+    src = save(tiny_mlp(), tmp_path / "m.onnx")
+    compile_model(str(src), tmp_path / "multi", CompileOptions(targets=("ort-cpu", "openvino")))
+    sub = tmp_path / "multi" / "openvino" / "manifest.json"
+    manifest = json.loads(sub.read_text())
+    manifest["target"].update(backend="coreml", compute_units="all")
+    dump_json(manifest, sub)
+    index = json.loads((tmp_path / "multi" / "manifest.json").read_text())
+    index["files"]["openvino/manifest.json"] = sha256_file(sub)
+    dump_json(index, tmp_path / "multi" / "manifest.json")
+    report = verify_artifact(tmp_path / "multi")
+    assert report["ort-cpu"]["ok"] and "outputs" in report["ort-cpu"]
+    assert "backend 'coreml' is not supported by this runtime" in report["openvino"]["skipped"]
 
 
 def test_backends_register_every_backend_precast_writes(artifact, tmp_path):
