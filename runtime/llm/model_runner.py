@@ -13,11 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import InputError
+from precast.runtime.errors import ArtifactError, InputError
 from precast.runtime.llm.runner import StepRunner
 from precast.runtime.llm_spec import LLMSpec  # the manifest's llm block (re-exported here)
 
 __all__ = ["LLMSpec", "ModelRunner"]
+
 
 class ModelRunner(StepRunner):
     """Runs the step graph; owns the KV pools (``key_cache[i]``/``value_cache[i]``: [NB, KV, block_size, D]).
@@ -71,6 +72,7 @@ class ModelRunner(StepRunner):
 
         model = load(path, threads=threads, verify=verify)
         spec = LLMSpec.from_manifest(model.manifest, str(path))
+        check_graph_matches_spec(model._session, spec, path)
         if num_blocks is None:
             num_blocks = 4 * spec.blocks_for(spec.max_context)
         return cls(model._session, spec, num_blocks, Path(model.path))
@@ -179,3 +181,40 @@ class ModelRunner(StepRunner):
             self.key_cache[i][blocks, :, offsets] = out[1 + 2 * i][b_idx, :, s_idx]
             self.value_cache[i][blocks, :, offsets] = out[2 + 2 * i][b_idx, :, s_idx]
         return out[0]
+
+
+# What each KV layout's step graph takes besides the pools, and where a pool's KV-head / head-size dims sit.
+_LAYOUT_INPUTS = {
+    "paged": ("input_ids", "positions", "past_lens", "new_lens", "block_tables"),
+    "mapped": ("input_ids", "positions", "seqlens_k", "total_sequence_length", "last_index"),
+}
+
+
+def check_graph_matches_spec(session, spec: LLMSpec, path) -> None:
+    """The manifest's llm block is untrusted: its KV names, layout and sizes must be the graph's, or the
+    runner would fail inside ONNX Runtime (an internal error) instead of refusing the artifact (exit 3)."""
+    ins = {i.name: i.shape for i in session.get_inputs()}
+    outs = {o.name for o in session.get_outputs()}
+    where = f"{path}/manifest.json: llm block"
+    for name in (*_LAYOUT_INPUTS[spec.kv_layout], *(n for pair in spec.kv_inputs for n in pair)):
+        if name not in ins:
+            raise ArtifactError(
+                f"{where} does not match the model: {name!r} is not an input of the step graph "
+                f"(kv_layout {spec.kv_layout!r})"
+            )
+    for name in ("logits", *(n for pair in spec.kv_outputs for n in pair)):
+        if name not in outs:
+            raise ArtifactError(
+                f"{where} does not match the model: {name!r} is not an output of the step graph"
+            )
+    for pair in spec.kv_inputs:
+        for name in pair:
+            dims = ins[name]
+            graph = (dims[1], dims[3]) if len(dims) == 4 else None
+            if graph is None or any(
+                isinstance(g, int) and g != w for g, w in zip(graph, (spec.kv_heads, spec.head_size))
+            ):
+                raise ArtifactError(
+                    f"{where} does not match the model: {name!r} is {dims} in the graph, the block says "
+                    f"kv_heads={spec.kv_heads}, head_size={spec.head_size}"
+                )

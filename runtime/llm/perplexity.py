@@ -210,7 +210,7 @@ def perplexity_of_text(
     progress: ProgressReporter | Callable[[str], None] | None = None,
 ) -> PerplexityResult:
     """Load a causal-lm artifact, tokenize ``text`` with its tokenizer, and measure perplexity."""
-    from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
+    from precast.runtime.llm.model_runner import LLMSpec, ModelRunner, check_graph_matches_spec
     from precast.runtime.llm.tokenizer import TextTokenizer
     from precast.runtime.model import load
 
@@ -228,6 +228,7 @@ def perplexity_of_text(
     w = int(window if window is not None else min(spec.max_context, 1024))
     s = max(1, int(stride if stride is not None else w))
     nb = max(1, min(batch, -(-len(ids) // s))) * spec.blocks_for(max(2, min(w, len(ids))))
+    check_graph_matches_spec(model._session, spec, model.path)
     runner = ModelRunner(model._session, spec, nb, model.path)
     result, _ = perplexity(runner, ids, window, stride, batch, progress=report)
     return result

@@ -330,3 +330,39 @@ def test_malformed_manifest_fields_are_exit_3_not_a_crash(artifact, tmp_path, ch
             [sys.executable, "-m", "precast", cmd, str(art)], capture_output=True, text=True, timeout=120
         )
         assert proc.returncode == 3 and "Traceback" not in proc.stderr, (cmd, proc.stderr)
+
+
+def _rename_first_kv_input(m):
+    m["llm"]["kv_inputs"][0][0] = "evil.0"
+
+
+def _swap_kv_heads(m):
+    m["llm"]["kv_heads"] += 1
+
+
+def _layout_of_the_other_kind(m):
+    m["llm"]["kv_layout"] = "paged" if m["llm"]["kv_layout"] == "mapped" else "mapped"
+
+
+def _rename_a_kv_output(m):
+    m["llm"]["kv_outputs"][-1][1] = "nope"
+
+
+@pytest.mark.parametrize(
+    "change, why",
+    [
+        (_rename_first_kv_input, "'evil.0' is not an input of the step graph"),
+        (_swap_kv_heads, "the block says kv_heads="),
+        (_layout_of_the_other_kind, "is not an input of the step graph"),
+        (_rename_a_kv_output, "'nope' is not an output of the step graph"),
+    ],
+)
+def test_an_llm_block_that_does_not_match_its_graph_is_refused(llm_artifact, tmp_path, change, why):
+    """The llm block is read from the untrusted manifest: names, layout or sizes the graph does not have were
+    an internal error inside ONNX Runtime at the first step (exit 70); now loading refuses the artifact."""
+    from precast.runtime.llm import Engine
+
+    root = _edit(_copy(llm_artifact, tmp_path / "a"), change)
+    with pytest.raises(ArtifactError, match=why) as e:
+        Engine.load(root, num_blocks=8).generate("hi")
+    assert e.value.exit_code == 3 and "\n" not in str(e.value)
