@@ -296,7 +296,7 @@ def timed(f) -> float:
     return time.perf_counter() - t0
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each generation row")
     ap.add_argument("--steps", type=int, default=30, help="interleaved decode steps per engine")
@@ -307,11 +307,13 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/precast-bench-llm")
     ap.add_argument("--no-int4", action="store_true")
     ap.add_argument("--no-hf", action="store_true")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def make_engines(args: argparse.Namespace) -> dict:
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     paths = build(work, not args.no_int4)
-
     engines: dict = {}
     for name, path in paths.items():
         if name.startswith("precast"):
@@ -320,16 +322,19 @@ def main() -> None:
             engines[name] = Genai(path, args.threads)
     if not args.no_hf:
         engines["hf-fp32"] = HF(paths["folder"], args.threads)
+    return engines
+
+
+def measure(engines: dict, args: argparse.Namespace) -> dict:
+    """Every row's raw measurements, interleaved across engines, plus the host's state around them."""
     from precast.runtime.hugepages import huge_page_bytes
 
-    huge = huge_page_bytes()  # precast's engines load first: their weights (runtime/hugepages.py)
-    bw = copy_bandwidth()
-    load0 = os.getloadavg()
-
+    m = {"huge": huge_page_bytes()}  # precast's engines load first: their weights (runtime/hugepages.py)
+    m["bw"], m["load0"] = copy_bandwidth(), os.getloadavg()
     for e in engines.values():  # warm-up
         e.step()
         e.generate([list(range(5, 5 + PROMPT))][:1]) if not isinstance(e, HF) else None
-    steps = interleave(engines, lambda e: timed(e.step), args.steps)
+    m["steps"] = interleave(engines, lambda e: timed(e.step), args.steps)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 500, PROMPT).tolist() for _ in range(BATCH)]
 
@@ -340,25 +345,28 @@ def main() -> None:
         runs = sorted((e.generate(prompts[:1]) for _ in range(3)), key=lambda wt: wt[0] - wt[1])
         return runs[1]
 
-    gen1 = interleave(engines, steady, args.rounds)
-    pairs = {}
+    m["gen1"] = interleave(engines, steady, args.rounds)
+    m["pairs"] = {}
     for prec in ("fp32", "int4"):
         a, b = engines.get(f"precast-{prec}"), engines.get(f"genai-{prec}")
         if a and b and args.pairs:
-            pairs[prec] = paired_decode(a, b, prompts[0], args.pairs, f"precast-{prec} / genai-{prec}")
-    gen8 = interleave(engines, lambda e: e.generate(prompts), args.rounds)
-
-    copy = None
+            m["pairs"][prec] = paired_decode(a, b, prompts[0], args.pairs, f"precast-{prec} / genai-{prec}")
+    m["gen8"] = interleave(engines, lambda e: e.generate(prompts), args.rounds)
+    m["copy"] = None
     if "precast-fp32" in engines:
         from bench_llm_engine import copy_vs_step
 
         from precast.runtime.llm import SamplingParams
 
-        copy = copy_vs_step(
+        m["copy"] = copy_vs_step(
             engines["precast-fp32"].engine, prompts, SamplingParams(max_tokens=10_000, ignore_eos=True)
         )
-    load1 = os.getloadavg()
+    m["load1"] = os.getloadavg()
+    return m
 
+
+def print_table(engines: dict, m: dict, args: argparse.Namespace) -> None:
+    steps, gen1, gen8, bw = m["steps"], m["gen1"], m["gen8"], m["bw"]
     base = "genai-fp32" if "genai-fp32" in engines else "precast-fp32"
     base_step = statistics.median(steps[base])
     print(
@@ -366,10 +374,11 @@ def main() -> None:
         f"prompt {PROMPT} + {NEW} new; {args.steps} steps / {args.rounds} rounds interleaved"
     )
     print(
-        f"load average {load0[0]:.1f} at start, {load1[0]:.1f} at end (2 cores); copy bandwidth {bw / 1e9:.1f} GB/s"
+        f"load average {m['load0'][0]:.1f} at start, {m['load1'][0]:.1f} at end (2 cores); "
+        f"copy bandwidth {bw / 1e9:.1f} GB/s"
     )
     print(
-        f"precast weights on transparent huge pages: {huge / 2**20:.0f} MB (genai and HF load theirs as usual)"
+        f"precast weights on transparent huge pages: {m['huge'] / 2**20:.0f} MB (genai and HF load theirs as usual)"
     )
     hdr = (
         f"{'engine':<14} {'weights MB':>10} {'step b1 ms':>10} {'vs ' + base:>16} {'TTFT b1 ms':>10} "
@@ -389,8 +398,12 @@ def main() -> None:
             f"{name:<14} {e.weights / 1e6:>10.0f} {step * 1e3:>10.2f} {base_step / step:>15.2f}x {ttft1 * 1e3:>10.1f} "
             f"{dec1:>15.1f} {dec1 / limit:>8.2f} {agg8:>9.1f} {agg8 / (NEW / wall1):>6.2f}x"
         )
+
+
+def print_ratios(m: dict) -> None:
     # Paired ratios: precast over genai within each round (runs minutes apart drift on a shared machine;
     # runs of one round are adjacent in time), median and range over rounds.
+    gen1 = m["gen1"]
     for prec in ("fp32", "int4"):
         a, b = gen1.get(f"precast-{prec}"), gen1.get(f"genai-{prec}")
         if a and b:
@@ -401,10 +414,10 @@ def main() -> None:
                 f"decode b1 precast-{prec} / genai-{prec}, paired by round: median {statistics.median(ratios):.3f}x "
                 f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}, {len(ratios)} rounds)"
             )
-    for line in pairs.values():
+    for line in m["pairs"].values():
         print(line)
-    if copy is not None:
-        step_ms, copy_ms, blocks = copy
+    if m["copy"] is not None:
+        step_ms, copy_ms, blocks = m["copy"]
         print(
             f"\npaged gather vs copy-whole-cache: precast-fp32 decode step at batch {BATCH} (past ~{PROMPT}) "
             f"{step_ms:.2f} ms; copying every request's cache contiguous would add {copy_ms:.2f} ms "
@@ -413,6 +426,14 @@ def main() -> None:
     print(
         "b8 / b1: aggregate tokens/s with 8 requests over batch-1 tokens/s of the same engine (whole generation)"
     )
+
+
+def main() -> None:
+    args = parse_args()
+    engines = make_engines(args)
+    m = measure(engines, args)
+    print_table(engines, m, args)
+    print_ratios(m)
 
 
 if __name__ == "__main__":

@@ -111,25 +111,10 @@ def _export_plain(folder: Path, out: Path) -> None:
     prog.save(str(out))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--runs", type=int, default=40)
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--past", type=int, default=128)
-    ap.add_argument("--work", default="/tmp/precast-bench-llm")
-    args = ap.parse_args()
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    folder, art, plain = build(work)
-
-    import onnxruntime as ort
-    import torch
-    from transformers import DynamicCache
-
+def precast_variants(art, args) -> tuple:
+    """precast's decode step twice: through ModelRunner.step, and its graph alone (as the runner binds it)."""
     from precast.runtime.llm import ModelRunner
 
-    torch.set_num_threads(args.threads)
     runner = ModelRunner.from_artifact(art, num_blocks=64, threads=args.threads)
     spec, rng, past = runner.spec, np.random.default_rng(0), args.past
     nblk = spec.blocks_for(past + 1)
@@ -159,6 +144,16 @@ def main() -> None:
         def graph_step():
             runner._session.run(["logits"], graph_feeds)
 
+    return runner, tok, {"precast-runner": lambda: runner.step(**step), "precast-graph": graph_step}
+
+
+def anchor_variants(folder, plain, spec, tok, args) -> tuple:
+    """The same step on plain ONNX Runtime (the dynamo export with a past-KV cache) and on torch."""
+    import onnxruntime as ort
+    import torch
+    from transformers import DynamicCache
+
+    rng, past = np.random.default_rng(0), args.past
     so = ort.SessionOptions()
     so.intra_op_num_threads, so.inter_op_num_threads = args.threads, 1
     plain_sess = ort.InferenceSession(str(plain), so, providers=["CPUExecutionProvider"])
@@ -184,12 +179,27 @@ def main() -> None:
                 use_cache=True,
             )
 
-    variants = {
-        "precast-runner": lambda: runner.step(**step),
-        "precast-graph": graph_step,
-        "ort-plain": lambda: plain_sess.run(None, plain_feeds),
-        "torch": torch_step,
-    }
+    return hf, {"ort-plain": lambda: plain_sess.run(None, plain_feeds), "torch": torch_step}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--past", type=int, default=128)
+    ap.add_argument("--work", default="/tmp/precast-bench-llm")
+    args = ap.parse_args()
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    folder, art, plain = build(work)
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    runner, tok, variants = precast_variants(art, args)
+    hf, anchors = anchor_variants(folder, plain, runner.spec, tok, args)
+    variants.update(anchors)
     times: dict[str, list[float]] = {k: [] for k in variants}
     for r in range(args.warmup + args.runs):
         order = list(variants)[r % len(variants) :] + list(variants)[: r % len(variants)]
@@ -201,7 +211,7 @@ def main() -> None:
     base = statistics.median(times["ort-plain"])
     weights = sum(p.numel() for p in hf.parameters()) * 4
     print(
-        f"\ndecode step, batch 1, past {past}, {args.threads} threads, {args.runs} runs "
+        f"\ndecode step, batch 1, past {args.past}, {args.threads} threads, {args.runs} runs "
         f"(weights {weights / 1e6:.0f} MB fp32; KV pool {runner.kv_bytes / 1e6:.1f} MB)"
     )
     print(f"{'variant':<16} {'median ms':>10} {'p90 ms':>8} {'vs ort-plain':>13}")
