@@ -9,7 +9,8 @@ NPUs (the QNN HTP) run static shapes only, so an ``ort-qnn`` artifact compiled w
 ``inputs`` / ``outputs`` name the axis of that dim in each tensor. A call with n tokens runs the smallest
 bucket >= n: inputs are padded with zeros along their axis (an attention mask of 0 marks the padding, so
 the real positions see the same attention), and outputs are sliced back to n. Longer than the largest
-bucket is an InputError naming it.
+bucket is an InputError naming it, and so is length 0. A model compiled for batch 1 given more rows runs
+them one at a time.
 """
 
 from __future__ import annotations
@@ -96,6 +97,8 @@ class BucketedSession:
             detail = ", ".join(f"'{k}' {v}" for k, v in lengths.items())
             raise InputError(f"the bucketed inputs disagree on the {self.dim} length: {detail}")
         n = next(iter(lengths.values()), 0)
+        if n == 0 and lengths:  # every position padding: the outputs would be the model's answer to nothing
+            raise InputError(f"the bucketed inputs have {self.dim} length 0: nothing to run")
         fits = [s for s in self.sessions if s >= n]
         if not fits:
             largest = max(self.sessions)
@@ -107,6 +110,10 @@ class BucketedSession:
 
     def run(self, names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> list:
         n, size = self.pick(feeds)
+        rows = self._rows_over_compiled_batch(self.sessions[size], feeds)
+        if rows:  # batch 1 compiled (the NPU's static shape), more rows given: one row at a time
+            parts = [self.run(names, {k: v[i : i + 1] for k, v in feeds.items()}) for i in range(rows)]
+            return [np.concatenate(outs, axis=0) for outs in zip(*parts)]
         padded = {k: pad_to(v, self.inputs[k], size) if k in self.inputs else v for k, v in feeds.items()}
         results = self.sessions[size].run(list(names), padded)
         self.last_bucket = size
@@ -114,3 +121,14 @@ class BucketedSession:
             np.take(r, np.arange(n), axis=self.outputs[name]) if name in self.outputs else r
             for name, r in zip(names, results)
         ]
+
+    def _rows_over_compiled_batch(self, session, feeds: Mapping[str, np.ndarray]) -> int:
+        """The feeds' row count when the session was compiled for batch 1 and every feed has more rows
+        (then each row runs alone, as the server's batcher and a multi-text /v1/embeddings send them), else 0."""
+        static = getattr(session, "static_shapes", None) or {}
+        axis0 = {tuple(static[k])[:1] for k in self.inputs if k in static and self.inputs[k] != 0}
+        rows = {np.shape(v)[0] if np.ndim(v) else None for v in feeds.values()}
+        if axis0 != {(1,)} or len(rows) != 1 or None in rows:
+            return 0
+        (count,) = rows
+        return count if count > 1 else 0

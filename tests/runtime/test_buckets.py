@@ -66,3 +66,27 @@ def test_bucket_shapes_and_malformed_blocks():
         parse_buckets({**block, "models": {"64": "a.onnx"}})
     with pytest.raises(ArtifactError, match="malformed 'buckets'"):
         parse_buckets({"sizes": "x"})
+
+
+def test_length_zero_is_one_line(session):
+    empty = np.ones((1, 0), np.int64)
+    with pytest.raises(InputError, match=r"^the bucketed inputs have sequence length 0: nothing to run$"):
+        session.run(["y"], {"ids": empty, "mask": empty})  # was: the 64 bucket's answer to all padding
+
+
+class BatchOne(Echo):
+    """Echo with the static shapes a PluginSession records (batch 1, as ort-qnn compiles by default)."""
+
+    def __init__(self, size):
+        super().__init__(size)
+        self.static_shapes = {"ids": (1, size), "mask": (1, size)}
+
+
+def test_more_rows_than_the_compiled_batch_run_one_at_a_time():
+    s = BucketedSession({64: BatchOne(64), 128: BatchOne(128)}, {"ids": 1, "mask": 1}, {"y": 1})
+    ids = np.arange(1, 31).reshape(3, 10)
+    mask = np.ones_like(ids)
+    mask[1, 6:] = 0  # a padded row keeps its zeros
+    y, size = s.run(["y", "size"], {"ids": ids, "mask": mask})  # Echo asserts batch 1 per call
+    np.testing.assert_array_equal(y, ids * mask)
+    assert size.tolist() == [64, 64, 64] and s.last_bucket == 64
