@@ -173,10 +173,12 @@ def _traffic(mlp_url: str, llm_url: str) -> None:
             )
             return c.post(
                 f"{llm_url}/v1/completions",
-                json={"prompt": p, "max_tokens": 48, "temperature": 0, "ignore_eos": True},
+                json={"prompt": p, "max_tokens": 150, "temperature": 0, "ignore_eos": True},
             )
 
-        # several long requests at once on a small KV pool: some get preempted
+        # several long requests at once on a small KV pool: some get preempted (98 prompt + 150 tokens = 4 blocks
+        # of 64 each, so any two that overlap outgrow the 6 blocks; with 48 tokens (3 blocks) it took three at
+        # once, and under CI's load the requests sometimes ran one after another)
         assert all(r.status_code == 200 for r in ex.map(one, range(6)))
         done.set()
         background.result()
@@ -235,7 +237,7 @@ def test_every_dashboard_query_returns_data_from_a_live_server(tmp_path, llm_art
                     missing.append(f"{title}: {expr} -> {result}")
             assert not missing, "dashboard queries without data:\n" + "\n".join(missing)
             # and the counters the traffic must have moved did move (prefix hits: the same prompt 3 times;
-            # preemptions: 6 long requests on 6 KV blocks of 64 tokens)
+            # preemptions: 6 long requests, 4 blocks each, on 6 KV blocks of 64 tokens)
             for expr in (
                 "sum(precast_llm_prefix_cache_hits_total)",
                 "sum(precast_llm_preemptions_total)",
