@@ -138,6 +138,11 @@ def _layer_windows(hf) -> list[int]:
     return windows
 
 
+# Configs with a top-level original_max_position_embeddings field (its default here) that transformers copies
+# over rope_parameters' own (standardize_rope_params): Phi-3 switches to its long factors past that one.
+TOP_LEVEL_ORIGINAL = {"phi3": 4096, "phi4_multimodal": 4096}
+
+
 def _max_positions(config: dict) -> int:
     ctx = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
     if _rope_kind(config) == "longrope":  # beyond it HF switches to the long factors mid-sequence
@@ -145,6 +150,10 @@ def _max_positions(config: dict) -> int:
         original = rope.get("original_max_position_embeddings") or config.get(
             "original_max_position_embeddings"
         )
+        if config.get("model_type") in TOP_LEVEL_ORIGINAL:  # HF: its config's own field wins over rope's
+            original = (
+                config.get("original_max_position_embeddings") or TOP_LEVEL_ORIGINAL[config["model_type"]]
+            )
         ctx = min(ctx, int(original or ctx))
     return ctx
 

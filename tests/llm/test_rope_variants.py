@@ -118,3 +118,30 @@ def test_unknown_rope_type_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match=r"rope type 'mrope' is not supported.*supported: default"):
         load_source(str(tmp_path), task="causal-lm")
+
+
+@pytest.mark.parametrize(
+    "top,nested",
+    [(None, 128), (128, 4096), (4096, 128), (None, None), (64, None)],
+    ids=["nested-only", "top-smaller", "top-larger", "neither", "top-only"],
+)
+def test_longrope_cap_is_where_hf_switches_for_phi3(top, nested):
+    """Phi3Config's own original_max_position_embeddings (default 4096) overrides rope_parameters': the cap
+    must be HF's switch point (a larger cap generated with the short factors where HF uses the long ones)."""
+    import copy
+
+    import transformers
+
+    from precast.compiler.causal_lm import _max_positions
+
+    rope = {**ROPES["longrope"], "rope_theta": 10000.0}
+    rope.pop("original_max_position_embeddings")
+    if nested is not None:
+        rope["original_max_position_embeddings"] = nested
+    config = {"model_type": "phi3", "max_position_embeddings": 8192, "rope_scaling": rope}
+    config.update(hidden_size=2 * HALF * 4, num_attention_heads=4)  # head size 2 * HALF: the factors' length
+    if top is not None:
+        config["original_max_position_embeddings"] = top
+    hf = transformers.Phi3Config(**copy.deepcopy({k: v for k, v in config.items() if k != "model_type"}))
+    switch = hf.rope_parameters["original_max_position_embeddings"]
+    assert _max_positions(config) == min(8192, switch)
