@@ -28,11 +28,34 @@ class _MemorySize(click.ParamType):
 MEMORY_SIZE = _MemorySize()
 
 
+class _Seconds(click.FloatRange):
+    """A FloatRange that also refuses nan and inf (nan passes every range comparison)."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        out = super().convert(value, param, ctx)
+        if not math.isfinite(out):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return out
+
+
+def _name(ctx, param, value):
+    if value is not None and not value.strip():
+        raise click.BadParameter("must not be empty.", ctx, param)
+    return value
+
+
 @cli.command("serve")
 @click.argument("artifact", type=click.Path())
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=8000, show_default=True, type=click.IntRange(0, 65535), help="Port to bind.")
-@click.option("--model-name", default=None, help="Name in the API (default: the artifact folder's name).")
+@click.option(
+    "--model-name",
+    default=None,
+    callback=_name,
+    help="Name in the API (default: the artifact folder's name).",
+)
 @click.option(
     "--max-batch-size",
     default=8,
@@ -44,7 +67,7 @@ MEMORY_SIZE = _MemorySize()
     "--max-queue-delay-ms",
     default=2.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=_Seconds(0),
     help="Dynamic batching: how long the oldest request waits for others.",
 )
 @click.option(
@@ -59,7 +82,7 @@ MEMORY_SIZE = _MemorySize()
     "request_timeout",
     default=60.0,
     show_default=True,
-    type=click.FloatRange(0.001),
+    type=_Seconds(0.001),
     help="Per-request timeout in seconds (504 after it).",
 )
 @click.option(
@@ -80,7 +103,7 @@ MEMORY_SIZE = _MemorySize()
     "--drain-timeout",
     default=30.0,
     show_default=True,
-    type=click.FloatRange(0),
+    type=_Seconds(0),
     help="On SIGTERM/SIGINT: seconds to finish in-flight requests.",
 )
 @click.option(

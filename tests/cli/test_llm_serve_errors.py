@@ -44,6 +44,23 @@ def test_serve_port_out_of_range(cli, tmp_path, port):
     _usage_error(cli("serve", tmp_path, "--port", port), "--port", "0<=x<=65535")
 
 
+@pytest.mark.parametrize(
+    "option, value, why",
+    [
+        ("--timeout", "nan", "not a finite number"),
+        ("--timeout", "inf", "not a finite number"),
+        ("--drain-timeout", "nan", "not a finite number"),
+        ("--max-queue-delay-ms", "nan", "not a finite number"),
+        ("--model-name", "", "must not be empty"),
+        ("--model-name", "  ", "must not be empty"),
+    ],
+)
+def test_serve_refuses_nan_times_and_an_empty_name(cli, tmp_path, option, value, why):
+    # nan passed FloatRange (every comparison with nan is false): a request timeout of nan, and a model
+    # served under the name '', were accepted
+    _usage_error(cli("serve", tmp_path, option, value), option, why)
+
+
 def test_serve_port_in_use_is_one_line_before_loading(cli, tmp_path):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
