@@ -62,12 +62,32 @@ def generic_dirs(tmp_path_factory):
     return get
 
 
+def assert_batched_greedy_matches_hf(out, folder, first_text: str, block: int, label: str) -> None:
+    """Greedy NEW_TOKENS through the precast engine == HF generate for two prompts run batched, prefix
+    sharing on: ``first_text`` runs alone first, then a prompt reusing its first block with a second one."""
+    from precast.runtime.llm import Engine
+    from precast.runtime.llm.sampler import SamplingParams
+
+    engine = Engine.load(out, num_blocks=32)
+    try:
+        first, second = engine.tokenizer.encode(first_text), engine.tokenizer.encode(TEXTS[1])
+        assert len(first) > block
+        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
+        engine.generate([first], params)
+        extended = first[: block + 1] + second
+        done = engine.generate([extended, second], params)  # batched; `extended` reuses first's block 0
+        assert engine.counters.prefix_hit_tokens >= block
+    finally:
+        engine.close()
+    for prompt, completion in zip((extended, second), done):
+        expected = hf_greedy(folder, prompt, NEW_TOKENS)
+        assert completion.token_ids == expected, f"{label}: {completion.token_ids} != {expected}"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("model_type", ARCHS)
 def test_generic_greedy_matches_hf_generate(model_type, generic_dirs, tmp_path):
     from precast.compiler.driver import CompileOptions, compile_model
-    from precast.runtime.llm import Engine
-    from precast.runtime.llm.sampler import SamplingParams
 
     folder = generic_dirs(model_type)
     layout = "paged" if model_type in WINDOWED_LLAMA else None
@@ -76,20 +96,8 @@ def test_generic_greedy_matches_hf_generate(model_type, generic_dirs, tmp_path):
     llm = json.loads((out / "manifest.json").read_text())["llm"]
     assert (llm["architecture"], llm["kv_layout"], llm["layers"]) == ("generic", "paged", 2)
     assert llm["max_context"] == 256  # windows are masked in the graph, not a limit on the context
-    engine = Engine.load(out, num_blocks=32)
-    try:
-        first, second = (engine.tokenizer.encode(t) for t in TEXTS)
-        assert len(first) > 16  # longer than the windows (8) and than one block (16): a prefix to share
-        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
-        engine.generate([first], params)
-        extended = first[:17] + second
-        done = engine.generate([extended, second], params)  # batched; `extended` reuses first's block 0
-        assert engine.counters.prefix_hit_tokens >= 16
-    finally:
-        engine.close()
-    for prompt, completion in zip((extended, second), done):
-        expected = hf_greedy(folder, prompt, NEW_TOKENS)
-        assert completion.token_ids == expected, f"{model_type}: {completion.token_ids} != {expected}"
+    # longer than the windows (8) and than one block (16): a prefix to share
+    assert_batched_greedy_matches_hf(out, folder, TEXTS[0], 16, model_type)
 
 
 @pytest.mark.slow
@@ -97,28 +105,12 @@ def test_generic_greedy_matches_hf_generate(model_type, generic_dirs, tmp_path):
 def test_windowed_llama_family_maps_its_window_exactly(model_type, generic_dirs, tmp_path):
     """Windowed Mistral / Qwen2 by default: the mapped layout, each windowed layer's GroupQueryAttention
     taking the window (local_window_size), the full context; prompts 9x the window (8) and over a block."""
-    from precast.runtime.llm import Engine
-    from precast.runtime.llm.sampler import SamplingParams
 
     folder = generic_dirs(model_type)
     out = compile_llm(folder, tmp_path / "art").output
     llm = json.loads((out / "manifest.json").read_text())["llm"]
     assert (llm["architecture"], llm["kv_layout"], llm["max_context"]) == ("llama", "mapped", 256)
-    engine = Engine.load(out, num_blocks=32)
-    try:
-        first, second = engine.tokenizer.encode(TEXTS[0] * 3), engine.tokenizer.encode(TEXTS[1])
-        bs = llm["block_size"]
-        assert len(first) > bs
-        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
-        engine.generate([first], params)
-        extended = first[: bs + 1] + second
-        done = engine.generate([extended, second], params)  # batched; `extended` reuses first's block 0
-        assert engine.counters.prefix_hit_tokens >= bs
-    finally:
-        engine.close()
-    for prompt, completion in zip((extended, second), done):
-        expected = hf_greedy(folder, prompt, NEW_TOKENS)
-        assert completion.token_ids == expected, f"{model_type}: {completion.token_ids} != {expected}"
+    assert_batched_greedy_matches_hf(out, folder, TEXTS[0] * 3, llm["block_size"], model_type)
 
 
 @pytest.mark.parametrize("model_type,break_it", [("gemma2", "window"), ("qwen3", "causal")])

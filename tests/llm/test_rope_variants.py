@@ -13,8 +13,7 @@ import json
 import pytest
 
 from tests.llm.fixtures import build_causal_lm, build_llama
-from tests.llm.test_causal_lm import hf_greedy
-from tests.llm.test_generic_decoders import NEW_TOKENS, TEXTS
+from tests.llm.test_generic_decoders import TEXTS, assert_batched_greedy_matches_hf
 
 HALF = 8  # head size 16: 8 rotary frequencies
 ROPES = {
@@ -82,8 +81,6 @@ def rope_dirs(tmp_path_factory):
 )
 def test_rope_variant_greedy_matches_hf_generate(model_type, rope, kv_layout, graph, rope_dirs, tmp_path):
     from precast.compiler.driver import CompileOptions, compile_model
-    from precast.runtime.llm import Engine
-    from precast.runtime.llm.sampler import SamplingParams
 
     folder = rope_dirs(model_type, rope)
     opts = CompileOptions(targets=("ort-cpu",), task="causal-lm", kv_layout=kv_layout)
@@ -93,21 +90,8 @@ def test_rope_variant_greedy_matches_hf_generate(model_type, rope, kv_layout, gr
     assert llm["kv_layout"] == ("mapped" if graph == "mapped" else "paged")
     # longrope: capped where HF would switch to the long factors; the others keep the model's context
     assert llm["max_context"] == (128 if rope == "longrope" else 256)
-    engine = Engine.load(out, num_blocks=32)
-    try:
-        first, second = engine.tokenizer.encode(TEXTS[0] * 3), engine.tokenizer.encode(TEXTS[1])
-        bs = llm["block_size"]  # 64 for the mapped layout: the prompt must outgrow a block to share one
-        assert len(first) > bs
-        params = SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True, detokenize=False)
-        engine.generate([first], params)
-        extended = first[: bs + 1] + second  # + 32 new tokens: within longrope's 128
-        done = engine.generate([extended, second], params)  # batched; `extended` reuses first's block 0
-        assert engine.counters.prefix_hit_tokens >= bs
-    finally:
-        engine.close()
-    for prompt, completion in zip((extended, second), done):
-        expected = hf_greedy(folder, prompt, NEW_TOKENS)
-        assert completion.token_ids == expected, f"{model_type}/{rope}: {completion.token_ids} != {expected}"
+    # block 64 on the mapped layout: the prompt must outgrow a block to share one (+ 32 new: within longrope's 128)
+    assert_batched_greedy_matches_hf(out, folder, TEXTS[0] * 3, llm["block_size"], f"{model_type}/{rope}")
 
 
 def test_unknown_rope_type_is_refused(tmp_path):
