@@ -170,3 +170,16 @@ def tiny_llm_block(**changes) -> dict:
         "batched_prefill": True,
     }
     return {**block, **changes}
+
+
+def randomize_weights_(model):
+    """Test weights N(0, 0.1) everywhere, norm weights around 1 (the default init leaves biases at 0 and
+    attention near uniform, so a broken mask would barely move the outputs). In place; returns the model."""
+    import torch
+
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            torch.nn.init.normal_(p, 0, 0.1)
+            if "norm" in name.lower() and name.endswith("weight"):
+                p.add_(1.0)
+    return model

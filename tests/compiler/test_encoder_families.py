@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from precast.runtime.errors import ModelLoadError
+from tests.helpers import randomize_weights_
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -86,13 +87,7 @@ FAMILIES = {
 def _tiny(family: str):
     config, cls = FAMILIES[family]()
     torch.manual_seed(0)
-    model = cls(config).eval()
-    with torch.no_grad():  # N(0, 0.1) everywhere, norms around 1: the default init leaves biases at 0
-        for name, p in model.named_parameters():
-            torch.nn.init.normal_(p, 0, 0.1)
-            if "norm" in name.lower() and name.endswith("weight"):
-                p.add_(1.0)
-    return model
+    return randomize_weights_(cls(config).eval())
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))

@@ -12,6 +12,7 @@ import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import load
+from tests.helpers import randomize_weights_
 from tests.targets.conftest import EVAL_SENTENCES, cosine
 
 pytest.importorskip("onnxruntime_qnn")
@@ -126,13 +127,7 @@ def _tiny(family: str):
         "roberta": (transformers.RobertaConfig, transformers.RobertaModel),
     }[family]
     torch.manual_seed(0)
-    model = cls(config(**_TINY)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            torch.nn.init.normal_(p, 0, 0.1)
-            if "norm" in name.lower() and name.endswith("weight"):
-                p.add_(1.0)
-    return model
+    return randomize_weights_(cls(config(**_TINY)).eval())
 
 
 def _padded(rng, family: str, length: int) -> dict[str, np.ndarray]:
