@@ -16,6 +16,7 @@ from pathlib import Path
 from precast.runtime.errors import ArtifactError, IntegrityError, SchemaVersionError, first_line
 from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.schema import IOSignature, Record, TargetEntry, TensorSpec
+from precast.runtime.stages_spec import StagesSpec
 from precast.runtime.target_blocks import IndexTargetBlock, TargetBlock, target_block_from_json
 
 __all__ = [
@@ -125,6 +126,7 @@ class Manifest(Record):
     targets: dict[str, TargetEntry] | None = None
     fallback_order: list[str] | None = None
     failed: dict[str, dict] | None = None
+    stages: StagesSpec | None = None
 
     @classmethod
     def field_parser(cls, name: str):
@@ -132,6 +134,8 @@ class Manifest(Record):
             return target_block_from_json
         if name == "llm":
             return LLMSpec.from_json
+        if name == "stages":
+            return StagesSpec.from_json
         return None
 
     @property
@@ -171,6 +175,8 @@ class Manifest(Record):
             yield "target.model", self.target.model
         if self.llm is not None:
             yield "llm.tokenizer", self.llm.tokenizer
+        for k, stage in enumerate(self.stages.stages if self.stages is not None else ()):
+            yield f"stages.stages[{k}].model", stage.model
         for key in ("inputs", "expected"):
             for name, rel in ((self.parity or {}).get(key) or {}).items():
                 yield f"parity.{key}.{name}", rel
