@@ -6,6 +6,7 @@ import os
 import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -14,6 +15,9 @@ from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableE
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import Manifest, TensorSpec, check_integrity, read_manifest
 from precast.runtime.target_blocks import TargetBlock
+
+if TYPE_CHECKING:
+    from precast.runtime.pipeline import StagePipeline
 
 __all__ = ["Model", "load"]
 
@@ -50,6 +54,15 @@ class Model:
     @property
     def providers(self) -> list[str]:
         return list(self._session.get_providers())
+
+    def pipeline(self, **options) -> StagePipeline:
+        """The artifact's stages as a pipeline (runtime/pipeline.py): one worker thread and session per stage,
+        bounded queues, ``submit(feeds) -> Future``. Options: ``threads`` (per stage, default 1),
+        ``queue_size``, ``max_batch``, ``batch_wait``. ``run`` stays sequential; close the pipeline (or use
+        it as a context manager) when done."""
+        from precast.runtime.pipeline import StagePipeline
+
+        return StagePipeline.from_model(self, **options)
 
     def run(self, feeds: Mapping[str, object], outputs: Sequence[str] | None = None) -> dict[str, np.ndarray]:
         arrays = check_feeds(feeds, self.inputs)
