@@ -26,6 +26,7 @@ from precast.runtime.manifest import (
     sha256_file,
 )
 from precast.runtime.schema import IOSignature, TargetEntry, TensorSpec
+from precast.runtime.stages_spec import StagesSpec
 from precast.runtime.staging import clean_stale, temp_name
 from precast.runtime.target_blocks import IndexTargetBlock, TargetBlock
 from precast.runtime.verify import SEQUENCE_LENGTH, SEQUENCE_SUFFIX, load_parity_value
@@ -271,8 +272,10 @@ def build_manifest(
     outputs: Sequence[TensorSpec],
     toolchain: dict[str, str],
     parity: dict,
+    stages: StagesSpec | None = None,
 ) -> Manifest:
-    """One target's manifest (``finalize_manifest`` adds ``files``). ``source``: a compiler Source."""
+    """One target's manifest (``finalize_manifest`` adds ``files``). ``source``: a compiler Source;
+    ``stages``: the block of a target that wrote a split-stages model as stages."""
     from precast import __version__
 
     llm = source.info.get("llm")
@@ -294,6 +297,7 @@ def build_manifest(
         passes=passes,
         extra_files=sorted(source.ship_files),
         parity=parity,
+        stages=stages,
     )
 
 

@@ -240,6 +240,7 @@ class _Build:
             outputs=self.outputs,
             toolchain=toolchain_versions(),
             parity={"ok": False},
+            stages=target.stages,
         )
         t2 = time.perf_counter()
         progress.step(f"[{tp.name}] verifying against {self.source.reference_name}")

@@ -29,7 +29,7 @@ from precast.compiler.registry import (
 )
 from precast.runtime.errors import PassFailedError, PipelineError, first_line
 
-__all__ = ["PassSpec", "PassRecord", "parse_pipeline", "format_pipeline", "PassManager"]
+__all__ = ["PassSpec", "PassRecord", "parse_pipeline", "format_pipeline", "check_last", "PassManager"]
 
 _NAME = re.compile(r"[a-z][a-z0-9-]*")
 _VALUE = re.compile(r"[^,{}\[\]=\s]+")
@@ -145,7 +145,19 @@ def parse_pipeline(text: str, default: str | None = None) -> list[PassSpec]:
             continue
         cls = get_pass(name)
         specs.append(PassSpec(name, build_options(cls, opts)))
+    check_last(specs)
     return specs
+
+
+def check_last(specs: Sequence[PassSpec]) -> None:
+    """A pass that must end the pipeline (``must_be_last``: split-stages annotates every node, and a later pass
+    would add nodes it never saw) followed by another is a PipelineError naming both."""
+    for spec, after in zip(specs, specs[1:]):
+        if getattr(get_pass(spec.name), "must_be_last", False):
+            raise PipelineError(
+                f"pass '{spec.name}' must be the last pass of a pipeline, but '{after.name}' follows it; "
+                f"move '{spec.name}' to the end"
+            )
 
 
 def format_pipeline(specs: Iterable[PassSpec]) -> str:

@@ -205,6 +205,11 @@ def _plan_targets(opts: CompileOptions) -> tuple[TargetPlan, ...]:
         if not avail.ok:
             raise TargetUnavailableError(f"target '{cls.name}' cannot be built on this host: {avail.reason}")
         specs = tuple(parse_pipeline(opts.passes or "default", default=cls.default_pipeline))
+        if not cls.runs_stages and any(s.name == "split-stages" for s in specs):
+            raise UsageError(
+                f"target '{cls.name}' cannot run a staged model: drop split-stages from its pipeline "
+                "(targets that run stages: ort-cpu)"
+            )
         tol = tolerance_for(cls.precision, opts, specs)  # also parses --accuracy-budget: a typo fails here
         plans.append(TargetPlan(cls, options, specs, tol))
     return tuple(plans)

@@ -71,6 +71,8 @@ class Pass:
 
     name: ClassVar[str] = ""
     Options: ClassVar[type] = NoOptions
+    # True: nothing may run after this pass (split-stages: a later pass would add nodes it did not annotate)
+    must_be_last: ClassVar[bool] = False
 
     def __init__(self, options: Any = None, **kwargs: Any):
         if options is None:

@@ -143,7 +143,12 @@ def load(
     if not isinstance(manifest.target, TargetBlock):
         raise ArtifactError(f"{root}: target '{own}' is a multi-target index's, but the manifest is no index")
     inputs, outputs = list(manifest.io.inputs), list(manifest.io.outputs)
-    session = create_session(root, manifest.target, threads=threads)
+    if manifest.stages is not None:  # split-stages: one session per stage, run in order (threads: per stage)
+        from precast.runtime.staged_session import open_staged
+
+        session = open_staged(root, manifest.target, manifest.stages, threads=threads)
+    else:
+        session = create_session(root, manifest.target, threads=threads)
     _check_io_matches(root, session, inputs, outputs)
     return Model(root, manifest, session, inputs, outputs)
 

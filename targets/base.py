@@ -46,6 +46,9 @@ class Target:
     Options: ClassVar[type] = NoTargetOptions
     # {option: default}, derived from ``Options`` (older targets declare this instead)
     option_defaults: ClassVar[dict[str, Any]] = {}
+    # Whether the target writes a split-stages model as stages (precast.compiler.stages); the plan refuses
+    # split-stages in the pipeline of a target that does not.
+    runs_stages: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -62,6 +65,8 @@ class Target:
         self.options: dict[str, Any] = dataclasses.asdict(typed)
         # The compile's PassContext (sample/calibration feeds), set by the driver before build().
         self.context: Any = None
+        # The manifest's stages block (runtime.stages_spec.StagesSpec), set by build() when it wrote stages.
+        self.stages: Any = None
 
     @classmethod
     def parse_typed(cls, raw: dict[str, str]) -> Any:

@@ -19,7 +19,7 @@ from precast.runtime.backends import ort_session_options
 from precast.runtime.target_blocks import OrtBlock, SessionSettings
 from precast.targets.base import Target, register_target
 
-__all__ = ["OrtCpu", "save_onnx"]
+__all__ = ["OrtCpu", "save_onnx", "save_model"]
 
 _EXTERNAL_THRESHOLD = 1 << 30  # bytes of initializers above which weights go to model.onnx.data
 
@@ -41,6 +41,26 @@ def save_onnx(model: ir.Model, path: Path) -> list[str]:
     return [path.name]
 
 
+def save_model(model: ir.Model, out_dir: Path, target: Target, offline=None) -> str | None:
+    """The shared save path: ``model.onnx``, or for a split-stages model ``stages/stage_<k>.onnx`` (each
+    with external data past the threshold, as model.onnx) and ``target.stages`` set to the manifest's block.
+    ``offline(path)``: a rewrite applied to each single-file model written (ONNX Runtime's offline level).
+    Returns the block's ``model`` (None for stages: the stages block names the files)."""
+    from precast.compiler.stages import is_staged, write_stages
+
+    def save(m: ir.Model, path: Path) -> list[str]:
+        files = save_onnx(m, path)
+        if offline is not None and len(files) == 1:
+            offline(path)
+        return files
+
+    if is_staged(model):
+        target.stages = write_stages(model, out_dir, save)
+        return None
+    save(model, out_dir / "model.onnx")
+    return "model.onnx"
+
+
 @register_target("ort-cpu")
 class OrtCpu(Target):
     summary = "ONNX Runtime, CPU execution provider (portable across x86/ARM hosts)"
@@ -48,6 +68,7 @@ class OrtCpu(Target):
     # rewrites that would consume its projections; skip-LN and bias-GeLU before Gemm takes their bias Adds.
     # fuse-embed-layernorm is opt-in: on a quiet machine MiniLM ran 1-10% slower with it (2 threads, interleaved,
     # 3 runs), and it does nothing that ONNX Runtime's own embedding kernels need.
+    runs_stages = True
     default_pipeline = (
         "infer-shapes,fold-constants,unroll-loops,fold-constants,eliminate-dead-code,"
         "fuse-layernorm,fuse-rmsnorm,fuse-gelu,fuse-attention,fuse-skip-layernorm,"
@@ -69,17 +90,16 @@ class OrtCpu(Target):
         )
 
     def build(self, model: ir.Model, out_dir: Path) -> OrtBlock:
-        files = save_onnx(model, out_dir / "model.onnx")
         level = self.options["ort_level"]
         if level not in ("none", "basic", "extended"):
             from precast.runtime.errors import UsageError
 
             raise UsageError(f"target 'ort-cpu' option ort_level must be none|basic|extended, got '{level}'")
-        if level != "none" and len(files) == 1:
-            self._ort_offline_optimize(out_dir / "model.onnx", level)
+        offline = None if level == "none" else (lambda path: self._ort_offline_optimize(path, level))
+        rel = save_model(model, out_dir, self, offline=offline)
         return OrtBlock(
             name=self.name,
-            model="model.onnx",
+            model=rel,
             providers=["CPUExecutionProvider"],
             device="cpu",
             precision=self.precision,
