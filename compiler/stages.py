@@ -117,6 +117,10 @@ def stage_models(model: ir.Model) -> list[Stage]:
         if id(v) in feedable:
             ins[k][id(v)] = None
         outs[k][id(v)] = None
+    for v in graph.inputs:  # an input no node reads (a causal LM's 'positions' in the mapped layout) stays
+        if not any(id(v) in stage_ins for stage_ins in ins):  # an input, of stage 0: the model's IO is kept
+            by_id[id(v)] = v
+            ins[0][id(v)] = None
     _fill_types(model, [by_id[i] for k in range(1, n) for i in ins[k] if i not in feedable])
     layers = plan.get("layers")
     times = plan.get("time_ms")
