@@ -131,6 +131,7 @@ def stage_models(model: ir.Model) -> list[Stage]:
         in_vals = [by_id[i] for i in sorted(ins[k], key=order.__getitem__)]
         out_vals = [by_id[i] for i in sorted(outs[k], key=order.__getitem__)]
         sub = ir.convenience.extract(graph, inputs=in_vals, outputs=out_vals)
+        _initializers_in_source_order(sub, graph)
         sub.name = f"{graph.name or 'model'}_stage_{k}"
         stage_model = ir.Model(
             sub,
@@ -182,6 +183,16 @@ def _stage_of(node: ir.Node, n: int) -> int:
     if not raw.isdigit() or not 0 <= int(raw) < n:
         raise PipelineError(f"split-stages: node '{node.name}' has stage '{raw}', not in 0..{n - 1}")
     return int(raw)
+
+
+def _initializers_in_source_order(sub: ir.Graph, graph: ir.Graph) -> None:
+    """onnx_ir's extract() collects a subgraph's initializers in a set (an order that changes from run to run):
+    put them back in the source graph's order, so one model compiled twice gives byte-identical stage files."""
+    rank = {name: i for i, name in enumerate(graph.initializers)}
+    values = sorted(sub.initializers.values(), key=lambda v: (rank.get(v.name, len(rank)), v.name))
+    sub.initializers.clear()
+    for v in values:
+        sub.register_initializer(v)
 
 
 def _bytes(graph: ir.Graph) -> int:
