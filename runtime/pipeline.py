@@ -132,38 +132,37 @@ class StagePipeline:
         cls,
         model,
         *,
-        threads: int | Sequence[int] = 1,
+        threads: int | Sequence[int] | None = 1,
         queue_size: int = 2,
         max_batch: int = 1,
         batch_wait: float = 0.0,
     ) -> StagePipeline:
         """A pipeline over a loaded artifact's stages (``manifest.stages``), each with a fresh session of
-        ``threads`` intra-op threads (one number for every stage, or one per stage). An artifact without
-        stages runs as a one-stage pipeline (the same queueing and micro-batching around the whole model).
-        The Model keeps its own sessions for ``model.run``; the pipeline's are its own (weights loaded twice)."""
-        from precast.runtime.backends import check_threads, create_session
-
-        spec = model.manifest.stages
-        target = model.manifest.target
-        if spec is None:
-            entries = [("model", target, [s.name for s in model.inputs], [s.name for s in model.outputs])]
-        else:
-            entries = [
-                (s.model, dataclasses.replace(target, model=s.model), s.inputs, s.outputs)
-                for s in spec.stages
-            ]
-        budgets = [threads] * len(entries) if isinstance(threads, numbers.Integral) else list(threads)
-        if len(budgets) != len(entries):
-            raise UsageError(
-                f"threads lists {len(budgets)} budgets for {len(entries)} stages of {model.path}"
-            )
-        for t in budgets:
-            check_threads(t)
+        ``threads`` intra-op threads (one number for every stage, or one per stage); ``threads=None`` shares
+        the Model's own stage sessions instead (no second copy of the weights; ``load()``'s thread budget).
+        An artifact without stages runs as a one-stage pipeline (the same queueing and micro-batching)."""
         _check_options(queue_size, max_batch, batch_wait)
-        stages = [
-            PipelineStage(name, create_session(model.path, block, threads=t), tuple(ins), tuple(outs))
-            for (name, block, ins, outs), t in zip(entries, budgets)
-        ]
+        spec = model.manifest.stages
+        if threads is None:
+            own = model._session
+            pairs = own.stages if spec is not None and hasattr(own, "stages") else [(None, own)]
+            stages = [_stage(model, entry, session) for entry, session in pairs]
+        else:
+            from precast.runtime.backends import check_threads, create_session
+
+            entries = [None] if spec is None else list(spec.stages)
+            budgets = [threads] * len(entries) if isinstance(threads, numbers.Integral) else list(threads)
+            if len(budgets) != len(entries):
+                raise UsageError(
+                    f"threads lists {len(budgets)} budgets for {len(entries)} stages of {model.path}"
+                )
+            for t in budgets:
+                check_threads(t)
+            target = model.manifest.target
+            stages = []
+            for entry, t in zip(entries, budgets):
+                block = target if entry is None else dataclasses.replace(target, model=entry.model)
+                stages.append(_stage(model, entry, create_session(model.path, block, threads=t)))
         return cls(
             stages, model.inputs, model.outputs,
             queue_size=queue_size, max_batch=max_batch, batch_wait=batch_wait, owner=model,
@@ -401,6 +400,15 @@ class _Core:
                 request.future.set_exception(result)
             else:
                 request.future.set_result({n: result[n] for n in request.outputs})
+
+
+def _stage(model, entry, session) -> PipelineStage:
+    """A stage from a StageEntry (None: the whole unstaged model)."""
+    if entry is None:
+        return PipelineStage(
+            "model", session, tuple(s.name for s in model.inputs), tuple(s.name for s in model.outputs)
+        )
+    return PipelineStage(entry.model, session, tuple(entry.inputs), tuple(entry.outputs))
 
 
 def _split(tensors: dict[str, np.ndarray], requests: list[_Request], outputs: list[str]) -> list[dict]:

@@ -26,6 +26,7 @@ from precast.runtime.server.config import ServerConfig
 from precast.runtime.server.host import ModelHost, ReloadBusyError, ReloadError
 from precast.runtime.server.http_errors import install_error_handlers
 from precast.runtime.server.metrics import ServerMetrics
+from precast.runtime.server.pipelined import PipelinedModel
 from precast.runtime.server.routes import router
 
 __all__ = ["ServerState", "create_app", "openai_error", "read_json", "v2_error"]
@@ -47,7 +48,8 @@ class ServerState:
             self._lease_model,
             BatchConfig(config.max_batch_size, config.max_queue_delay_ms / 1000.0, config.max_queue),
             on_batch=self.metrics.on_batch,
-            instances=config.instances,
+            # a staged artifact: one batch in flight per stage, so the stages work on different batches at once
+            instances=max(config.instances, _stages(self.host.current.model)),
         )
         self.shutting_down = False
         self.metrics.model_version.set(self.host.current.version)
@@ -99,6 +101,10 @@ class ServerState:
         self.shutting_down = True
         self.batcher.stop(self.config.drain_timeout)
         self.host.close(drain=min(5.0, self.config.drain_timeout))
+
+
+def _stages(model) -> int:
+    return model.stages if isinstance(model, PipelinedModel) else 1
 
 
 # -- the app -----------------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ import numpy as np
 
 from precast.runtime.errors import ArtifactError, PrecastError
 from precast.runtime.manifest import read_manifest
+from precast.runtime.server.pipelined import pipelined_if_staged
 
 __all__ = ["ModelHost", "ReloadBusyError", "ReloadError", "ReloadKindError", "Served"]
 
@@ -173,8 +174,10 @@ class ModelHost:
 
             llm = LLMService.from_artifact(root, **self.llm_options)
             return Served(llm.model_view(), path, version, _digest(root), llm=llm)
-        model = load(root, threads=self.threads)
+        staged = manifest is not None and manifest.stages is not None
+        model = load(root, threads=(self.threads or 1) if staged else self.threads)  # staged: per stage
         try:
+            model = pipelined_if_staged(model)
             _warm_up(model)
             from precast.runtime.server.embeddings import encoder_spec
 

@@ -37,14 +37,14 @@ def tiny_encoder(seed: int = 0) -> onnx.ModelProto:
     ]
     h = "embedded"
     for i in range(LAYERS):
-        inits[f"w{i}"] = rng.normal(0, 0.1, (HIDDEN, HIDDEN)).astype(np.float32) + np.eye(
+        inits[f"layer.{i}.w"] = rng.normal(0, 0.1, (HIDDEN, HIDDEN)).astype(np.float32) + np.eye(
             HIDDEN, dtype=np.float32
         )
-        inits[f"b{i}"] = rng.normal(0, 0.1, HIDDEN).astype(np.float32)
+        inits[f"layer.{i}.b"] = rng.normal(0, 0.1, HIDDEN).astype(np.float32)
         out = "hidden" if i == LAYERS - 1 else f"h{i + 1}"
         nodes += [
-            helper.make_node("MatMul", [h, f"w{i}"], [f"mm{i}"], name=f"l{i}.mm"),
-            helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"add{i}"], name=f"l{i}.add"),
+            helper.make_node("MatMul", [h, f"layer.{i}.w"], [f"mm{i}"], name=f"l{i}.mm"),
+            helper.make_node("Add", [f"mm{i}", f"layer.{i}.b"], [f"add{i}"], name=f"l{i}.add"),
             helper.make_node("Tanh", [f"add{i}"], [f"t{i}"], name=f"l{i}.tanh"),
             helper.make_node("Mul", [f"t{i}", "m"], [out], name=f"l{i}.mask"),
         ]
@@ -101,6 +101,16 @@ def staged_artifact(root, n: int):
     return art
 
 
+def compiled_staged(root, n: int):
+    """tiny_encoder compiled by precast with ``split-stages{n=N}`` (the pass cuts between its named layers)."""
+    root.mkdir(parents=True, exist_ok=True)
+    onnx.save(tiny_encoder(), root / "enc.onnx")
+    compile_model(
+        str(root / "enc.onnx"), root / "art", CompileOptions(passes=f"fold-constants,split-stages{{n={n}}}")
+    )
+    return root / "art"
+
+
 @pytest.fixture(scope="module")
 def art2(tmp_path_factory):
     return staged_artifact(tmp_path_factory.mktemp("staged2"), 2)
@@ -109,6 +119,17 @@ def art2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def art3(tmp_path_factory):
     return staged_artifact(tmp_path_factory.mktemp("staged3"), 3)
+
+
+@pytest.fixture(scope="module")
+def artifacts(tmp_path_factory, art2, art3):
+    """Hand-cut (Extractor) and compiled (split-stages) staged artifacts, by name."""
+    return {
+        "cut-2": art2,
+        "cut-3": art3,
+        "compiled-2": compiled_staged(tmp_path_factory.mktemp("compiled2"), 2),
+        "compiled-3": compiled_staged(tmp_path_factory.mktemp("compiled3"), 3),
+    }
 
 
 def request(tag: int, rows: int = 1, seq: int = 7) -> dict[str, np.ndarray]:
@@ -162,10 +183,11 @@ def gated(pipe: StagePipeline, k: int, gate: threading.Event, **options) -> Stag
 # -- numbers -------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("kind", ["cut-2", "cut-3", "compiled-2", "compiled-3"])
 @pytest.mark.parametrize("max_batch", [1, 4])
-def test_concurrent_requests_match_the_unsplit_model(n, max_batch, art2, art3):
-    model = load(art2 if n == 2 else art3)
+def test_concurrent_requests_match_the_unsplit_model(kind, max_batch, artifacts):
+    model = load(artifacts[kind])
+    n = int(kind[-1])
     assert len(model.manifest.stages.stages) == n
     results: dict[int, tuple[dict, dict]] = {}
     with model.pipeline(max_batch=max_batch, batch_wait=0.005) as pipe:
@@ -209,6 +231,17 @@ def test_outputs_subset_and_run(art2):
             pipe.run(feeds, outputs=["nope"])
     # the Model's own run is sequential through its sessions and gives the same numbers
     np.testing.assert_allclose(model.run(feeds)["hidden"], got["hidden"], rtol=1e-5, atol=1e-6)
+
+
+def test_threads_none_shares_the_models_stage_sessions(art3):
+    model = load(art3, threads=1)
+    with model.pipeline(threads=None, max_batch=4) as pipe:
+        assert [s.session for s in pipe.stages] == [s for _, s in model._session.stages]
+        futures = [(i, pipe.submit(request(i, rows=2))) for i in range(8)]
+        direct = model.run(request(50))  # the Model's own run on the same sessions meanwhile
+        for i, fut in futures:
+            assert_outputs(fut.result(timeout=30), request(i, rows=2))
+    assert_outputs(direct, request(50))
 
 
 def test_unstaged_artifact_is_a_one_stage_pipeline(tmp_path):
