@@ -1,22 +1,30 @@
-"""Issue 5's LLM benchmark: precast engine vs onnxruntime-genai vs Hugging Face generate(), one table.
+"""Issue 20's LLM serving table: precast's engine vs OpenVINO GenAI, onnxruntime-genai and llama.cpp.
 
-    python benchmarks/bench_llm.py [--rounds 3] [--threads 2] [--work /tmp/precast-bench-llm] [--no-int4]
+    python benchmarks/bench_llm.py [--model bench|small256|small384] [--rounds 3] [--threads 2] [--load]
+        [--engines precast-fp32,ov-fp32,...] [--rows b1,c8,c32] [--new 128] [--list] [--json FILE]
 
-Model: the Llama-style decoder of bench_llm_step.py (hidden 512, 8 layers, 8 heads / 4 KV heads,
-vocab 32000, tied embeddings, ~160 MB fp32, seeded random weights), built once into --work.
-Rows (2 threads each; medians of interleaved rounds; greedy, EOS ignored):
-  step b1      one decode step, batch 1, 128 tokens cached (precast: ModelRunner.step incl. the KV scatter;
-               genai: Generator.generate_next_token after a 128-token prompt; HF: forward with a DynamicCache)
-  gen b1       prompt 128 + 128 new tokens: time to first token, decode tokens/s. Steady state: per round each
-               engine runs 1 unmeasured + 3 measured generations (median of the 3); precast asks for token ids
-               only, as genai's loop returns ids. The paired lines under the table: precast / genai within
-               each round, median and range over rounds; then --pairs back-to-back generation pairs of the
-               two (order alternating: the finest pairing on a shared, drifting machine), median ratio with
-               a bootstrap 95% interval.
-  gen b8       8 such requests at once: aggregate tokens/s (precast: continuous batching over the paged
-               cache; genai: a static batch of 8; HF: generate() on a batch of 8)
-"of limit": decode tokens/s / (measured copy bandwidth / weight bytes read per token).
-onnxruntime-genai is optional (`pip install onnxruntime-genai`); its rows are skipped with a note when missing.
+Every engine runs in its own worker process (bench_llm_worker.py) under the interpreter that has its package
+(--precast-python, --genai-python, --ov-python, --llamacpp-python; defaults: this one, and /work/venvs/genai,
+/work/venvs/ovgenai, /work/venvs/llamacpp where they exist). An engine whose interpreter or package is
+missing is skipped with a note. Models: bench_llm_models.py (the builds are cached under --work).
+Rows (greedy, EOS ignored, token ids in and out, fresh random prompts for every measurement; the same ids
+for every engine in a round):
+  b1     one request, prompt 128 + --new tokens: time to first token, decode tokens/s (first token excluded)
+  c8     8 requests at once, prompts 32-512 tokens (evenly spread, shuffled), --new each: aggregate tokens/s
+  c32    the same with 32 requests
+Engines (precision class: what its ratio divides by):
+  precast-fp32, precast-int4   precast's engine (ort-cpu artifacts; INT4 = RTN block 32, accuracy level 4)
+  genai-fp32, genai-int4       onnxruntime-genai (b1 only: on CPU it batches statically, without paging)
+  ov-fp32                      OpenVINO GenAI, its defaults (bf16 compute where the CPU has it, u8 KV)
+  ov-fp32-f32                  the same with f32 inference precision and an f32 KV cache forced
+  ov-int4                      optimum-intel's INT4 export (NNCF, group 32, every layer), defaults
+  llamacpp-f32, llamacpp-q4_0  llama.cpp through llama-cpp-python (its converter; Q4_0 by its quantizer)
+  (b1: LLMPipeline; c8 / c32: ContinuousBatchingPipeline, prefix caching off, KV grown on demand)
+Ratios: engine / precast of the same precision class in the same round (rates: >1 = engine faster; TTFT:
+<1 = engine faster), median and range over rounds. Rounds rotate the engines' order. --load measures every
+round twice, without and with a competing process that keeps one core busy (a single-threaded numpy matmul
+loop, or --load-kind spin: a Python busy loop), and adds each engine's loaded / unloaded rate.
+"agree": how many of the first 32 greedy tokens of one warm-up prompt equal precast-fp32's.
 """
 
 from __future__ import annotations
@@ -32,408 +40,313 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
 
-PROMPT, NEW, BATCH = 128, 128, 8
+import bench_llm_models as models  # noqa: E402
+from bench_llm_requests import TOKENS, mixed_prompts, round_ratios, summary  # noqa: E402
 
+# bench_llm_decode.py and bench_llm_overhead.py take these from here (issue 5's table, now bench_llm_vs_genai.py)
+from bench_llm_vs_genai import Genai, build  # noqa: E402,F401
 
-def copy_bandwidth(mb: int = 256, reps: int = 7) -> float:
-    """Bytes per second of a numpy copy of a large array (the memory-read yardstick)."""
-    src = np.ones(mb * 2**20 // 4, dtype=np.float32)
-    dst = np.empty_like(src)
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
-        ts.append(time.perf_counter() - t0)
-    return src.nbytes / statistics.median(ts)
-
-
-def weight_bytes_read(onnx_path: Path) -> int:
-    """Initializer bytes a decode step reads: all but tables only indexed by Gather (the embedding rows)."""
-    import onnx
-
-    m = onnx.load(str(onnx_path), load_external_data=False)
-    users: dict[str, set[str]] = {}
-    for n in m.graph.node:
-        for i in n.input:
-            users.setdefault(i, set()).add(n.op_type)
-    total = 0
-    for t in m.graph.initializer:
-        size = int(np.prod(t.dims)) * onnx.helper.tensor_dtype_to_np_dtype(t.data_type).itemsize
-        if t.data_type in (onnx.TensorProto.UINT4, onnx.TensorProto.INT4):
-            size //= 2
-        if users.get(t.name, set()) - {"Gather"}:
-            total += size
-    return total
+PROMPT = 128
+ROWS = {"b1": 1, "c8": 8, "c32": 32}
+# name: (worker kind, interpreter flag, build precision, precision class, worker flags, rows)
+ENGINES = {
+    "precast-fp32": ("precast", "precast", "fp32", "fp32", [], ("b1", "c8", "c32")),
+    "precast-int4": ("precast", "precast", "int4", "int4", [], ("b1", "c8", "c32")),
+    "genai-fp32": ("genai", "genai", "fp32", "fp32", [], ("b1",)),
+    "genai-int4": ("genai", "genai", "int4", "int4", [], ("b1",)),
+    "ov-fp32": ("ov", "ov", "fp32", "fp32", [], ("b1", "c8", "c32")),
+    "ov-fp32-f32": ("ov", "ov", "fp32", "fp32", ["--ov-f32"], ("b1", "c8", "c32")),
+    "ov-int4": ("ov", "ov", "int4", "int4", [], ("b1", "c8", "c32")),
+    "llamacpp-f32": ("llamacpp", "llamacpp", "f32", "fp32", [], ("b1", "c8", "c32")),
+    "llamacpp-q4_0": ("llamacpp", "llamacpp", "q4_0", "int4", [], ("b1", "c8", "c32")),
+}
+PACKAGES = {
+    "precast": "precast.runtime",
+    "genai": "onnxruntime_genai",
+    "ov": "openvino_genai",
+    "llamacpp": "llama_cpp",
+}
+VENVS = {"genai": "/work/venvs/genai", "ov": "/work/venvs/ovgenai", "llamacpp": "/work/venvs/llamacpp"}
 
 
-def build(work: Path, int4: bool) -> dict[str, Path]:
-    from bench_llm_step import CONFIG
-
-    from precast.compiler.driver import CompileOptions, compile_model
-    from tests.llm.fixtures import build_llama
-
-    folder = work / "llama-512"
-    if not (folder / "config.json").is_file():
-        print("building the model folder", flush=True)
-        build_llama(folder, **CONFIG)
-    # INT4 as genai builds it (RTN, block 32, accuracy level 4 = int8 compute). Random weights make INT4 error
-    # large (logits cosine ~0.98 vs fp32), so its compile uses a cosine>=0.95 budget instead of 0.99.
-    arts = {"fp32": (work / "precast-fp32", "default", None)}
-    if int4:
-        arts["int4"] = (work / "precast-int4", "default,quantize-int4{accuracy_level=4}", "cosine>=0.95")
-    out = {"folder": folder}
-    for prec, (path, passes, budget) in arts.items():
-        if not (path / "manifest.json").is_file():
-            print(f"compiling precast {prec} ({passes})", flush=True)
-            try:
-                compile_model(
-                    str(folder),
-                    path,
-                    CompileOptions(
-                        targets=("ort-cpu",), task="causal-lm", passes=passes, accuracy_budget=budget
-                    ),
-                )
-            except Exception as e:  # noqa: BLE001 - report and go on with the other rows
-                print(f"precast {prec}: compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
-                continue
-        out[f"precast-{prec}"] = path
-    try:
-        import onnxruntime_genai  # noqa: F401
-    except ImportError:
-        print("onnxruntime-genai not installed: its rows are skipped (pip install onnxruntime-genai)")
-        return out
-    for prec in ("fp32", "int4") if int4 else ("fp32",):
-        path = work / f"genai-{prec}"
-        if not (path / "genai_config.json").is_file():
-            print(f"building genai {prec}", flush=True)
-            subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "onnxruntime_genai.models.builder",
-                    "-i",
-                    str(folder),
-                    "-o",
-                    str(path),
-                    "-p",
-                    prec,
-                    "-e",
-                    "cpu",
-                ],
-                check=True,
-                capture_output=True,
-            )
-        out[f"genai-{prec}"] = path
-    return out
-
-
-class Precast:
-    def __init__(self, art: Path, threads: int):
-        from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
-
-        self.engine = Engine.load(
-            art,
-            num_blocks=2 * BATCH * (PROMPT + NEW) // 16 + 16,
-            threads=threads,
-            config=SchedulerConfig(max_num_batched_tokens=512),
-            enable_prefix_caching=False,
-        )
-        # Token ids only, as genai's loop below (it returns ids; neither side decodes text per token).
-        self.params = SamplingParams(max_tokens=NEW, ignore_eos=True, detokenize=False)
-        self.weights = weight_bytes_read(art / "model.onnx")
-        runner = self.engine.runner
-        blocks = runner.spec.blocks_for(PROMPT + 1)
-        self._step = {
-            "input_ids": [[17]],
-            "positions": [[PROMPT]],
-            "past_lens": [PROMPT],
-            "new_lens": [1],
-            "block_tables": [list(range(blocks))],
-        }
-
-    def step(self) -> None:
-        self.engine.runner.step(**self._step)
-
-    def generate(self, prompts: list[list[int]]) -> tuple[float, float]:
-        """(wall seconds, median time to first token)"""
-        t0 = time.perf_counter()
-        handles = [self.engine.submit(p, self.params) for p in prompts]
-        self.engine.run_until_done()
-        wall = time.perf_counter() - t0
-        assert all(len(h.result().token_ids) == NEW for h in handles)
-        return wall, statistics.median(h.ttft_s for h in handles)
-
-
-class Genai:
-    def __init__(self, path: Path, threads: int):
-        import onnxruntime_genai as og
-
-        cfg = json.loads((path / "genai_config.json").read_text())
-        cfg["model"]["decoder"]["session_options"].update(
-            intra_op_num_threads=threads, inter_op_num_threads=1
-        )
-        (path / "genai_config.json").write_text(json.dumps(cfg, indent=4))
-        self.og, self.model = og, og.Model(str(path))
-        self.weights = weight_bytes_read(path / "model.onnx")
-        self._gen = None
-
-    def _generator(self, prompts: list[list[int]], max_length: int):
-        params = self.og.GeneratorParams(self.model)
-        params.set_search_options(max_length=max_length, do_sample=False, batch_size=len(prompts))
-        gen = self.og.Generator(self.model, params)
-        gen.append_tokens(np.array(prompts, dtype=np.int32))
-        return gen
-
-    def step(self) -> None:
-        # Successive tokens of one generator: past 128, 129, ... (restarted every 64 tokens).
-        if self._gen is None or self._left == 0:
-            self._gen, self._left = self._generator([list(range(5, 5 + PROMPT))], PROMPT + 80), 64
-            self._gen.generate_next_token()
-        self._gen.generate_next_token()
-        self._left -= 1
-
-    def generate(self, prompts: list[list[int]]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        gen = self._generator(prompts, PROMPT + NEW)
-        ttft = time.perf_counter() - t0  # append_tokens runs the prompt and leaves its logits
-        n = 0
-        while not gen.is_done():
-            gen.generate_next_token()
-            n += 1
-        assert n == NEW, n
-        return time.perf_counter() - t0, ttft
-
-
-class HF:
-    def __init__(self, folder: Path, threads: int):
-        import torch
-        import transformers
-
-        torch.set_num_threads(threads)
-        self.torch = torch
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(folder), local_files_only=True
-        ).eval()
-        self.weights = sum(p.numel() * 4 for p in self.model.parameters())
-        cfg = self.model.config
-        kv = [
-            torch.randn(1, cfg.num_key_value_heads, PROMPT, cfg.hidden_size // cfg.num_attention_heads)
-            for _ in range(2 * cfg.num_hidden_layers)
-        ]
-        self._kv = kv
-
-    def step(self) -> None:
-        from transformers import DynamicCache
-
-        cfg, torch = self.model.config, self.torch
-        cache = DynamicCache(config=cfg)
-        for i in range(cfg.num_hidden_layers):
-            cache.update(self._kv[2 * i], self._kv[2 * i + 1], i)
-        with torch.no_grad():
-            self.model(
-                input_ids=torch.tensor([[17]]),
-                attention_mask=torch.ones(1, PROMPT + 1, dtype=torch.long),
-                past_key_values=cache,
-                use_cache=True,
-            )
-
-    def _gen(self, prompts, new):
-        torch = self.torch
-        ids = torch.tensor(prompts)
-        with torch.no_grad():
-            self.model.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=False,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                pad_token_id=0,
-            )
-
-    def generate(self, prompts: list[list[int]]) -> tuple[float, float]:
-        t0 = time.perf_counter()
-        self._gen(prompts, 1)
-        ttft = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        self._gen(prompts, NEW)
-        return time.perf_counter() - t0, ttft
-
-
-def interleave(variants: dict, fn, rounds: int) -> dict[str, list]:
-    out: dict[str, list] = {k: [] for k in variants}
-    names = list(variants)
-    for r in range(rounds):
-        for name in names[r % len(names) :] + names[: r % len(names)]:
-            out[name].append(fn(variants[name]))
-    return out
-
-
-def paired_decode(a, b, prompt: list[int], n: int, label: str) -> str:
-    """Decode b1 speed of a over b from n back-to-back pairs of generations (order alternating), the finest
-    pairing a drifting shared host allows: median ratio, bootstrap 95% interval, how often a was faster."""
-    for _ in range(2):
-        a.generate([prompt]), b.generate([prompt])
-    ratios = []
-    for i in range(n):
-        first, second = (a, b) if i % 2 else (b, a)
-        r = {id(first): first.generate([prompt]), id(second): second.generate([prompt])}
-        (wa, ta), (wb, tb) = r[id(a)], r[id(b)]
-        ratios.append((wb - tb) / (wa - ta))
-    rng = np.random.default_rng(0)
-    boot = sorted(float(np.median(rng.choice(ratios, len(ratios)))) for _ in range(2000))
-    return (
-        f"decode b1 {label}, {n} alternating pairs: median {statistics.median(ratios):.3f}x "
-        f"(95% CI {boot[50]:.3f}-{boot[1949]:.3f}; faster in {sum(x > 1 for x in ratios)}/{n})"
-    )
-
-
-def timed(f) -> float:
-    t0 = time.perf_counter()
-    f()
-    return time.perf_counter() - t0
-
-
-def parse_args() -> argparse.Namespace:
+def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds of each generation row")
-    ap.add_argument("--steps", type=int, default=30, help="interleaved decode steps per engine")
-    ap.add_argument(
-        "--pairs", type=int, default=30, help="alternating precast/genai b1 generations per precision"
-    )
+    ap.add_argument("--model", choices=tuple(models.MODELS), default="bench")
+    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated (default: all)")
+    ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated of b1,c8,c32")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--new", type=int, default=128, help="new tokens per request")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--load", action="store_true", help="also measure under a competing one-core load")
+    ap.add_argument("--load-kind", choices=("matmul", "spin"), default="matmul")
     ap.add_argument("--work", default="/tmp/precast-bench-llm")
-    ap.add_argument("--no-int4", action="store_true")
-    ap.add_argument("--no-hf", action="store_true")
-    return ap.parse_args()
+    ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
+    ap.add_argument(
+        "--list", action="store_true", help="say which engines would run (and why not), then exit"
+    )
+    for kind in ("precast", "genai", "ov", "llamacpp"):
+        default = sys.executable if kind == "precast" else f"{VENVS[kind]}/bin/python"
+        ap.add_argument(f"--{kind}-python", default=default, help=f"interpreter with {PACKAGES[kind]}")
+    a = ap.parse_args(argv)
+    a.engines = [e for e in a.engines.split(",") if e]
+    a.rows = [r for r in a.rows.split(",") if r]
+    for name in a.engines:
+        if name not in ENGINES:
+            ap.error(f"unknown engine '{name}' (known: {', '.join(ENGINES)})")
+    for row in a.rows:
+        if row not in ROWS:
+            ap.error(f"unknown row '{row}' (known: {', '.join(ROWS)})")
+    return a
 
 
-def make_engines(args: argparse.Namespace) -> dict:
-    work = Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
-    paths = build(work, not args.no_int4)
-    engines: dict = {}
-    for name, path in paths.items():
-        if name.startswith("precast"):
-            engines[name] = Precast(path, args.threads)
-        elif name.startswith("genai"):
-            engines[name] = Genai(path, args.threads)
-    if not args.no_hf:
-        engines["hf-fp32"] = HF(paths["folder"], args.threads)
-    return engines
+def available(a: argparse.Namespace) -> tuple[list[str], dict[str, str]]:
+    """(engines to run, {engine: why it is skipped}); one import check per interpreter."""
+    ok: dict[str, str | None] = {}
+    for kind, pkg in PACKAGES.items():
+        py = getattr(a, f"{kind}_python")
+        if not Path(py).is_file():
+            ok[kind] = f"skipped: {py} not found"
+            continue
+        p = subprocess.run([py, "-c", f"import {pkg}"], capture_output=True, text=True)
+        ok[kind] = None if p.returncode == 0 else f"skipped: {pkg} not installed in {py}"
+    run = [e for e in a.engines if ok[ENGINES[e][1]] is None]
+    return run, {e: ok[ENGINES[e][1]] for e in a.engines if e not in run}
 
 
-def measure(engines: dict, args: argparse.Namespace) -> dict:
-    """Every row's raw measurements, interleaved across engines, plus the host's state around them."""
-    from precast.runtime.hugepages import huge_page_bytes
+def build_for(name: str, a: argparse.Namespace) -> Path | str:
+    kind, flag, prec = ENGINES[name][:3]
+    work, py = Path(a.work), getattr(a, f"{flag}_python")
+    if kind == "precast":
+        return models.build_precast(work, a.model, prec)
+    return {"genai": models.build_genai, "ov": models.build_ov, "llamacpp": models.build_gguf}[kind](
+        work, a.model, prec, py
+    )
 
-    m = {"huge": huge_page_bytes()}  # precast's engines load first: their weights (runtime/hugepages.py)
-    m["bw"], m["load0"] = copy_bandwidth(), os.getloadavg()
-    for e in engines.values():  # warm-up
-        e.step()
-        e.generate([list(range(5, 5 + PROMPT))][:1]) if not isinstance(e, HF) else None
-    m["steps"] = interleave(engines, lambda e: timed(e.step), args.steps)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(5, 500, PROMPT).tolist() for _ in range(BATCH)]
 
-    # Steady state: in each round an engine runs one unmeasured generation (caches warm for it, whichever
-    # engine ran before) then three measured ones; the round's value is their median decode rate.
-    def steady(e):
-        e.generate(prompts[:1])
-        runs = sorted((e.generate(prompts[:1]) for _ in range(3)), key=lambda wt: wt[0] - wt[1])
-        return runs[1]
+class Worker:
+    """One engine's process; ask() sends a request line and reads the answer line."""
 
-    m["gen1"] = interleave(engines, steady, args.rounds)
-    m["pairs"] = {}
-    for prec in ("fp32", "int4"):
-        a, b = engines.get(f"precast-{prec}"), engines.get(f"genai-{prec}")
-        if a and b and args.pairs:
-            m["pairs"][prec] = paired_decode(a, b, prompts[0], args.pairs, f"precast-{prec} / genai-{prec}")
-    m["gen8"] = interleave(engines, lambda e: e.generate(prompts), args.rounds)
-    m["copy"] = None
-    if "precast-fp32" in engines:
-        from bench_llm_engine import copy_vs_step
-
-        from precast.runtime.llm import SamplingParams
-
-        m["copy"] = copy_vs_step(
-            engines["precast-fp32"].engine, prompts, SamplingParams(max_tokens=10_000, ignore_eos=True)
+    def __init__(self, name: str, path: Path, a: argparse.Namespace, log: Path):
+        kind, flag, _, _, flags, self.rows = ENGINES[name]
+        py = getattr(a, f"{flag}_python")
+        cmd = [py, str(HERE / "bench_llm_worker.py"), kind, str(path), "--threads", str(a.threads)]
+        cmd += ["--max-requests", str(max(ROWS[r] for r in a.rows)), "--max-len", str(512 + a.new), *flags]
+        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
+        self.p = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
         )
-    m["load1"] = os.getloadavg()
-    return m
+        first = self._read()
+        self.info, self.error = first.get("ready"), first.get("error")
 
-
-def print_table(engines: dict, m: dict, args: argparse.Namespace) -> None:
-    steps, gen1, gen8, bw = m["steps"], m["gen1"], m["gen8"], m["bw"]
-    base = "genai-fp32" if "genai-fp32" in engines else "precast-fp32"
-    base_step = statistics.median(steps[base])
-    print(
-        f"\nLlama-style decoder: hidden 512, 8 layers, 8/4 heads, vocab 32000; {args.threads} threads; "
-        f"prompt {PROMPT} + {NEW} new; {args.steps} steps / {args.rounds} rounds interleaved"
-    )
-    print(
-        f"load average {m['load0'][0]:.1f} at start, {m['load1'][0]:.1f} at end (2 cores); "
-        f"copy bandwidth {bw / 1e9:.1f} GB/s"
-    )
-    print(
-        f"precast weights on transparent huge pages: {m['huge'] / 2**20:.0f} MB (genai and HF load theirs as usual)"
-    )
-    hdr = (
-        f"{'engine':<14} {'weights MB':>10} {'step b1 ms':>10} {'vs ' + base:>16} {'TTFT b1 ms':>10} "
-        f"{'decode b1 tok/s':>15} {'of limit':>8} {'b8 tok/s':>9} {'b8 / b1':>7}"
-    )
-    print(hdr)
-    print("-" * len(hdr))
-    for name, e in engines.items():
-        step = statistics.median(steps[name])
-        wall1 = statistics.median(w for w, _ in gen1[name])
-        ttft1 = statistics.median(t for _, t in gen1[name])
-        dec1 = (NEW - 1) / (wall1 - ttft1)
-        wall8 = statistics.median(w for w, _ in gen8[name])
-        agg8 = BATCH * NEW / wall8
-        limit = bw / e.weights
-        print(
-            f"{name:<14} {e.weights / 1e6:>10.0f} {step * 1e3:>10.2f} {base_step / step:>15.2f}x {ttft1 * 1e3:>10.1f} "
-            f"{dec1:>15.1f} {dec1 / limit:>8.2f} {agg8:>9.1f} {agg8 / (NEW / wall1):>6.2f}x"
+    def _read(self) -> dict:
+        line = self.p.stdout.readline()
+        return (
+            json.loads(line)
+            if line
+            else {"error": f"worker exited (rc {self.p.poll()}; see {self.log.name})"}
         )
 
+    def ask(self, **req) -> dict:
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        return self._read()
 
-def print_ratios(m: dict) -> None:
-    # Paired ratios: precast over genai within each round (runs minutes apart drift on a shared machine;
-    # runs of one round are adjacent in time), median and range over rounds.
-    gen1 = m["gen1"]
-    for prec in ("fp32", "int4"):
-        a, b = gen1.get(f"precast-{prec}"), gen1.get(f"genai-{prec}")
-        if a and b:
-            ratios = sorted(
-                (NEW - 1) / (wa - ta) / ((NEW - 1) / (wb - tb)) for (wa, ta), (wb, tb) in zip(a, b)
+    def close(self) -> None:
+        if self.p.poll() is None:
+            try:
+                self.ask(op="quit")
+            except (BrokenPipeError, ValueError):
+                pass
+            self.p.wait(timeout=30)
+        self.log.close()
+
+
+BURN = {
+    "matmul": "import numpy as np\na = np.random.rand(384, 384)\nwhile True:\n    a = (a @ a) * 1e-3",
+    "spin": "while True:\n    pass",
+}
+
+
+class Burner:
+    """A competing process that keeps one core busy while the block runs (started and ended by this bench)."""
+
+    def __init__(self, kind: str | None):
+        self.kind, self.p = kind, None
+
+    def __enter__(self):
+        if self.kind:
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+            self.p = subprocess.Popen([sys.executable, "-c", BURN[self.kind]], env=env)
+            time.sleep(0.5)
+        return self
+
+    def __exit__(self, *exc):
+        if self.p is not None:
+            self.p.kill()
+            self.p.wait()
+
+
+def start_workers(run: list[str], a, notes: dict[str, str]) -> dict[str, Worker]:
+    logs = Path(a.work) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    workers = {}
+    for name in run:
+        path = build_for(name, a)
+        if isinstance(path, str):
+            notes[name] = f"skipped: {path}"
+            continue
+        print(f"starting {name}", flush=True)
+        w = Worker(name, path, a, logs / f"{a.model}-{name}.log")
+        if w.error:
+            notes[name] = f"skipped: {w.error}"
+            w.close()
+            continue
+        workers[name] = w
+    return workers
+
+
+def warm_up(workers: dict[str, Worker], a) -> dict[str, str]:
+    """One b1 and one small concurrent batch each (compiles, pools, pipelines); the b1 tokens -> "agree"."""
+    rng = np.random.default_rng(12345)
+    prompt = rng.integers(*TOKENS, size=PROMPT).tolist()
+    ids: dict[str, list[int]] = {}
+    for name, w in workers.items():
+        r = w.ask(op="b1", prompt=prompt, new=32)
+        ids[name] = r.get("ids", [])
+        if "c8" in w.rows and any(x != "b1" for x in a.rows):
+            w.ask(op="batch", prompts=mixed_prompts(rng, 4, 16, 64), new=8)
+    ref = ids.get("precast-fp32")
+    agree = {}
+    for name, got in ids.items():
+        same = next(
+            (i for i, (x, y) in enumerate(zip(got, ref or [])) if x != y), min(len(got), len(ref or []))
+        )
+        agree[name] = f"{same}/{len(ref)}" if ref and got else "-"
+    return agree
+
+
+def ask_row(w: Worker, row: str, prompts: list[list[int]], new: int) -> tuple[object, str | None]:
+    """One measurement: b1 -> (TTFT s, decode tok/s), c8/c32 -> aggregate tok/s; or (None, the error)."""
+    if row == "b1":
+        r = w.ask(op="b1", prompt=prompts[0], new=new)
+        val = None if "error" in r else (r["ttft"], (r["n"] - 1) / (r["wall"] - r["ttft"]))
+    else:
+        r = w.ask(op="batch", prompts=prompts, new=new)
+        val = None if "error" in r else r["n"] / r["wall"]
+    return val, r.get("error")
+
+
+def measure(workers: dict[str, Worker], a) -> dict:
+    """res[cond][row][engine]: one value per round (None where it failed); b1 values are (ttft, tok/s)."""
+    conds = ["quiet", "load"] if a.load else ["quiet"]
+    res: dict = {c: {r: {e: [] for e in workers} for r in a.rows} for c in conds}
+    errors: dict[str, str] = {}
+    names = list(workers)
+    for rnd in range(a.rounds):
+        order = names[rnd % len(names) :] + names[: rnd % len(names)]
+        for cond in conds if rnd % 2 == 0 else conds[::-1]:
+            with Burner(a.load_kind if cond == "load" else None):
+                for row in a.rows:
+                    rng = np.random.default_rng([rnd, conds.index(cond), list(ROWS).index(row)])
+                    if row == "b1":
+                        prompts = [rng.integers(*TOKENS, size=PROMPT).tolist()]
+                    else:
+                        prompts = mixed_prompts(rng, ROWS[row])
+                    for name in (n for n in order if row in workers[n].rows):
+                        val, err = ask_row(workers[name], row, prompts, a.new)
+                        res[cond][row][name].append(val)
+                        if err:
+                            errors[f"{name} {row} ({cond})"] = err
+        print(f"round {rnd + 1}/{a.rounds} done, load average {os.getloadavg()[0]:.1f}", flush=True)
+    return {"res": res, "errors": errors}
+
+
+def _col(res_row: dict, name: str, part: int | None) -> list:
+    vals = res_row.get(name, [])
+    return [None if v is None else (v[part] if part is not None else v) for v in vals]
+
+
+def _med(xs: list) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+def print_tables(workers: dict, m: dict, agree: dict, notes: dict, a) -> None:
+    res = m["res"]
+    print(
+        f"\n{models.describe(a.model)}; {a.threads} threads; prompt {PROMPT} (b1) / 32-512 (c8, c32) + {a.new} new;"
+    )
+    print(
+        f"{a.rounds} interleaved rounds; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs"
+    )
+    cols = [("b1", 0, "TTFT ms"), ("b1", 1, "b1 tok/s"), ("c8", None, "c8 tok/s"), ("c32", None, "c32 tok/s")]
+    cols = [c for c in cols if c[0] in a.rows]
+    for cond, rows in res.items():
+        hdr = (
+            f"{'[' + cond + ']':<15}"
+            + "".join(f"{c[2]:>11}" for c in cols)
+            + "".join(f"{'x ' + c[2].split()[0]:>20}" for c in cols)
+            + f"{'agree':>7}"
+        )
+        print("\n" + hdr + "\n" + "-" * len(hdr))
+        for name in workers:
+            base = "precast-" + ENGINES[name][3]
+            line = f"{name:<15}"
+            for row, part, _label in cols:
+                v = _med(_col(rows[row], name, part))
+                line += f"{'-' if v is None else f'{v * 1e3:.1f}' if part == 0 else f'{v:.1f}':>11}"
+            for row, part, _ in cols:
+                r = round_ratios({k: _col(rows[row], k, part) for k in (name, base)}, base, name)
+                line += f"{'' if name == base else summary(r):>20}"
+            print(line + f"{agree.get(name, '-'):>7}")
+    if a.load:
+        print("\nloaded / unloaded rate, same round (1.00 = no loss; TTFT: unloaded / loaded)")
+        for name in workers:
+            parts = []
+            for row, part, label in cols:
+                q, ld = _col(res["quiet"][row], name, part), _col(res["load"][row], name, part)
+                r = [(x / y if part == 0 else y / x) for x, y in zip(q, ld) if x and y]
+                parts.append(f"{label.split()[0]} {summary(r)}")
+            print(f"  {name:<15} " + "; ".join(parts))
+    rss = ", ".join(f"{n} {v:.0f}" for n, v in m["rss_mb"].items() if v)
+    print(f"\npeak RSS MB per worker (weights + KV + runtime): {rss}")
+    for name, why in notes.items():
+        print(f"{name}: {why}")
+    for what, err in m["errors"].items():
+        print(f"{what}: failed ({err})")
+
+
+def main(argv=None) -> None:
+    a = parse_args(argv)
+    run, notes = available(a)
+    if a.list:
+        print(f"{models.describe(a.model)}\nwould run: {', '.join(run) or 'nothing'}")
+        for name, why in notes.items():
+            print(f"{name}: {why}")
+        return
+    if not [e for e in run if e.startswith("precast-")]:
+        sys.exit("bench_llm: no precast engine to compare with (need precast-fp32 or precast-int4)")
+    workers = start_workers(run, a, notes)
+    try:
+        agree = warm_up(workers, a)
+        m = measure(workers, a)
+        m["rss_mb"] = {n: w.ask(op="rss").get("rss_mb") for n, w in workers.items()}
+    finally:
+        for w in workers.values():
+            w.close()
+    print_tables(workers, m, agree, notes, a)
+    if a.json:
+        info = {n: w.info for n, w in workers.items()}
+        a.json.write_text(
+            json.dumps(
+                {"args": {**vars(a), "json": str(a.json)}, "info": info, "agree": agree, "notes": notes, **m},
+                indent=1,
             )
-            print(
-                f"decode b1 precast-{prec} / genai-{prec}, paired by round: median {statistics.median(ratios):.3f}x "
-                f"(range {ratios[0]:.3f}-{ratios[-1]:.3f}, {len(ratios)} rounds)"
-            )
-    for line in m["pairs"].values():
-        print(line)
-    if m["copy"] is not None:
-        step_ms, copy_ms, blocks = m["copy"]
-        print(
-            f"\npaged gather vs copy-whole-cache: precast-fp32 decode step at batch {BATCH} (past ~{PROMPT}) "
-            f"{step_ms:.2f} ms; copying every request's cache contiguous would add {copy_ms:.2f} ms "
-            f"({100 * copy_ms / step_ms:.0f}% of the step); KV held {blocks} blocks"
         )
-    print(
-        "b8 / b1: aggregate tokens/s with 8 requests over batch-1 tokens/s of the same engine (whole generation)"
-    )
-
-
-def main() -> None:
-    args = parse_args()
-    engines = make_engines(args)
-    m = measure(engines, args)
-    print_table(engines, m, args)
-    print_ratios(m)
 
 
 if __name__ == "__main__":

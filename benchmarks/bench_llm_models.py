@@ -1,0 +1,163 @@
+"""The decoders bench_llm.py times, and each engine's build of them (one folder per model under --work).
+
+    bench      bench_llm_step.py's Llama: hidden 512, 8 layers, 8 / 4 heads, vocab 32000 (~160 MB fp32)
+    small256   hidden 256, 4 layers, 4 / 2 heads (head 64), intermediate 704, vocab 32000
+    small384   hidden 384, 6 layers, 6 / 2 heads (head 64), intermediate 1024, vocab 32000
+
+All Llama-style, tied embeddings, seeded random weights at HF's default init (0.02), the 512-token BPE
+tokenizer of tests/llm/fixtures.py (the bench feeds token ids 5..500, which that tokenizer has).
+Builds run once and are cached by their output file: precast (this interpreter), onnxruntime-genai's builder
+(--genai-python), optimum-cli's OpenVINO export (--ov-python), llama.cpp's HF converter (--llamacpp-python).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+_BASE = {
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+}
+MODELS: dict[str, dict] = {
+    "bench": {
+        **_BASE,
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+    },
+    "small256": {
+        **_BASE,
+        "hidden_size": 256,
+        "intermediate_size": 704,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+    "small384": {
+        **_BASE,
+        "hidden_size": 384,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+    },
+}
+# INT4 on every engine: block (group) 32, every linear layer; precast and genai with accuracy level 4.
+OV_INT4 = ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"]
+
+__all__ = [
+    "MODELS",
+    "describe",
+    "model_dir",
+    "build_folder",
+    "build_precast",
+    "build_genai",
+    "build_ov",
+    "build_gguf",
+]
+
+
+def describe(name: str) -> str:
+    c = MODELS[name]
+    return (
+        f"{name}: hidden {c['hidden_size']}, {c['num_hidden_layers']} layers, "
+        f"{c['num_attention_heads']}/{c['num_key_value_heads']} heads, vocab {c['vocab_size']}"
+    )
+
+
+def model_dir(work: Path, name: str) -> Path:
+    """Where a model's builds live: the bench model keeps bench_llm.py's old layout (work itself)."""
+    return work if name == "bench" else work / name
+
+
+def build_folder(work: Path, name: str) -> Path:
+    folder = model_dir(work, name) / ("llama-512" if name == "bench" else "hf")
+    if not (folder / "config.json").is_file():
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+        from tests.llm.fixtures import build_llama
+
+        print(f"building the model folder {folder}", flush=True)
+        build_llama(folder, **MODELS[name])
+    return folder
+
+
+def build_precast(work: Path, name: str, prec: str) -> Path | str:
+    """The artifact's path, or why there is none (one line)."""
+    from precast.compiler.driver import CompileOptions, compile_model
+
+    # Random weights make INT4 error large (logits cosine ~0.98 vs fp32): its compile uses cosine>=0.95.
+    passes, budget = {
+        "fp32": ("default", None),
+        "int4": ("default,quantize-int4{accuracy_level=4}", "cosine>=0.95"),
+    }[prec]
+    path = model_dir(work, name) / f"precast-{prec}"
+    if not (path / "manifest.json").is_file():
+        print(f"compiling precast {name} {prec} ({passes})", flush=True)
+        try:
+            opts = CompileOptions(
+                targets=("ort-cpu",), task="causal-lm", passes=passes, accuracy_budget=budget
+            )
+            compile_model(str(build_folder(work, name)), path, opts)
+        except Exception as e:  # noqa: BLE001 - report and go on with the other rows
+            return f"compile failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})"
+    return path
+
+
+def _run(cmd: list[str], what: str) -> str | None:
+    print(f"building {what}", flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True)
+    if p.returncode:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"{what} failed (exit {p.returncode}: {tail[0][:200]})"
+    return None
+
+
+def build_genai(work: Path, name: str, prec: str, python: str) -> Path | str:
+    path = model_dir(work, name) / f"genai-{prec}"
+    if not (path / "genai_config.json").is_file():
+        cmd = [python, "-m", "onnxruntime_genai.models.builder", "-i", str(build_folder(work, name))]
+        err = _run([*cmd, "-o", str(path), "-p", prec, "-e", "cpu"], f"genai {name} {prec}")
+        if err:
+            return err
+    return path
+
+
+def build_ov(work: Path, name: str, prec: str, python: str) -> Path | str:
+    """optimum-intel's export (what OpenVINO GenAI loads): fp32 weights, or INT4 through NNCF (data-free)."""
+    path = model_dir(work, name) / f"ov-{prec}"
+    if not (path / "openvino_model.xml").is_file():
+        cli = str(Path(python).parent / "optimum-cli")
+        fmt = OV_INT4 if prec == "int4" else ["--weight-format", "fp32"]
+        cmd = [
+            cli,
+            "export",
+            "openvino",
+            "--model",
+            str(build_folder(work, name)),
+            "--task",
+            "text-generation-with-past",
+        ]
+        err = _run([*cmd, *fmt, str(path)], f"OpenVINO {name} {prec}")
+        if err:
+            return err
+    return path
+
+
+def build_gguf(work: Path, name: str, prec: str, python: str) -> Path | str:
+    """llama.cpp's converter to an f32 GGUF, then its quantizer to Q4_0 (bench_llm_llamacpp.py, in python)."""
+    path = model_dir(work, name) / f"llamacpp-{prec}.gguf"
+    if not path.is_file():
+        here = Path(__file__).resolve().parent / "bench_llm_llamacpp.py"
+        err = _run(
+            [python, str(here), "convert", str(build_folder(work, name)), str(path), prec],
+            f"GGUF {name} {prec}",
+        )
+        if err:
+            return err
+    return path
