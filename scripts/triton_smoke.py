@@ -1,12 +1,14 @@
 """Serve precast `triton`-target artifacts with the real tritonserver and check its answers.
 
 Runs inside the Triton virtualenv (scripts/triton_smoke.sh makes it): nvidia-pytriton (which bundles
-tritonserver with the Python backend only), tritonclient[http], and precast's runtime. For each
-artifact it validates both config.pbtxt files against Triton's ModelConfig protobuf, starts
-tritonserver on loopback with the artifact's Python-backend model, sends real requests and compares
-them with precast.runtime run locally (tensor models: parity sample, concurrent requests of mixed batch
-sizes, a bad request; LLMs: greedy streams over /generate_stream == precast Engine), then stops the
-server (SIGTERM, then SIGKILL of its process group) whatever happened.
+tritonserver with the Python backend only), tritonclient[http], and precast's runtime. It validates every
+artifact's config.pbtxt files against Triton's ModelConfig protobuf, starts one tritonserver on loopback
+over all the artifacts' model repositories (each artifact's Python-backend model; a staged artifact's
+ensemble and its stage models), sends real requests and compares them with precast.runtime run locally
+(tensor models and ensembles: parity sample, concurrent requests of mixed batch sizes, a bad request;
+LLMs: greedy streams over /generate_stream == precast Engine). A staged artifact served beside an unsplit
+one of the same source must answer the same requests as it. Then it stops the server (SIGTERM, then
+SIGKILL of its process group) whatever happened.
 
     python scripts/triton_smoke.py ARTIFACT [ARTIFACT ...]
 """
@@ -85,15 +87,17 @@ def _die_with_parent() -> None:
 
 
 class Server:
-    def __init__(self, binary: Path, backends: Path, env: dict, repo: Path, model: str, work: Path):
+    def __init__(
+        self, binary: Path, backends: Path, env: dict, repos: list[Path], models: list[str], work: Path
+    ):
         self.port = free_port()
         self.shm_prefix = f"precast-smoke-{os.getpid()}-{self.port}"
-        self.log_path = work / f"tritonserver-{model}.log"
+        self.log_path = work / "tritonserver.log"
         cmd = [
             str(binary),
-            f"--model-repository={repo}",
+            *(f"--model-repository={repo}" for repo in repos),
             "--model-control-mode=explicit",
-            f"--load-model={model}",
+            *(f"--load-model={model}" for model in models),
             f"--backend-directory={backends}",
             f"--cache-directory={work}",
             "--http-address=127.0.0.1",
@@ -116,7 +120,7 @@ class Server:
         )
         self.url = f"127.0.0.1:{self.port}"
 
-    def wait_ready(self, model: str) -> None:
+    def wait_ready(self, models: list[str]) -> None:
         import tritonclient.http as httpclient
 
         client = httpclient.InferenceServerClient(self.url)
@@ -125,7 +129,7 @@ class Server:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"tritonserver exited with {self.proc.returncode}:\n{self.log_tail()}")
             with contextlib.suppress(Exception):  # not listening yet
-                if client.is_server_ready() and client.is_model_ready(model):
+                if client.is_server_ready() and all(client.is_model_ready(m) for m in models):
                     return
             time.sleep(0.3)
         raise TimeoutError(f"tritonserver not ready after {READY_TIMEOUT_S:.0f} s:\n{self.log_tail()}")
@@ -193,39 +197,23 @@ def check_tensor_model(url: str, model: str, artifact: Path, manifest: dict) -> 
     _log(f"{model}: parity sample ok (max abs error {worst:.2e})")
 
     # 2. Concurrent requests of mixed batch sizes (the dynamic batcher stacks them): each == local run.
-    batch_dim = manifest["target"]["triton"]["batch_dim"]
-    rng = np.random.default_rng(0)
+    block = manifest["target"]["triton"]
     sample = {n: np.load(artifact / rel, allow_pickle=False) for n, rel in parity["inputs"].items()}
-
-    def make(i: int) -> dict:
-        rows = 1 + i % 3 if batch_dim else None
-        req = {}
-        for n, arr in sample.items():
-            shape = (rows, *arr.shape[1:]) if rows else arr.shape
-            req[n] = (
-                rng.standard_normal(shape).astype(arr.dtype)
-                if arr.dtype.kind == "f"
-                else np.resize(arr, shape).astype(arr.dtype)
-            )
-        return req
-
     n_requests = 24
-    requests = [make(i) for i in range(n_requests)]
-    with ThreadPoolExecutor(8) as pool:
-        answers = pool.map(
-            lambda req: _infer(httpclient.InferenceServerClient(url), model, req, out_names), requests
-        )
-        results = list(zip(requests, answers))
-    for req, got in results:
+    requests = make_requests(sample, block["batch_dim"], n_requests, seed=0)
+    for req, got in zip(requests, infer_concurrently(url, model, requests, out_names)):
         exp = local.run(req)
         for n in out_names:
             np.testing.assert_allclose(
                 got[n], exp[n], rtol=rtol, atol=atol, err_msg=f"concurrent request, output '{n}'"
             )
     stats = client.get_inference_statistics(model)["model_stats"][0]
+    # An ensemble's stage models keep their own counts (each stage's dynamic batcher stacks requests).
+    stages = {m: _counts(client, m) for m in block.get("stage_models", ())}
     _log(
         f"{model}: {n_requests} concurrent requests ok; inference_count={stats['inference_count']} "
         f"execution_count={stats['execution_count']}"
+        + "".join(f"; {m}: {c['inference_count']}/{c['execution_count']}" for m, c in stages.items())
     )
 
     # 3. A bad request gets an error naming the input; the server keeps serving.
@@ -248,7 +236,71 @@ def check_tensor_model(url: str, model: str, artifact: Path, manifest: dict) -> 
         "requests": n_requests + 3,
         "inference_count": stats["inference_count"],
         "execution_count": stats["execution_count"],
+        **({"stages": stages} if stages else {}),
     }
+
+
+def make_requests(sample: dict, batch_dim: str | None, n: int, seed: int) -> list[dict]:
+    """``n`` requests shaped like the parity sample: 1-3 rows when the model has a batch dim; random floats,
+    the sample's own integers (ids, masks) repeated."""
+    rng = np.random.default_rng(seed)
+    requests = []
+    for i in range(n):
+        rows = 1 + i % 3 if batch_dim else None
+        req = {}
+        for name, arr in sample.items():
+            shape = (rows, *arr.shape[1:]) if rows else arr.shape
+            req[name] = (
+                rng.standard_normal(shape).astype(arr.dtype)
+                if arr.dtype.kind == "f"
+                else np.resize(arr, shape).astype(arr.dtype)
+            )
+        requests.append(req)
+    return requests
+
+
+def infer_concurrently(url: str, model: str, requests: list[dict], out_names: list[str]) -> list[dict]:
+    import tritonclient.http as httpclient
+
+    with ThreadPoolExecutor(8) as pool:
+        return list(
+            pool.map(
+                lambda req: _infer(httpclient.InferenceServerClient(url), model, req, out_names), requests
+            )
+        )
+
+
+def _counts(client, model: str) -> dict:
+    stats = client.get_inference_statistics(model)["model_stats"][0]
+    return {"inference_count": stats["inference_count"], "execution_count": stats["execution_count"]}
+
+
+def check_same_answers(url: str, staged: str, unsplit: str, artifact: Path, manifest: dict) -> dict:
+    """The ensemble of a staged artifact and the unsplit model of the same source, served side by side,
+    answer the same concurrent requests alike (fp32: the same kernels on the same rows, cut in two)."""
+    parity = manifest["parity"]
+    sample = {n: np.load(artifact / rel, allow_pickle=False) for n, rel in parity["inputs"].items()}
+    out_names = [o["name"] for o in manifest["io"]["outputs"]]
+    requests = make_requests(sample, manifest["target"]["triton"]["batch_dim"], 12, seed=1)
+    a = infer_concurrently(url, staged, requests, out_names)
+    b = infer_concurrently(url, unsplit, requests, out_names)
+    worst = 0.0
+    for got, exp in zip(a, b):
+        for n in out_names:
+            np.testing.assert_allclose(
+                got[n],
+                exp[n],
+                rtol=1e-5,
+                atol=1e-6,
+                err_msg=f"ensemble '{staged}' vs '{unsplit}', output '{n}'",
+            )
+            worst = max(
+                worst, float(np.max(np.abs(got[n].astype(np.float64) - exp[n]))) if exp[n].size else 0.0
+            )
+    _log(
+        f"{staged} (ensemble) == {unsplit} (unsplit) on {len(requests)} concurrent requests (max abs diff {worst:.2e})"
+    )
+    return {"unsplit": unsplit, "requests": len(requests), "max_abs_diff": worst}
 
 
 def _generate_stream(url: str, model: str, body: dict) -> tuple[str, list[int], str | None]:
@@ -306,35 +358,71 @@ def check_llm_model(url: str, model: str, artifact: Path) -> dict:
     return {"streams": len(prompts), "tokens": sum(len(g[1]) for g in got), "seconds": round(seconds, 3)}
 
 
-def smoke(artifact: Path, work: Path) -> dict:
-    manifest = json.loads((artifact / "manifest.json").read_text())
-    block = manifest["target"].get("triton")
-    if not block:
-        raise SystemExit(f"{artifact}: not a 'triton' target artifact")
-    repo = artifact / block["repository"]
-    models = validate_configs(repo)
-    _log(f"{artifact.name}: config.pbtxt parsed by Triton's ModelConfig protobuf: {', '.join(models)}")
-    model = block["python_model"]
+class Served:
+    """One artifact's part of the server: its manifest, the models to load and the one clients call."""
+
+    def __init__(self, artifact: Path):
+        self.artifact = artifact
+        self.manifest = json.loads((artifact / "manifest.json").read_text())
+        self.block = self.manifest["target"].get("triton")
+        if not self.block:
+            raise SystemExit(f"{artifact}: not a 'triton' target artifact")
+        self.repo = artifact / self.block["repository"]
+        self.staged = "ensemble" in self.block
+        self.model = self.block["ensemble"] if self.staged else self.block["python_model"]
+        self.models = [*self.block["stage_models"], self.model] if self.staged else [self.model]
+
+
+def smoke(artifacts: list[Path], work: Path) -> list[dict]:
+    """All artifacts in one tritonserver (one start: each start costs seconds of stub spawns)."""
+    served = [Served(a) for a in artifacts]
+    for s in served:
+        models = validate_configs(s.repo)
+        _log(f"{s.artifact.name}: config.pbtxt parsed by Triton's ModelConfig protobuf: {', '.join(models)}")
+    names = [m for s in served for m in s.models]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"two artifacts serve a model of the same name: {names}")
     binary, backends, env = triton_install(work / "tritonserver")
-    server = Server(binary, backends, env, repo, model, work)
+    server = Server(binary, backends, env, [s.repo for s in served], names, work)
+    results = []
     try:
         t0 = time.perf_counter()
-        server.wait_ready(model)
-        _log(f"{model}: tritonserver ready on {server.url} in {time.perf_counter() - t0:.1f} s")
-        if block["mode"] == "llm":
-            result = {"model": model, **check_llm_model(server.url, model, artifact)}
-        else:
-            result = {"model": model, **check_tensor_model(server.url, model, artifact, manifest)}
+        server.wait_ready(names)
+        _log(
+            f"tritonserver ready on {server.url} with {len(names)} models in {time.perf_counter() - t0:.1f} s"
+        )
+        for s in served:
+            if s.block["mode"] == "llm":
+                result = {"model": s.model, **check_llm_model(server.url, s.model, s.artifact)}
+            else:
+                result = {"model": s.model, **check_tensor_model(server.url, s.model, s.artifact, s.manifest)}
+            results.append(result)
+        for s, result in zip(served, results):
+            twin = (
+                next((u for u in served if not u.staged and _same_source(s, u)), None) if s.staged else None
+            )
+            if twin is not None:
+                result["same_as_unsplit"] = check_same_answers(
+                    server.url, s.model, twin.model, s.artifact, s.manifest
+                )
     except BaseException:
         print(server.log_tail(), file=sys.stderr)
         raise
     finally:
         server.stop()
-        _log(f"{model}: tritonserver stopped (exit {server.proc.returncode})")
+        _log(f"tritonserver stopped (exit {server.proc.returncode})")
     from precast.runtime import load
 
-    load(artifact)  # serving left the artifact exactly as its manifest lists it (no __pycache__)
-    return result
+    for s in served:
+        load(s.artifact)  # serving left the artifact exactly as its manifest lists it (no __pycache__)
+    return results
+
+
+def _same_source(a: Served, b: Served) -> bool:
+    return (
+        a.manifest["source"]["sha256"] == b.manifest["source"]["sha256"]
+        and a.block["mode"] == b.block["mode"]
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -344,10 +432,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     # `timeout` and CI runners send SIGTERM: unwind through the finally blocks that stop the server.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    results = []
-    for artifact in args.artifacts:
-        with tempfile.TemporaryDirectory(prefix="precast-triton-") as tmp:
-            results.append(smoke(artifact.resolve(), Path(tmp)))
+    with tempfile.TemporaryDirectory(prefix="precast-triton-") as tmp:
+        results = smoke([a.resolve() for a in args.artifacts], Path(tmp))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     _log("all ok")

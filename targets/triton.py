@@ -11,6 +11,9 @@
 The repository sits in its own folder so that Triton sees only model folders (not parity/ or the
 tokenizer). The precast manifest's block points at ``<name>/1/model.onnx`` with the CPU execution
 provider, so ``precast.runtime.load`` (and the compile's verification) run the very file Triton serves.
+
+A staged model (the pipeline ends in ``split-stages``) is written as one model per stage and an ensemble
+named ``<name>`` that chains them: see targets/triton_ensemble.py.
 """
 
 from __future__ import annotations
@@ -65,6 +68,7 @@ class Triton(Target):
         "Triton Inference Server model repository (onnxruntime backend + a Python-backend precast model)"
     )
     default_pipeline = OrtCpu.default_pipeline
+    runs_stages = True  # a split-stages model becomes a Triton ensemble of its stages
 
     @dataclass(frozen=True)
     class Options:
@@ -89,6 +93,14 @@ class Triton(Target):
             default="none", metadata={"help": "offline ORT optimization of model.onnx, as ort-cpu"}
         )
         threads: int = field(default=0, metadata={"help": "intra-op threads at load (0: default)"})
+        stage_backend: Literal["python", "onnxruntime"] = field(
+            default="python",
+            metadata={"help": "staged models: what runs each stage model (python: ORT in the Python stub)"},
+        )
+        stage_instances: str = field(
+            default="",
+            metadata={"help": "staged models: instances per stage, e.g. 1,2 (default: instance_count)"},
+        )
 
     def check_options(self) -> None:
         self._checked_options()
@@ -129,9 +141,25 @@ class Triton(Target):
                 f"target 'triton': preferred batch size {bad[0]} is outside [1, max_batch_size={o['max_batch_size']}]"
             )
         o["preferred_batch_sizes"] = sizes
+        if o["stage_backend"] not in ("python", "onnxruntime"):
+            raise UsageError(
+                f"target 'triton' option stage_backend must be python|onnxruntime, got '{o['stage_backend']}'"
+            )
+        try:
+            counts = tuple(int(s) for s in str(o["stage_instances"]).split(",") if s.strip())
+        except ValueError:
+            counts = (0,)
+        if any(c < 1 for c in counts):
+            raise UsageError(
+                "target 'triton' option stage_instances must be comma-separated counts >= 1, "
+                f"got '{o['stage_instances']}'"
+            )
+        o["stage_instances"] = counts
         return o
 
     def build(self, model: ir.Model, out_dir: Path) -> TritonBlock:
+        from precast.compiler.stages import is_staged
+
         o = self._checked_options()
         inputs, outputs = io_signature(model)
         mode = o["mode"]
@@ -139,6 +167,8 @@ class Triton(Target):
             from precast.compiler.llm_text import is_step_graph  # a causal-lm step graph is served as an LLM
 
             mode = "llm" if is_step_graph(inputs) else "tensor"
+        if is_staged(model):
+            return self._build_staged(model, out_dir, mode, o)
         name, py_name = o["model_name"], o["model_name"] + "_precast"
         repo = out_dir / REPOSITORY_DIR
         version_dir = repo / name / str(o["version"])
@@ -183,6 +213,46 @@ class Triton(Target):
                     f"Triton model repository: {REPOSITORY_DIR}/ (models '{name}' on the onnxruntime backend, "
                     f"'{py_name}' on the python backend{', decoupled' if mode == 'llm' else ''})"
                 )
+            ],
+        )
+
+    def _build_staged(self, model: ir.Model, out_dir: Path, mode: str, o: dict) -> TritonBlock:
+        from precast.targets.triton_ensemble import build_ensemble
+
+        if mode == "llm":
+            raise UsageError(
+                "target 'triton': a staged causal-LM step graph cannot be a Triton ensemble (the engine binds "
+                "its KV in place, step by step); drop split-stages from the pipeline, or compile for ort-cpu"
+            )
+        name = o["model_name"]
+        built = build_ensemble(model, out_dir / REPOSITORY_DIR, REPOSITORY_DIR, o)
+        self.stages = built.stages  # the manifest's stages block: the files the stage models serve
+        stage_names = [cfg.name for cfg in built.stage_configs]
+        backend = "python backend" if o["stage_backend"] == "python" else "onnxruntime backend"
+        return TritonBlock(
+            name=self.name,
+            model=built.stages.stages[0].model,
+            providers=["CPUExecutionProvider"],
+            device="cpu",
+            precision=self.precision,
+            session=SessionSettings(graph_optimization_level="all", intra_op_num_threads=int(o["threads"])),
+            offline_ort_level=o["ort_level"],
+            triton={
+                "repository": REPOSITORY_DIR,
+                "ensemble": name,
+                "stage_models": stage_names,
+                "stage_backend": o["stage_backend"],
+                "version": o["version"],
+                "max_batch_size": built.ensemble.max_batch_size,
+                "batch_dim": built.batch_dim,
+                "stage_batching": [cfg.max_batch_size > 0 for cfg in built.stage_configs],
+                "mode": mode,
+                "decoupled": False,
+                "instance_kind": built.stage_configs[0].instance_kind,
+            },
+            notes=[
+                f"Triton model repository: {REPOSITORY_DIR}/ (ensemble '{name}' of {len(stage_names)} stage "
+                f"models on the {backend}: {', '.join(stage_names)})"
             ],
         )
 

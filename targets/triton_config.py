@@ -16,6 +16,7 @@ from precast.runtime.manifest import TensorSpec
 
 __all__ = [
     "TRITON_DTYPES",
+    "EnsembleStep",
     "ModelConfig",
     "TensorConfig",
     "render_config",
@@ -52,12 +53,23 @@ class TensorConfig:
     optional: bool = False
 
 
+@dataclass(frozen=True)
+class EnsembleStep:
+    """One step of an ensemble: a model, and which ensemble tensor feeds each of its inputs / receives each
+    of its outputs (``{model tensor name: ensemble tensor name}``)."""
+
+    model_name: str
+    input_map: dict[str, str]
+    output_map: dict[str, str]
+    model_version: int = -1  # -1: the latest version the server loaded
+
+
 @dataclass
 class ModelConfig:
     name: str
     inputs: list[TensorConfig]
     outputs: list[TensorConfig]
-    platform: str | None = None  # "onnxruntime_onnx"
+    platform: str | None = None  # "onnxruntime_onnx", "ensemble"
     backend: str | None = None  # "python"
     max_batch_size: int = 0
     preferred_batch_sizes: tuple[int, ...] = ()
@@ -67,6 +79,11 @@ class ModelConfig:
     decoupled: bool = False
     default_model_filename: str | None = None
     parameters: dict[str, str] = field(default_factory=dict)
+    ensemble_steps: list[EnsembleStep] = field(default_factory=list)  # platform "ensemble" only
+
+    @property
+    def is_ensemble(self) -> bool:
+        return self.platform == "ensemble"
 
 
 def shared_batch_dim(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> str | None:
@@ -133,6 +150,23 @@ def _list_block(key: str, tensors: Sequence[TensorConfig]) -> list[str]:
     return lines + ["]"]
 
 
+def _map_entries(key: str, mapping: dict[str, str]) -> list[str]:
+    return [f"      {key} {{ key: {_q(k)} value: {_q(v)} }}" for k, v in mapping.items()]
+
+
+def _ensemble_block(steps: Sequence[EnsembleStep]) -> list[str]:
+    lines = ["ensemble_scheduling {", "  step ["]
+    for i, step in enumerate(steps):
+        lines += [
+            "    {",
+            f"      model_name: {_q(step.model_name)}",
+            f"      model_version: {int(step.model_version)}",
+        ]
+        lines += _map_entries("input_map", step.input_map) + _map_entries("output_map", step.output_map)
+        lines.append("    }," if i < len(steps) - 1 else "    }")
+    return lines + ["  ]", "}"]
+
+
 def render_config(cfg: ModelConfig) -> str:
     """config.pbtxt text (protobuf text format of inference.ModelConfig); deterministic."""
     if bool(cfg.platform) == bool(cfg.backend):
@@ -144,6 +178,12 @@ def render_config(cfg: ModelConfig) -> str:
         lines.append(f"default_model_filename: {_q(cfg.default_model_filename)}")
     lines += _list_block("input", cfg.inputs)
     lines += _list_block("output", cfg.outputs)
+    if cfg.is_ensemble:  # the ensemble scheduler runs it: no batcher or instances of its own
+        if not cfg.ensemble_steps:
+            raise ValueError(f"ensemble '{cfg.name}' has no steps")
+        return "\n".join([*lines, *_ensemble_block(cfg.ensemble_steps)]) + "\n"
+    if cfg.ensemble_steps:
+        raise ValueError(f"model '{cfg.name}' has ensemble steps but platform '{cfg.platform}'")
     if cfg.max_queue_delay_us is not None and cfg.max_batch_size > 0:
         lines.append("dynamic_batching {")
         if cfg.preferred_batch_sizes:

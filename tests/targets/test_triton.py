@@ -4,11 +4,9 @@ tritonserver runs in test_triton_smoke.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
-import types
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,7 @@ from precast.targets import get_target
 from tests.helpers import make_model, ort_run, save, tiny_mlp
 from tests.targets.pbtxt import one, parse
 from tests.targets.triton_fixtures import llama_triton, mlp_triton
+from tests.targets.triton_stub import Request, load_python_model, stub_module
 
 OPTIONS = {
     "preferred_batch_sizes": "4,8",
@@ -151,75 +150,18 @@ def test_unknown_option_is_a_usage_error():
 
 
 # -- the Python-backend model, in-process ------------------------------------------------------------
-class _Tensor:
-    def __init__(self, name, array):
-        self._name, self._array = name, np.asarray(array)
-
-    def name(self):
-        return self._name
-
-    def as_numpy(self):
-        return self._array
-
-
-class _Response:
-    def __init__(self, output_tensors=(), error=None):
-        self.outputs = {t.name(): t.as_numpy() for t in output_tensors}
-        self.error = error
-
-
-class _Sender:
-    def __init__(self):
-        self.sent: list[tuple[_Response, int]] = []
-
-    def send(self, response=None, flags=0):
-        self.sent.append((response, flags))
-
-
-class _Request:
-    def __init__(self, **inputs):
-        self.inputs = {k: _Tensor(k, v) for k, v in inputs.items()}
-        self.sender = _Sender()
-
-    def get_response_sender(self):
-        return self.sender
-
-
 @pytest.fixture
 def pb_utils(monkeypatch):
     """Stand-in for triton_python_backend_utils with the calls model.py makes."""
-    mod = types.ModuleType("triton_python_backend_utils")
-    mod.Tensor = _Tensor
-    mod.InferenceResponse = _Response
-    mod.TritonError = lambda msg: msg
-    mod.TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
-    mod.get_input_tensor_by_name = lambda req, name: req.inputs.get(name)
-    mod.Logger = types.SimpleNamespace(log_error=lambda msg: None)
+    mod = stub_module()
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", mod)
     return mod
 
 
-def _load_python_model(art: Path, name: str):
-    model_dir = art / "model_repository" / name
-    spec = importlib.util.spec_from_file_location(f"triton_model_{name}", model_dir / "1" / "model.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = parse((model_dir / "config.pbtxt").read_text())
-    params = {
-        one(p, "key"): {"string_value": one(one(p, "value"), "string_value")} for p in cfg["parameters"]
-    }
-    config = {"max_batch_size": one(cfg, "max_batch_size"), "parameters": params}
-    instance = module.TritonPythonModel()
-    instance.initialize(
-        {"model_config": json.dumps(config), "model_repository": str(model_dir), "model_version": "1"}
-    )
-    return instance
-
-
 def test_python_model_batches_requests_and_isolates_a_bad_one(art, pb_utils, rng):
-    instance = _load_python_model(art, "mlp_precast")
+    instance = load_python_model(art, "mlp_precast")
     xs = [rng.standard_normal((n, 8)).astype(np.float32) for n in (1, 3, 2)]
-    requests = [_Request(x=x) for x in xs] + [_Request(x=xs[0].astype(np.float64)), _Request()]
+    requests = [Request(x=x) for x in xs] + [Request(x=xs[0].astype(np.float64)), Request()]
     responses = instance.execute(requests)
     for x, r in zip(xs, responses):
         assert r.error is None
@@ -243,9 +185,9 @@ def test_python_model_of_the_previous_release_runs_on_this_runtime(art, pb_utils
     manifest = json.loads((old / "manifest.json").read_text())
     manifest["files"][rel] = sha256_file(old / rel)
     dump_json(manifest, old / "manifest.json")
-    instance = _load_python_model(old, "mlp_precast")
+    instance = load_python_model(old, "mlp_precast")
     x = rng.standard_normal((2, 8)).astype(np.float32)
-    (response,) = instance.execute([_Request(x=x)])
+    (response,) = instance.execute([Request(x=x)])
     assert response.error is None
     np.testing.assert_allclose(response.outputs["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-5, atol=1e-5)
 
@@ -261,13 +203,13 @@ def test_python_model_streams_llm_tokens_like_the_engine(tmp_path_factory, pb_ut
     assert _config(art, "llama")["instance_group"] and one(_config(art, "llama"), "max_batch_size") == 0
     prompts = ["def main(", "import os\n"]
     expected = Engine.load(art).generate(prompts, SamplingParams(max_tokens=6))
-    instance = _load_python_model(art, "llama_precast")
+    instance = load_python_model(art, "llama_precast")
     try:
         requests = [
-            _Request(text_input=np.array([p.encode()], dtype=object), max_tokens=np.array([6], np.int32))
+            Request(text_input=np.array([p.encode()], dtype=object), max_tokens=np.array([6], np.int32))
             for p in prompts
         ]
-        bad = _Request(text_input=np.array([b"x"], dtype=object), temperature=np.array([-1.0], np.float32))
+        bad = Request(text_input=np.array([b"x"], dtype=object), temperature=np.array([-1.0], np.float32))
         assert instance.execute([*requests, bad]) is None  # decoupled: answers go through the senders
         for req, exp in zip(requests, expected):
             _wait(lambda req=req: req.sender.sent and req.sender.sent[-1][1] == 1)

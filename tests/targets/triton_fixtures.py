@@ -7,7 +7,7 @@ from pathlib import Path
 from precast.compiler.driver import CompileOptions, compile_model
 from tests.helpers import save, tiny_mlp
 
-__all__ = ["llama_triton", "mlp_triton"]
+__all__ = ["llama_triton", "mlp_triton", "staged_mlp_triton"]
 
 _BUILT: dict[str, Path] = {}
 
@@ -19,6 +19,25 @@ def mlp_triton(tmp_path_factory, **options: str) -> Path:
         src = save(tiny_mlp(), d / "mlp.onnx")
         opts = {"model_name": "mlp", **options}
         compile_model(str(src), d / "art", CompileOptions(targets=("triton",), target_options=opts))
+        _BUILT[key] = d / "art"
+    return _BUILT[key]
+
+
+def staged_mlp_triton(tmp_path_factory, **options: str) -> Path:
+    """tiny_mlp compiled with the triton target's default pipeline + ``split-stages{n=2}``: an ensemble of two
+    stage models (``mlp_staged`` by default), the same source as ``mlp_triton``'s."""
+    from precast.targets.triton import Triton
+
+    key = "staged-mlp:" + ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    if key not in _BUILT:
+        d = tmp_path_factory.mktemp("triton-staged-mlp")
+        src = save(tiny_mlp(), d / "mlp.onnx")
+        opts = CompileOptions(
+            targets=("triton",),
+            passes=Triton.default_pipeline + ",split-stages{n=2}",
+            target_options={"model_name": "mlp_staged", **options},
+        )
+        compile_model(str(src), d / "art", opts)
         _BUILT[key] = d / "art"
     return _BUILT[key]
 
