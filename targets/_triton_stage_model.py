@@ -54,6 +54,8 @@ class TritonPythonModel:
         if not 0 <= k < len(stages):
             raise ArtifactError(f"artifact {artifact}: no stage {k} in its manifest ({len(stages)} stages)")
         self.stage = stages[k]
+        # A tensor the stage passes through to a later one is not its Triton output (the ensemble has it).
+        self.outputs = [n for n in self.stage.outputs if n not in self.stage.inputs]
         # Hash what this stage reads (its model file and external data), not the other stages' weights.
         folder = self.stage.model.rsplit("/", 1)[0] + "/"
         for rel, digest in sorted(manifest.files.items()):
@@ -84,7 +86,7 @@ class TritonPythonModel:
         return responses
 
     def _run(self, feeds):
-        return dict(zip(self.stage.outputs, self.session.run(list(self.stage.outputs), feeds)))
+        return dict(zip(self.outputs, self.session.run(self.outputs, feeds)))
 
     def _run_group(self, members, responses):
         if len(members) > 1:
@@ -106,7 +108,7 @@ class TritonPythonModel:
                 responses[i] = _error(f"stage '{self.stage.model}' rejected the request: {_first_line(e)}")
 
     def _response(self, outputs):
-        tensors = [pb_utils.Tensor(n, np.ascontiguousarray(outputs[n])) for n in self.stage.outputs]
+        tensors = [pb_utils.Tensor(n, np.ascontiguousarray(outputs[n])) for n in self.outputs]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self):

@@ -15,7 +15,10 @@ block lists the stage files Triton serves, so ``precast.runtime.load`` and the c
 the same files in order.
 
 Ensemble tensor names are the ONNX tensor names (unique in the source graph), so a boundary tensor has the
-same name in the stage that writes it, the stages that read it and the ensemble.
+same name in the stage that writes it, the stages that read it and the ensemble. A tensor that a stage only
+passes through (``compiler/stages.py``: an input and an output of it, for a stage after the next one) is
+not one of its Triton outputs: an ensemble tensor is written once, and every later step reads it as the
+stage that computed it wrote it.
 """
 
 from __future__ import annotations
@@ -90,8 +93,10 @@ def build_ensemble(model: ir.Model, repo: Path, repo_rel: str, o: dict) -> Ensem
         outputs=tensor_configs(outputs, drop_batch=batch is not None),
         max_batch_size=o["max_batch_size"] if batch else 0,
         ensemble_steps=[
-            EnsembleStep(cfg.name, {n: n for n in st.inputs}, {n: n for n in st.outputs})
-            for cfg, st in zip(configs, stages)
+            EnsembleStep(
+                cfg.name, {t.name: t.name for t in cfg.inputs}, {t.name: t.name for t in cfg.outputs}
+            )
+            for cfg in configs
         ],
     )
     check_wiring(ensemble, configs)
@@ -117,6 +122,11 @@ def _stage_config(stage: Stage, batch: str | None, count: int, o: dict) -> Model
     """A stage is Triton-batched when all its inputs and outputs lead with the model's batch dim; a stage that
     is not (a boundary tensor without it) takes the ensemble's batch whole, with full dims."""
     ins, outs = io_signature(stage.model)
+    outs = [t for t in outs if t.name not in stage.inputs]  # passed through: the ensemble has it already
+    if not outs:
+        raise UsageError(
+            f"target 'triton': stage {stage.index} only passes tensors through; use fewer stages"
+        )
     batched = batch is not None and shared_batch_dim(ins, outs) == batch
     max_batch = o["max_batch_size"] if batched else 0
     common = dict(

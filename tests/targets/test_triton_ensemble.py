@@ -21,7 +21,7 @@ from precast.targets.triton_config import EnsembleStep, ModelConfig, TensorConfi
 from precast.targets.triton_ensemble import check_wiring
 from tests.helpers import ort_run, save, tiny_mlp
 from tests.targets.pbtxt import one, parse
-from tests.targets.triton_fixtures import mlp_triton, staged_mlp_triton
+from tests.targets.triton_fixtures import masked_stack, mlp_triton, staged_masked_triton, staged_mlp_triton
 from tests.targets.triton_stub import Request, load_python_model, stub_module
 
 OPTIONS = {"preferred_batch_sizes": "4,8", "max_queue_delay_us": "500", "stage_instances": "1,2"}
@@ -200,6 +200,37 @@ def test_stage_model_refuses_a_modified_stage_file(tmp_path_factory, pb_utils, t
 
     with pytest.raises(IntegrityError, match="mlp_staged_stage_1/1/model.onnx' is missing or was modified"):
         load_python_model(art, "mlp_staged_stage_1")
+
+
+def test_three_stages_pass_the_mask_through_as_one_ensemble_tensor(tmp_path_factory, pb_utils, rng):
+    """Stage 0 computes the mask every layer reads; stage 1 passes it through to stage 2 (an input and an
+    output of stage 1's ONNX). In the ensemble it is written once, by stage 0, and read by stages 1 and 2."""
+    art = staged_masked_triton(tmp_path_factory)
+    stages = json.loads((art / "manifest.json").read_text())["stages"]["stages"]
+    assert [s["inputs"] for s in stages] == [["x", "m"], ["mask", "h1"], ["mask", "h2"]]
+    assert [s["outputs"] for s in stages] == [["mask", "h1"], ["mask", "h2"], ["y"]]
+    steps = _steps(_config(art, "masked"))
+    assert [_map(s, "output_map") for s in steps] == [{"mask": "mask", "h1": "h1"}, {"h2": "h2"}, {"y": "y"}]
+    assert [_map(s, "input_map") for s in steps] == [
+        {"x": "x", "m": "m"},
+        {"mask": "mask", "h1": "h1"},
+        {"mask": "mask", "h2": "h2"},
+    ]
+    # Stage 1's Triton outputs leave the passed-through mask out; its int64 input stays int64 at stage 0.
+    assert _io(_config(art, "masked_stage_1"), "output") == [("h2", "TYPE_FP32", [8])]
+    assert _io(_config(art, "masked_stage_0"), "input") == [("x", "TYPE_FP32", [8]), ("m", "TYPE_INT64", [8])]
+    # The three stage models chained as the ensemble scheduler chains them == the unsplit graph.
+    models = [load_python_model(art, f"masked_stage_{k}") for k in range(3)]
+    feeds = {"x": rng.standard_normal((3, 8)).astype(np.float32), "m": rng.integers(0, 2, (3, 8))}
+    tensors = dict(feeds)
+    for model in models:
+        wanted = {n: tensors[n] for n in model.stage.inputs}
+        (response,) = model.execute([Request(**wanted)])
+        assert response.error is None
+        assert not set(response.outputs) & set(tensors), "a stage wrote an ensemble tensor twice"
+        tensors.update(response.outputs)
+    np.testing.assert_allclose(tensors["y"], ort_run(masked_stack(), feeds)[0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(load(art).run(feeds)["y"], tensors["y"], rtol=1e-6, atol=1e-7)
 
 
 def _compile_staged(tmp_path: Path, **options: str) -> Path:

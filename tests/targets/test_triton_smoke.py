@@ -1,7 +1,8 @@
 """The real tritonserver (bundled in the nvidia-pytriton wheel) serves triton-target artifacts.
 
 Runs scripts/triton_smoke.sh on a tiny MLP, the same MLP staged (split-stages{n=2}: an ensemble of two stage
-models) and a tiny Llama artifact, all in one tritonserver: Triton's Python backend loads each artifact
+models), a masked layer stack in three stages (int64 input, a tensor passed through a stage) and a tiny
+Llama artifact, all in one tritonserver: Triton's Python backend loads each artifact
 (each stage) with precast.runtime and answers real HTTP requests on loopback, which are checked against
 precast run locally, and the ensemble's answers against the unsplit MLP's; the server is always stopped. It needs the script's own virtualenv
 (.cache/triton-venv; pytriton pins numpy 1.26): creating it downloads and installs for ~1.5 minutes,
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.targets.triton_fixtures import llama_triton, mlp_triton, staged_mlp_triton
+from tests.targets.triton_fixtures import llama_triton, mlp_triton, staged_masked_triton, staged_mlp_triton
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "triton_smoke.sh"
@@ -51,11 +52,12 @@ def test_tritonserver_serves_precast_artifacts(tmp_path_factory, tmp_path):
     batching = {"preferred_batch_sizes": "4,8", "max_queue_delay_us": "2000"}
     mlp = mlp_triton(tmp_path_factory, **batching)
     staged = staged_mlp_triton(tmp_path_factory, **batching)
+    masked = staged_masked_triton(tmp_path_factory, **batching)
     llama = llama_triton(tmp_path_factory)
     results = tmp_path / "results.json"
     env = {**os.environ, "PRECAST_TRITON_SMOKE_JSON": str(results), "PRECAST_TRITON_SMOKE_TIMEOUT": "300"}
     proc = subprocess.run(
-        ["bash", str(SCRIPT), str(mlp), str(staged), str(llama)],
+        ["bash", str(SCRIPT), str(mlp), str(staged), str(masked), str(llama)],
         check=False,
         env=env,
         capture_output=True,
@@ -83,3 +85,8 @@ def test_tritonserver_serves_precast_artifacts(tmp_path_factory, tmp_path):
         assert counts["execution_count"] < counts["inference_count"]
     assert ensemble["same_as_unsplit"]["unsplit"] == "mlp_precast"
     assert ensemble["same_as_unsplit"]["max_abs_diff"] <= 1e-5
+    masked_result = by_model["masked"]
+    assert masked_result["max_abs_error"] <= 1e-4 and len(masked_result["stages"]) == 3
+    assert {c["inference_count"] for c in masked_result["stages"].values()} == {
+        masked_result["inference_count"]
+    }

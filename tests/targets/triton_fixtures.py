@@ -4,10 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from precast.compiler.driver import CompileOptions, compile_model
-from tests.helpers import save, tiny_mlp
+import numpy as np
+from onnx import TensorProto, helper
 
-__all__ = ["llama_triton", "mlp_triton", "staged_mlp_triton"]
+from precast.compiler.driver import CompileOptions, compile_model
+from tests.helpers import make_model, save, tiny_mlp
+
+__all__ = ["llama_triton", "masked_stack", "mlp_triton", "staged_masked_triton", "staged_mlp_triton"]
 
 _BUILT: dict[str, Path] = {}
 
@@ -36,6 +39,47 @@ def staged_mlp_triton(tmp_path_factory, **options: str) -> Path:
             targets=("triton",),
             passes=Triton.default_pipeline + ",split-stages{n=2}",
             target_options={"model_name": "mlp_staged", **options},
+        )
+        compile_model(str(src), d / "art", opts)
+        _BUILT[key] = d / "art"
+    return _BUILT[key]
+
+
+def masked_stack(layers: int = 3, width: int = 8, seed: int = 0):
+    """x[batch,w] float, m[batch,w] int64 -> mask = Cast(m); h = Relu(h @ W_i + b_i) * mask per layer -> y.
+
+    Every layer reads the mask stage 0 computes: split in 3, stage 1 passes it through to stage 2.
+    Weights N(0, 0.1), initializers named ``layers.<i>.*`` (the layer boundaries split-stages finds)."""
+    rng = np.random.default_rng(seed)
+    nodes = [helper.make_node("Cast", ["m"], ["mask"], to=TensorProto.FLOAT, name="cast_mask")]
+    inits, h = {}, "x"
+    for i in range(layers):
+        w, b, out = f"layers.{i}.weight", f"layers.{i}.bias", "y" if i == layers - 1 else f"h{i + 1}"
+        inits[w] = rng.normal(0, 0.1, (width, width)).astype(np.float32)
+        inits[b] = rng.normal(0, 0.1, width).astype(np.float32)
+        nodes += [
+            helper.make_node("MatMul", [h, w], [f"mm{i}"], name=f"layers.{i}.mm"),
+            helper.make_node("Add", [f"mm{i}", b], [f"add{i}"], name=f"layers.{i}.add"),
+            helper.make_node("Relu", [f"add{i}"], [f"relu{i}"], name=f"layers.{i}.relu"),
+            helper.make_node("Mul", [f"relu{i}", "mask"], [out], name=f"layers.{i}.mul"),
+        ]
+        h = out
+    ins = [("x", TensorProto.FLOAT, ["batch", width]), ("m", TensorProto.INT64, ["batch", width])]
+    return make_model(nodes, ins, [("y", TensorProto.FLOAT, ["batch", width])], inits)
+
+
+def staged_masked_triton(tmp_path_factory, **options: str) -> Path:
+    """masked_stack() split in 3 (``split-stages{n=3}``): an ensemble ``masked`` of three stage models."""
+    from precast.targets.triton import Triton
+
+    key = "staged-masked:" + ",".join(f"{k}={v}" for k, v in sorted(options.items()))
+    if key not in _BUILT:
+        d = tmp_path_factory.mktemp("triton-staged-masked")
+        src = save(masked_stack(), d / "masked.onnx")
+        opts = CompileOptions(
+            targets=("triton",),
+            passes=Triton.default_pipeline + ",split-stages{n=3}",
+            target_options={"model_name": "masked", **options},
         )
         compile_model(str(src), d / "art", opts)
         _BUILT[key] = d / "art"
