@@ -89,6 +89,8 @@ def _inspect_one(path: Path, m: dict) -> None:
             f"{p['nodes_before']} -> {p['nodes_after']}",
         )
     out_console.print(passes)
+    if m.get("stages"):
+        _print_stages(m["stages"])
     print_parity(m, console=out_console)
     files = Table(title="files", title_justify="left")
     files.add_column("file")
@@ -98,6 +100,23 @@ def _inspect_one(path: Path, m: dict) -> None:
         p = path / rel
         files.add_row(rel, str(p.stat().st_size) if p.exists() else "MISSING", digest[:16] + "...")
     out_console.print(files)
+
+
+def _print_stages(block: dict) -> None:
+    """The split-stages block: per stage its file, layers, bytes (and profiled time), inputs and outputs."""
+    timed = any("time_ms" in s for s in block["stages"])
+    table = Table(title=f"stages ({block['n']}, balanced by {block['by']})", title_justify="left")
+    for col in ("stage", "file", "layers", "bytes", *(("time ms",) if timed else ()), "inputs", "outputs"):
+        table.add_column(col, justify="right" if col in ("bytes", "time ms") else "left")
+    for k, s in enumerate(block["stages"]):
+        first, end = s["layers"] if s.get("layers") else (None, None)
+        layers = "-" if first is None else str(first) if end - first == 1 else f"{first}-{end - 1}"
+        row = [str(k), escape(s["model"]), layers, f"{s['bytes']:,}"]
+        if timed:
+            row.append(f"{s['time_ms']:.3f}" if "time_ms" in s else "-")
+        row += [escape(", ".join(s["inputs"])), escape(", ".join(s["outputs"]))]
+        table.add_row(*row)
+    out_console.print(table)
 
 
 @cli.command()

@@ -7,9 +7,10 @@ outputs). Graph inputs never cross: every stage reads the model's inputs it need
 reads one gets its own copy.
 
 Cut candidates:
-  * named layers: when initializer names carry a layer index (``encoder.layer.3.attention...``,
-    ``model.layers.3.mlp...``, ``transformer.h.3...``) in increasing node order, one candidate per gap
-    between layer k and layer k+1: the position in that gap where the fewest tensors cross;
+  * named layers: when the nodes' module scopes (torch export), node names (legacy export) or initializer
+    names carry a layer index (``encoder.layer.3``, ``model.layers.3``, ``transformer.h.3``) in increasing
+    node order, one candidate per gap between layer k's last node and layer k+1's first: the latest
+    position in that gap where the fewest tensors cross;
   * otherwise (structural): every position with weights on both sides where the fewest tensors cross.
 """
 
@@ -23,9 +24,18 @@ import onnx_ir as ir
 
 __all__ = ["CutAnalysis", "analyse", "balance", "constant_values", "top_level_reads"]
 
-_LAYER = re.compile(r"(?:^|[./])(\d+)[./]")
+_LAYER = re.compile(r"(?:^|[./])(\d+)[./]")  # an initializer's name: encoder.layer.3.output.dense.bias
+_SCOPE = re.compile(r"'[\w.]*?\.(\d+)'")  # the first module scope ending in an index: 'encoder.layer.3'
+_NODE_NAME = re.compile(r"(?:^|/)[A-Za-z_]\w*\.(\d+)(?=/)")  # /encoder/layer.3/attention/self/MatMul
 # Ops whose output is not a function of their inputs: never folded into "constant", never duplicated.
-_NONDETERMINISTIC = {"RandomNormal", "RandomNormalLike", "RandomUniform", "RandomUniformLike", "Multinomial", "Bernoulli"}
+_NONDETERMINISTIC = {
+    "RandomNormal",
+    "RandomNormalLike",
+    "RandomUniform",
+    "RandomUniformLike",
+    "Multinomial",
+    "Bernoulli",
+}
 
 
 def top_level_reads(node: ir.Node, graph: ir.Graph) -> list[ir.Value]:
@@ -74,8 +84,8 @@ class CutAnalysis:
     reads: list[list[ir.Value]]
     constant: set[int]  # id() of constant values
     first_bytes: np.ndarray  # bytes of the constants each node is the first reader of
-    layer: list[int | None]  # the layer index of the initializers a node reads (None: none named)
-    crossing: np.ndarray  # crossing[p] = tensors crossing a cut before node p (p in 0..N)
+    layer: list[int | None]  # the layer a node belongs to (None: outside the named layers)
+    crossing: np.ndarray  # crossing[p]: tensors live across a cut before node p (p in 0..N), graph inputs too
     candidates: list[int]  # positions p (1..N-1) where a stage may start
     candidate_layers: list[int] | None  # named layers: the first layer after each candidate
 
@@ -117,6 +127,12 @@ def analyse(graph: ir.Graph) -> CutAnalysis:
     for v in graph.outputs:
         if id(v) in last:
             last[id(v)] = n
+    # Graph inputs count as live until their last reader: they never cross (each stage reads them), but a
+    # residual that is still a graph input (the first layer's) makes a point inside that layer no narrower.
+    for v in graph.inputs:
+        if id(v) not in constant and id(v) not in produced_at:
+            produced_at[id(v)] = -1
+            last[id(v)] = max((i for i, rd in enumerate(reads) if any(u is v for u in rd)), default=-1)
     diff = np.zeros(n + 2, dtype=np.int64)
     for vid, a in produced_at.items():
         b = last[vid]
@@ -125,7 +141,7 @@ def analyse(graph: ir.Graph) -> CutAnalysis:
         diff[a + 1] += 1
         diff[b + 1] -= 1
     crossing = np.cumsum(diff)[: n + 1]
-    layer = [_layer_of(rd) for rd in reads]
+    layer = [_layer_of(node, rd) for node, rd in zip(nodes, reads)]
     named = _named_candidates(layer, crossing)
     if named is not None:
         candidates, cand_layers = named
@@ -134,7 +150,14 @@ def analyse(graph: ir.Graph) -> CutAnalysis:
     return CutAnalysis(nodes, reads, constant, first_bytes, layer, crossing, candidates, cand_layers)
 
 
-def _layer_of(reads: list[ir.Value]) -> int | None:
+def _layer_of(node: ir.Node, reads: list[ir.Value]) -> int | None:
+    """The layer a node belongs to: from the torch exporter's module scopes (``encoder.layer.2`` in
+    ``pkg.torch.onnx.name_scopes``, kept through precast's fusions), else a legacy-exporter node name
+    (``/encoder/layer.2/attention/...``), else the initializers it reads (``model.layers.2.mlp...``)."""
+    if m := _SCOPE.search(node.metadata_props.get("pkg.torch.onnx.name_scopes", "")):
+        return int(m.group(1))
+    if m := _NODE_NAME.search(node.name or ""):
+        return int(m.group(1))
     found = [int(m.group(1)) for v in reads if v.is_initializer() and (m := _LAYER.search(v.name or ""))]
     return max(found) if found else None
 
@@ -154,7 +177,9 @@ def _named_candidates(layer: list[int | None], crossing: np.ndarray) -> tuple[li
     for k1, k2 in zip(distinct, distinct[1:]):
         lo, hi = last_of[k1] + 1, first_of[k2]
         gap = crossing[lo : hi + 1]
-        cuts.append(lo + int(np.argmin(gap)))
+        # the latest narrowest point: weightless nodes after layer k's last weight (a residual Add, a
+        # weightless tail of the layer) stay with layer k
+        cuts.append(hi - int(np.argmin(gap[::-1])))
         after.append(k2)
     return cuts, after
 

@@ -20,7 +20,9 @@ __all__ = ["node_times_us"]
 _PREFIX = "precast_node_"
 
 
-def node_times_us(model: ir.Model, feeds: Mapping[str, np.ndarray], runs: int = 3, threads: int = 1) -> np.ndarray:
+def node_times_us(
+    model: ir.Model, feeds: Mapping[str, np.ndarray], runs: int = 3, threads: int = 1
+) -> np.ndarray:
     """Microseconds per top-level node (graph order), the median over ``runs`` profiled runs after a warm-up."""
     import onnxruntime as ort
 

@@ -30,7 +30,7 @@ import onnx_ir as ir
 
 from precast.compiler.registry import Pass, PassResult, option, register
 from precast.passes._stage_cuts import CutAnalysis, analyse, balance
-from precast.runtime.errors import PassFailedError, PassOptionError
+from precast.runtime.errors import PassOptionError
 
 __all__ = ["SplitStages", "STAGE_KEY", "PLAN_KEY"]
 
@@ -47,7 +47,9 @@ class SplitStages(Pass):
     @dataclass(frozen=True)
     class Options:
         n: int = option(2, "number of stages (>= 2)")
-        by: Literal["bytes", "time"] = option("bytes", "balance the stages by initializer bytes or profiled time")
+        by: Literal["bytes", "time"] = option(
+            "bytes", "balance the stages by initializer bytes or profiled time"
+        )
 
         def __post_init__(self) -> None:
             if self.n < 2:
@@ -58,11 +60,15 @@ class SplitStages(Pass):
         cuts = analyse(graph)
         possible = len(cuts.candidates) + 1
         if possible < self.options.n:
-            name = graph.name or model.producer_name or "model"
-            where = "layers" if cuts.candidate_layers is not None else "cut points"
-            raise PassFailedError(
-                f"split-stages: model '{name}' can be cut into at most {possible} stages "
-                f"({possible - 1} {where} boundaries found), asked for n={self.options.n}"
+            name = self.context.extra.get("source_name") or graph.name or "model"
+            what = (
+                f"has {possible} layers"
+                if cuts.candidate_layers is not None
+                else f"has {possible - 1} cut points"
+            )
+            raise PassOptionError(
+                f"pass 'split-stages' option 'n': model '{name}' {what}, so at most {possible} stages; "
+                f"got n={self.options.n}"
             )
         times = self._node_times(model) if self.options.by == "time" else None
         cost = times if times is not None else cuts.first_bytes
@@ -80,7 +86,9 @@ class SplitStages(Pass):
         plan["bytes"] = [s.bytes for s in stages]
         model.metadata_props[PLAN_KEY] = json.dumps(plan, sort_keys=True)
         boundary = sum(len(cuts.crossing_at(p, graph)) for p in chosen)
-        return PassResult(model, {"stages": self.options.n, "bytes": plan["bytes"], "boundary_tensors": boundary})
+        return PassResult(
+            model, {"stages": self.options.n, "bytes": plan["bytes"], "boundary_tensors": boundary}
+        )
 
     def _node_times(self, model: ir.Model) -> np.ndarray:
         from precast.compiler.parity import io_signature, make_sample_feeds
@@ -99,7 +107,11 @@ def _plan(options, cuts: CutAnalysis, starts, ends, times, graph: ir.Graph) -> d
         first = {p: k for p, k in zip(cuts.candidates, cuts.candidate_layers)}
         bounds = [named[0], *(first[p] for p in starts[1:]), named[-1] + 1]
         layers = [[bounds[k], bounds[k + 1]] for k in range(len(starts))]
-    plan: dict = {"n": options.n, "by": options.by, "boundaries": [cuts.crossing_at(p, graph) for p in starts[1:]]}
+    plan: dict = {
+        "n": options.n,
+        "by": options.by,
+        "boundaries": [cuts.crossing_at(p, graph) for p in starts[1:]],
+    }
     if layers is not None:
         plan["layers"] = layers
     if times is not None:

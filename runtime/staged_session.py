@@ -81,7 +81,9 @@ class StagedSession:
         return [_arg(a, name) for name, a in out.items()]
 
 
-def open_staged(root: Path, target: TargetBlock, spec: StagesSpec, threads: int | None = None) -> StagedSession:
+def open_staged(
+    root: Path, target: TargetBlock, spec: StagesSpec, threads: int | None = None
+) -> StagedSession:
     """One session per stage of ``spec`` (``threads``: each stage's intra-op budget), as a StagedSession."""
     sessions = [
         (entry, create_session(root, dataclasses.replace(target, model=entry.model), threads=threads))
