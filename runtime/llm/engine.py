@@ -85,8 +85,10 @@ class Engine:
     ) -> Engine:
         """Open a causal-lm artifact (a directory, or a file packed by ``precast pack``, as
         precast.runtime.load takes it): its model runner (K/V pools of num_blocks blocks) and tokenizer.
-        ``runner_kwargs``: ModelRunner.from_artifact's ``threads`` and ``verify``. A packed artifact is
-        unpacked into a temp dir the engine owns: ``close()`` removes it (else garbage collection or exit)."""
+        ``runner_kwargs``: ModelRunner.from_artifact's ``threads`` and ``verify`` (a staged artifact's
+        StagedRunner also takes ``micro_batches``; its ``threads`` is per stage, default 1). A packed
+        artifact is unpacked into a temp dir the engine owns: ``close()`` removes it (else garbage
+        collection or exit)."""
         from precast.runtime.llm.model_runner import ModelRunner
         from precast.runtime.llm.tokenizer import TextTokenizer
         from precast.runtime.manifest import read_manifest
@@ -94,7 +96,10 @@ class Engine:
         if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
             raise UsageError(f"num_blocks must be a positive integer (or None), got {num_blocks!r}")
         checked_config(config)  # before a model is loaded for nothing
-        known = sorted(set(inspect.signature(ModelRunner.from_artifact).parameters) - {"path", "num_blocks"})
+        known = sorted(
+            {*inspect.signature(ModelRunner.from_artifact).parameters, "micro_batches"}
+            - {"path", "num_blocks"}
+        )
         unknown = sorted(set(runner_kwargs) - set(known))
         if unknown:
             raise UsageError(f"Engine.load got an unknown option '{unknown[0]}' (known: {', '.join(known)})")
@@ -105,10 +110,21 @@ class Engine:
 
             root = unpacked = unpack_to_temp(root)
         try:
-            llm = read_manifest(root).llm
+            manifest = read_manifest(root)
+            llm = manifest.llm
             if llm is None:
                 raise ArtifactError(f"{where}: not a causal-lm artifact (manifest has no 'llm' block)")
-            runner = ModelRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
+            if manifest.stages is not None:  # one worker per stage, micro-batches pipelined through them
+                from precast.runtime.llm.staged_runner import StagedRunner
+
+                runner = StagedRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
+            elif runner_kwargs.get("micro_batches") is not None:
+                raise UsageError(
+                    f"{where}: micro_batches applies to staged artifacts; this one has no stages"
+                )
+            else:
+                runner_kwargs.pop("micro_batches", None)
+                runner = ModelRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
             tok_file = llm.tokenizer
             tokenizer = (
                 TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
@@ -123,8 +139,12 @@ class Engine:
         return engine
 
     def close(self) -> None:
-        """Stop the step loop and remove the temp dir a packed artifact was unpacked into. Idempotent."""
+        """Stop the step loop (and a staged runner's stage workers) and remove the temp dir a packed
+        artifact was unpacked into. Idempotent."""
         self.stop()
+        shutdown = getattr(self.runner, "shutdown", None)  # runners that own threads join them here
+        if shutdown is not None:
+            shutdown()
         if self._cleanup is not None:
             self._cleanup()
 
