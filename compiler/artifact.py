@@ -279,6 +279,11 @@ def build_manifest(
     from precast import __version__
 
     llm = source.info.get("llm")
+    llm_spec = LLMSpec.from_json(llm, f"source {source.name}") if llm is not None else None
+    if llm_spec is not None and stages is not None:  # a staged causal LM: each stage owns its layers' KV
+        from precast.runtime.llm.staged_runner import staged_llm_block
+
+        stages = staged_llm_block(stages, llm_spec, f"source {source.name}")
     return Manifest(
         schema_version=SCHEMA_VERSION,
         files={},
@@ -292,7 +297,7 @@ def build_manifest(
             "sha256": source.sha256,
             **{k: v for k, v in source.info.items() if k != "llm"},
         },
-        llm=LLMSpec.from_json(llm, f"source {source.name}") if llm is not None else None,
+        llm=llm_spec,
         pipeline=pipeline,
         passes=passes,
         extra_files=sorted(source.ship_files),

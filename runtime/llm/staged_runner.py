@@ -1,0 +1,398 @@
+"""The model runner of a staged causal-LM artifact: one worker per stage, micro-batches in flight at once.
+
+A staged step graph (``split-stages`` on ``--task causal-lm``) is cut at layer boundaries: stage k holds a
+consecutive range of decoder layers and reads only its own layers' KV (``kv_layers`` in the manifest's
+``stages`` block), the step inputs it needs (input_ids on the first stage, GroupQueryAttention's lengths on
+every stage, last_index on the last) and the hidden state the stage before it produced. Each stage has its
+own ONNX Runtime session (one intra-op thread by default) run by its own worker thread:
+
+    engine thread: step rows -> micro-batches (contiguous slot ranges)  ->  queue 0 (bounded)
+    worker 0: stage 0 of micro-batch A, then B, ...   --hidden-->        queue 1 (bounded)
+    worker 1:              stage 1 of micro-batch A, then B, ...  -> logits rows; step done when all are
+
+so stage 1 runs micro-batch A while stage 0 runs micro-batch B (vLLM's pipeline-parallel micro-batches,
+within one engine step: the next step needs this step's tokens). A step's decode rows are split into
+``micro_batches`` contiguous slot runs; each prefill row is a micro-batch of its own (the mapped graph
+prefills one request at a time anyway), so the prefills of a mixed step pipeline too.
+
+The KV pool is the mapped runner's (one shared-memory pool, a view per slot and layer): a stage's IO
+binding binds its own layers' slot views as past and present, so stages write disjoint memory and
+micro-batches (disjoint slots) never touch each other's KV. Tensors crossing a cut go from one stage's
+binding to the next as ONNX Runtime values (no copy). A binding runs once per step (each micro-batch has
+its own (slot, rows) binding), and a step returns only when every micro-batch is through the last stage.
+
+Only the mapped KV layout is staged (the layout ort-cpu compiles Llama-family models to); a staged paged
+artifact is refused at load with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import queue
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from precast.runtime.errors import ArtifactError, InputError, UsageError
+from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, MappedModelRunner, gqa_lengths
+from precast.runtime.llm_spec import LLMSpec
+from precast.runtime.stages_spec import StageEntry, StagesSpec
+
+__all__ = ["StagedRunner", "check_stages_match_spec", "staged_llm_block"]
+
+_STEP_INPUTS = ("input_ids", "positions", *MAPPED_STEP_INPUTS)
+_STOP = object()
+
+
+class _Job:
+    """One micro-batch: slots slot .. slot+rows-1, its step inputs, the tensors crossing each cut."""
+
+    __slots__ = ("slot", "rows", "arrays", "boundary", "logits", "error", "done")
+
+    def __init__(self, slot: int, rows: int, arrays: dict[str, np.ndarray], done: _Countdown):
+        self.slot, self.rows, self.arrays = slot, rows, arrays
+        self.boundary: dict[str, object] = {}  # name -> OrtValue, from the stages before
+        self.logits: np.ndarray | None = None
+        self.error: BaseException | None = None
+        self.done = done
+
+
+class _Countdown:
+    """Set when ``n`` micro-batches of a step are through the last stage."""
+
+    def __init__(self, n: int):
+        self.left, self.lock, self.event = n, threading.Lock(), threading.Event()
+
+    def tick(self) -> None:
+        with self.lock:
+            self.left -= 1
+            if self.left == 0:
+                self.event.set()
+
+
+class _Stage:
+    """One stage's session and its IO bindings, one per (first slot, rows)."""
+
+    def __init__(self, index: int, session, entry: StageEntry, spec: LLMSpec, kv, last: bool):
+        self.index, self.session, self.entry, self.spec, self.kv, self.last = (
+            index,
+            session,
+            entry,
+            spec,
+            kv,
+            last,
+        )
+        names = [i.name for i in session.get_inputs()]
+        self.step_inputs = [n for n in names if n in _STEP_INPUTS]
+        layers = entry.kv_layers or []
+        self.kv_pairs = [(spec.kv_inputs[i], spec.kv_outputs[i], i) for i in layers]
+        kv_names = {n for pair_in, pair_out, _ in self.kv_pairs for n in (*pair_in, *pair_out)}
+        self.boundary_in = [n for n in names if n not in _STEP_INPUTS and n not in kv_names]
+        self.boundary_out = [
+            o.name for o in session.get_outputs() if o.name not in kv_names and o.name != "logits"
+        ]
+        self._bindings: dict[tuple[int, int], tuple] = {}
+        self.busy_seconds = 0.0  # time inside the session (benchmarks: busy / wall per stage)
+
+    def run(self, job: _Job) -> None:
+        io, logits, bound = self._bindings.get((job.slot, job.rows)) or self._bind(job.slot, job.rows)
+        arrays = job.arrays
+        if bound[0] is not arrays:  # (a decode binding's own arrays stay bound from step to step)
+            for name in self.step_inputs:
+                io.bind_cpu_input(name, arrays[name])
+            bound[0] = arrays
+        for name in self.boundary_in:
+            io.bind_ortvalue_input(name, job.boundary[name])
+        for name in self.boundary_out:  # unallocated again: ONNX Runtime allocates this run's (own) tensors
+            io.bind_output(name, "cpu")
+        t0 = time.perf_counter()
+        self.session.run_with_iobinding(io)
+        self.busy_seconds += time.perf_counter() - t0
+        if self.last:
+            job.logits = logits
+        else:
+            job.boundary.update(zip(self.boundary_out, io.get_outputs()[: len(self.boundary_out)]))
+
+    def _bind(self, slot: int, rows: int) -> tuple:
+        if len(self._bindings) >= 256:
+            self._bindings.clear()
+        io = self.session.io_binding()
+        shape = [rows, self.spec.kv_heads, self.kv.context, self.spec.head_size]
+        for name in self.boundary_out:  # first: get_outputs() lists them first, in this order
+            io.bind_output(name, "cpu")
+        for pair_in, pair_out, layer in self.kv_pairs:
+            for kind in (0, 1):
+                addr = self.kv.view_address(layer, kind, slot)
+                io.bind_input(pair_in[kind], "cpu", 0, np.float32, shape, addr)
+                io.bind_output(pair_out[kind], "cpu", 0, np.float32, shape, addr)  # same buffer: in place
+        logits = None
+        if self.last:
+            logits = np.empty((rows, self.spec.vocab), dtype=np.float32)
+            io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        entry = self._bindings[(slot, rows)] = (io, logits, [None])
+        return entry
+
+
+class StagedRunner(MappedModelRunner):
+    """The mapped runner over a staged step graph (same execute() / step() contract as the unsplit one).
+
+    ``sessions``: one ONNX Runtime session per stage, in order; ``stages``: the manifest's stage entries.
+    ``micro_batches``: how many micro-batches a step's decode rows are split into (default: one per stage).
+    """
+
+    def __init__(
+        self,
+        sessions: list,
+        stages: list[StageEntry],
+        spec: LLMSpec,
+        num_blocks: int,
+        path: Path | None = None,
+        slots: int = 64,
+        micro_batches: int | None = None,
+        queue_depth: int = 4,
+    ):
+        if spec.kv_layout != "mapped":
+            raise ArtifactError(_PAGED_REFUSED.format(where=path or "artifact"))
+        if len(sessions) != len(stages) or len(sessions) < 2:
+            raise InputError(
+                f"a staged runner needs one session per stage (>= 2), got {len(sessions)} for {len(stages)}"
+            )
+        super().__init__(sessions[0], spec, num_blocks, path, slots)
+        self.micro_batches = int(micro_batches or len(stages))
+        if self.micro_batches < 1:
+            raise InputError(f"micro_batches must be >= 1, got {micro_batches}")
+        n = len(stages)
+        self.stages = [
+            _Stage(k, s, e, self.spec, self.kv, k == n - 1) for k, (s, e) in enumerate(zip(sessions, stages))
+        ]
+        self._queues = [queue.Queue(maxsize=queue_depth) for _ in stages]
+        self._decode_arrays: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._workers = [
+            threading.Thread(target=self._work, args=(k,), name=f"precast-llm-stage-{k}", daemon=True)
+            for k in range(n)
+        ]
+        self._closed = False
+        for w in self._workers:
+            w.start()
+
+    @classmethod
+    def from_artifact(
+        cls,
+        path: str | os.PathLike,
+        num_blocks: int | None = None,
+        threads: int | None = None,
+        verify: bool = True,
+        micro_batches: int | None = None,
+    ) -> StagedRunner:
+        """Load a staged causal-lm artifact: one session per stage with ``threads`` intra-op threads each
+        (default 1: the stages' workers are the parallelism)."""
+        from precast.runtime.backends import check_threads, create_session
+        from precast.runtime.manifest import check_integrity, read_manifest
+
+        check_threads(threads)
+        root = Path(path)
+        manifest = read_manifest(root)
+        if verify:
+            check_integrity(root, manifest)
+        spec = LLMSpec.from_manifest(manifest, str(root))
+        if manifest.stages is None:
+            raise ArtifactError(f"{root}: not a staged artifact (manifest has no 'stages' block)")
+        if spec.kv_layout != "mapped":
+            raise ArtifactError(_PAGED_REFUSED.format(where=root))
+        entries = [_with_kv_layers(e, spec) for e in manifest.stages.stages]
+        sessions = [
+            create_session(root, dataclasses.replace(manifest.target, model=e.model), threads=threads or 1)
+            for e in entries
+        ]
+        check_stages_match_spec(sessions, entries, spec, root)
+        if num_blocks is None:
+            num_blocks = 4 * spec.blocks_for(spec.max_context)
+        return cls(sessions, entries, spec, num_blocks, root, micro_batches=micro_batches)
+
+    # -- workers ---------------------------------------------------------------------------------------
+    def _work(self, k: int) -> None:
+        stage, inbox = self.stages[k], self._queues[k]
+        nxt = self._queues[k + 1] if k + 1 < len(self._queues) else None
+        while True:
+            job = inbox.get()
+            if job is _STOP:
+                if nxt is not None:
+                    nxt.put(_STOP)
+                return
+            if job.error is None:
+                try:
+                    stage.run(job)
+                except BaseException as e:  # reported to the step's caller; the worker goes on
+                    job.error = e
+            if nxt is None:
+                job.done.tick()
+            else:
+                nxt.put(job)
+
+    def _run_jobs(self, jobs: list[_Job]) -> None:
+        if self._closed:
+            raise InputError("the staged runner is shut down (its engine was closed)")
+        for job in jobs:
+            self._queues[0].put(job)
+        jobs[0].done.event.wait()
+        for job in jobs:
+            if job.error is not None:
+                raise job.error
+
+    def shutdown(self) -> None:
+        """Stop and join the stage workers (Engine.close calls it). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._queues[0].put(_STOP)
+        for w in self._workers:
+            w.join()
+
+    def close(self) -> None:
+        self.shutdown()
+        super().close()
+
+    # -- steps: micro-batches instead of one session run ---------------------------------------------
+    def _decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> np.ndarray:
+        """The decode rows in ``slots`` (exactly 0 .. n-1, any order) as micro-batches of contiguous slots."""
+        n = len(tokens)
+        order = sorted(range(n), key=slots.__getitem__)  # the row in slot 0, 1, ...
+        chunks = _chunks(n, self.micro_batches)
+        done = _Countdown(len(chunks))
+        jobs = []
+        for lo, rows in chunks:
+            arrays = self._decode_arrays.get((lo, rows)) or self._new_decode_arrays(lo, rows)
+            ids = [tokens[order[r]] for r in range(lo, lo + rows)]
+            pos = [positions[order[r]] for r in range(lo, lo + rows)]
+            arrays["input_ids"][:, 0] = ids
+            arrays["positions"][:, 0] = pos
+            arrays["seqlens_k"][:] = pos  # S = 1: seqlens_k = past_lens
+            arrays["total_sequence_length"][()] = max(pos) + 1
+            jobs.append(_Job(lo, rows, arrays, done))
+        self._run_jobs(jobs)
+        logits = np.empty((n, self.spec.vocab), dtype=np.float32)
+        for job, (lo, rows) in zip(jobs, chunks):
+            logits[order[lo : lo + rows]] = job.logits
+        return logits
+
+    def _new_decode_arrays(self, lo: int, rows: int) -> dict[str, np.ndarray]:
+        arrays = self._decode_arrays[(lo, rows)] = {
+            "input_ids": np.zeros((rows, 1), np.int64),
+            "positions": np.zeros((rows, 1), np.int64),
+            "seqlens_k": np.zeros(rows, np.int32),
+            "total_sequence_length": np.zeros((), np.int32),
+            "last_index": np.zeros((rows, 1), np.int64),
+        }
+        return arrays
+
+    def _step(self, ids, pos, past, new, tables) -> np.ndarray:
+        self._again = None
+        b = ids.shape[0]
+        if b > self.kv.slots:
+            raise InputError(f"a step of {b} requests exceeds the runner's {self.kv.slots} slots")
+        past_l, new_l = past.tolist(), new.tolist()
+        decode = [r for r in range(b) if new_l[r] == 1]
+        prefill = [r for r in range(b) if new_l[r] > 1]
+        slot_of = self._assign(past_l, new_l, tables.tolist(), decode, prefill)
+        if not prefill:
+            return self._decode(
+                [slot_of[r] for r in decode], ids[decode, 0].tolist(), [past_l[r] for r in decode]
+            )
+        # decode micro-batches and one job per prefill row, all in the pipeline at once
+        order = sorted(decode, key=slot_of.__getitem__)
+        chunks = _chunks(len(decode), self.micro_batches) if decode else []
+        done = _Countdown(len(chunks) + len(prefill))
+        jobs, targets = [], []
+        for lo, rows in chunks:
+            sel = order[lo : lo + rows]
+            p = past[sel]
+            arrays = {"input_ids": np.ascontiguousarray(ids[sel, :1]), "positions": p[:, None].copy()}
+            arrays.update(gqa_lengths(p, new[sel], 1))
+            jobs.append(_Job(lo, rows, arrays, done))
+            targets.append(sel)
+        for r in prefill:
+            n = new_l[r]
+            arrays = {
+                "input_ids": np.ascontiguousarray(ids[r : r + 1, :n]),
+                "positions": np.ascontiguousarray(pos[r : r + 1, :n]),
+            }
+            arrays.update(gqa_lengths(past[r : r + 1], new[r : r + 1], n))
+            jobs.append(_Job(slot_of[r], 1, arrays, done))
+            targets.append([r])
+        self._run_jobs(jobs)
+        logits = np.empty((b, self.spec.vocab), dtype=np.float32)
+        for job, rows in zip(jobs, targets):
+            logits[rows] = job.logits
+        return logits
+
+
+_PAGED_REFUSED = (
+    "{where}: split-stages on a causal LM needs kv_layout 'mapped' (a Llama-family model with a head size that "
+    "is a multiple of 16), this step graph is 'paged'; drop split-stages (or --kv-layout paged)"
+)
+
+
+def _with_kv_layers(entry: StageEntry, spec: LLMSpec) -> StageEntry:
+    """The entry with its ``kv_layers`` (when the manifest leaves them out: the layers whose KV inputs it reads)."""
+    if entry.kv_layers is not None:
+        return entry
+    reads = set(entry.inputs)
+    owned = [i for i, pair in enumerate(spec.kv_inputs) if reads & set(pair)]
+    return dataclasses.replace(entry, kv_layers=owned)
+
+
+def staged_llm_block(stages: StagesSpec, spec: LLMSpec, where: str = "model") -> StagesSpec:
+    """The compiler's ``stages`` block of a causal LM: each stage's ``kv_layers`` filled in (the layers whose
+    KV it reads). A staged paged-layout step graph is refused (UsageError): the staged runner is mapped-only."""
+    if spec.kv_layout != "mapped":
+        raise UsageError(_PAGED_REFUSED.format(where=where))
+    return dataclasses.replace(stages, stages=[_with_kv_layers(e, spec) for e in stages.stages])
+
+
+def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
+    """[0, n) as up to ``parts`` contiguous (first, rows) runs of near-equal size."""
+    parts = max(1, min(parts, n))
+    base, extra = divmod(n, parts)
+    out, lo = [], 0
+    for k in range(parts):
+        rows = base + (k < extra)
+        out.append((lo, rows))
+        lo += rows
+    return out
+
+
+def check_stages_match_spec(sessions, stages: list[StageEntry], spec: LLMSpec, path) -> None:
+    """Untrusted manifest: each stage's kv_layers must be a consecutive, disjoint cover of the layers, each
+    stage's graph must take exactly its layers' KV views, and only the last stage may produce logits."""
+    where = f"{path}/manifest.json: stages block"
+    owned = [i for e in stages for i in (e.kv_layers or [])]
+    if owned != list(range(spec.layers)):
+        raise ArtifactError(
+            f"{where}: kv_layers must cover layers 0..{spec.layers - 1} once, in order; got {owned}"
+        )
+    all_kv = {
+        n: i for i, (pin, pout) in enumerate(zip(spec.kv_inputs, spec.kv_outputs)) for n in (*pin, *pout)
+    }
+    produced: set[str] = set()
+    for k, (session, entry) in enumerate(zip(sessions, stages)):
+        mine = set(entry.kv_layers or [])
+        ins = [i.name for i in session.get_inputs()]
+        outs = [o.name for o in session.get_outputs()]
+        for name in (*ins, *outs):
+            if name in all_kv and all_kv[name] not in mine:
+                raise ArtifactError(
+                    f"{where}: stage {k} reads or writes {name!r}, KV of a layer it does not own"
+                )
+        for i in mine:
+            for name in (*spec.kv_inputs[i], *spec.kv_outputs[i]):
+                if name not in ins and name not in outs:
+                    raise ArtifactError(f"{where}: stage {k} owns layer {i} but its graph lacks {name!r}")
+        for name in ins:
+            if name not in all_kv and name not in _STEP_INPUTS and name not in produced:
+                raise ArtifactError(f"{where}: stage {k} reads {name!r}, which no earlier stage produces")
+        if ("logits" in outs) != (k == len(stages) - 1):
+            raise ArtifactError(f"{where}: only the last stage produces 'logits' (stage {k} does not fit)")
+        produced |= set(outs)
