@@ -231,7 +231,7 @@ class Triton(Target):
         backend = "python backend" if o["stage_backend"] == "python" else "onnxruntime backend"
         return TritonBlock(
             name=self.name,
-            model=built.stages.stages[0].model,
+            model=None,  # the stages block names the stage files (as ort-cpu's staged block)
             providers=["CPUExecutionProvider"],
             device="cpu",
             precision=self.precision,
