@@ -284,10 +284,11 @@ class _Core:
             if not self.closed:
                 self.closed = True
                 self._inbox.put(_STOP)
+        if threading.current_thread() in self.threads:
+            return  # closed from a future's callback: the workers finish on their own; joining would deadlock
         deadline = None if timeout is None else time.monotonic() + timeout
         for t in self.threads:
-            if t is not threading.current_thread():
-                t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
     def depths(self) -> list[int]:
         return [self._inbox.qsize()] + [q.qsize() for q in self._queues]

@@ -413,3 +413,19 @@ def test_a_forgotten_pipeline_leaves_no_thread(art2):
     while stage_threads() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not stage_threads()
+
+
+def test_close_from_a_callback_does_not_deadlock(art2):
+    gate = threading.Event()
+    pipe = gated(load(art2).pipeline(), 1, gate, queue_size=1)
+    futures = [pipe.submit(request(i)) for i in range(3)]
+    closed_on = []
+    futures[0].add_done_callback(lambda f: (closed_on.append(threading.current_thread().name), pipe.close()))
+    gate.set()
+    for i, fut in enumerate(futures):
+        assert_outputs(fut.result(timeout=30), request(i))  # accepted before the close: all finish
+    assert closed_on == ["precast-stage-1"]  # the last stage's worker ran the callback
+    deadline = time.monotonic() + 10
+    while stage_threads() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not stage_threads()
