@@ -477,6 +477,8 @@ def load_causal_lm(
     if got != _output_names(spec["layers"], spec["kv_layout"] == "mapped"):
         raise ExportError(f"{folder}: exported outputs {got[:3]}... do not match the step contract")
     kv_rule = kv_valid_rule(spec)
+    from precast.compiler.ov_decoder import ov_lowering  # (torch is loaded by now)
+
     return Source(
         "hf",
         folder.name,
@@ -493,4 +495,5 @@ def load_causal_lm(
             **({"kv_valid": kv_rule} if kv_rule else {}),
         },
         sample_feeds=sample_step(spec) if spec["batched_prefill"] else decode_step(spec),
+        lowerings={"openvino": ov_lowering(folder, _hf, spec, spec["max_context"])},
     )

@@ -37,8 +37,10 @@ from precast.compiler.report import CompileReport, CompileResult, artifact_size
 from precast.compiler.source import Source, load_source
 from precast.compiler.verify import Verifier, bisect_parity, sample_feeds
 from precast.runtime.errors import InputError, PartialCompileError, PrecastError, UsageError
+from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import ProgressReporter, reporter
+from precast.runtime.schema import IOSignature
 from precast.runtime.target_blocks import TargetBlock
 from precast.targets.base import Target
 
@@ -210,6 +212,7 @@ class _Build:
         target, progress, timings = tp.make(), self.run.progress, self.run.timings
         self.targets.append(target)
         context = self.verifier.pass_context()
+        context.extra["lowerings"] = self.source.lowerings  # e.g. openvino's own causal-lm step graph
         # A target that builds several static shapes (ort-qnn sequence buckets) re-runs the pipeline per shape
         context.extra["run_pipeline"] = lambda feeds: PassManager(
             list(tp.pipeline), context=dataclasses.replace(context, sample_feeds=feeds)
@@ -242,6 +245,12 @@ class _Build:
             parity={"ok": False},
             stages=target.stages,
         )
+        if target.llm is not None:  # the target shipped its own lowering: its step contract, not the ONNX's
+            manifest = dataclasses.replace(
+                manifest,
+                llm=LLMSpec.from_json(target.llm, f"target {tp.name}"),
+                io=IOSignature(tuple(target.io[0]), tuple(target.io[1])),
+            )
         t2 = time.perf_counter()
         progress.step(f"[{tp.name}] verifying against {self.source.reference_name}")
         staged = finalize_manifest(out_dir, manifest)
@@ -288,7 +297,8 @@ class _Build:
         text_metrics = None
         if "llm" in self.source.info:  # causal LMs: top1 / ppl_delta on text vs the fp32 graph
             text_metrics = lambda bounds: self.text_metrics(bounds, out_dir, context)  # noqa: E731
-        return self.verifier.check(tp.name, tp.target.precision, tp.pipeline, actual, text_metrics, context)
+        # (the instance's precision: a target that compressed weights in build() says so there)
+        return self.verifier.check(tp.name, target.precision, tp.pipeline, actual, text_metrics, context)
 
     def text_metrics(self, bounds, out_dir: Path, context) -> dict | None:
         from precast.compiler.llm_text import llm_text_metrics

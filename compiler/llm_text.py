@@ -139,9 +139,14 @@ def text_accuracy(
     ref = score_windows(ModelRunner(ref_session, spec, nb), ids, windows, batch, progress=progress)
     progress.step(f"scoring the artifact on {len(ids)} tokens of the calibration text")
     art = load(artifact_dir, verify=False)
-    got = score_windows(
-        ModelRunner(art._session, spec, nb, Path(art.path)), ids, windows, batch, progress=progress
-    )
+    if art.manifest.llm is not None and art.manifest.llm.kv_layout == "ov-paged":  # its own step contract
+        from precast.runtime.llm.ov_runner import OVStepRunner
+
+        own = art.manifest.llm
+        runner = OVStepRunner(art._session._compiled, own, min(batch, len(windows)) * own.blocks_for(window))
+    else:
+        runner = ModelRunner(art._session, spec, nb, Path(art.path))
+    got = score_windows(runner, ids, windows, batch, progress=progress)
     ppl_ref, ppl = float(np.exp(-ref.logprobs.mean())), float(np.exp(-got.logprobs.mean()))
     return {
         "top1": round(float(np.mean(ref.argmax == got.argmax)), 6),

@@ -32,6 +32,9 @@ class Source:
     ship_files: dict[str, Path] = field(default_factory=dict)  # artifact-relative name -> file to copy
     info: dict = field(default_factory=dict)  # -> manifest "source" block; info["llm"] -> top-level "llm"
     sample_feeds: dict[str, np.ndarray] | None = None  # verification feeds when generated ones make no sense
+    # A target's own lowering of the source, which it builds instead of the ONNX graph (causal-lm:
+    # "openvino" -> lowering(progress) -> (ov.Model with PagedAttention, its llm block); compiler/ov_decoder.py)
+    lowerings: dict[str, Callable] = field(default_factory=dict)
 
 
 _SPEC = re.compile(r"^\s*([A-Za-z_][\w.:/-]*)\s*:\s*([a-z0-9]+)\s*\[([^\]]*)\]\s*$")

@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 __all__ = ["LLMSpec", "KV_LAYOUTS"]
 
-KV_LAYOUTS = ("paged", "mapped")
+# "ov-paged": OpenVINO's PagedAttention reads and writes the pool itself (runtime/llm/ov_runner.py): no KV outputs.
+KV_LAYOUTS = ("paged", "mapped", "ov-paged")
 _INT32_MAX = 2**31 - 1
 _SIZES = ("layers", "heads", "kv_heads", "head_size", "hidden", "vocab", "max_context", "block_size")
 
@@ -68,13 +69,15 @@ class LLMSpec(Record):
         for name, value in [*((n, getattr(self, n)) for n in _SIZES), *ids.items()]:
             if abs(value) > _INT32_MAX:
                 raise ArtifactError(f"{where}: {name} must be at most {_INT32_MAX}, got {value}")
+        outputs = 0 if self.kv_layout == "ov-paged" else self.layers
         if (
             self.kv_layout not in KV_LAYOUTS
             or len(self.kv_inputs) != self.layers
-            or len(self.kv_outputs) != self.layers
+            or len(self.kv_outputs) != outputs
         ):
             raise ArtifactError(
-                f"{where}: expected a 'paged' or 'mapped' KV layout with {self.layers} layers of KV names"
+                f"{where}: expected a KV layout of {', '.join(KV_LAYOUTS)} with {self.layers} layers of KV "
+                f"input names and {outputs} of KV output names"
             )
 
     def blocks_for(self, tokens: int) -> int:

@@ -92,6 +92,27 @@ def _checked_config(root: Path, config: object) -> dict[str, str]:
     return out
 
 
+PA_RT_INFO = "precast_paged_attention"  # compiler/ov_decoder.py writes it
+
+
+def restore_paged_attention_info(model) -> int:
+    """The CPU plugin needs each PagedAttention node's head counts in its rt_info, which the IR does not
+    keep per node: precast's causal-lm IR stores them once in the model's rt_info -> nodes updated."""
+    nodes = [op for op in model.get_ordered_ops() if op.get_type_name() == "PagedAttentionExtension"]
+    if not nodes or not model.has_rt_info([PA_RT_INFO, "num_kv_heads"]):
+        return 0
+    try:
+        kv = int(model.get_rt_info([PA_RT_INFO, "num_kv_heads"]).astype(str))
+        head = int(model.get_rt_info([PA_RT_INFO, "head_size"]).astype(str))
+    except (RuntimeError, ValueError) as e:
+        raise ArtifactError(f"OpenVINO IR: bad {PA_RT_INFO} rt_info ({first_line(e)})") from e
+    for node in nodes:
+        rt = node.get_rt_info()
+        rt["num_k_heads"] = rt["num_v_heads"] = kv
+        rt["k_head_size"] = rt["v_head_size"] = head
+    return len(nodes)
+
+
 @register_backend("openvino")
 def create_openvino_session(root: Path, target: OpenVINOBlock, threads: int | None = None) -> OpenVINOSession:
     device = target.device or "CPU"
@@ -114,7 +135,12 @@ def create_openvino_session(root: Path, target: OpenVINOBlock, threads: int | No
     except OSError:
         pass  # a read-only home only costs the cache, not correctness
     try:
-        compiled = core.compile_model(core.read_model(str(xml)), device, config)
+        # The device's plugin registers its own ops (PagedAttentionExtension, opset "extension") with the
+        # core when it loads; read_model of an IR holding them fails before that.
+        core.get_property(device, "FULL_DEVICE_NAME")
+        model = core.read_model(str(xml))
+        restore_paged_attention_info(model)
+        compiled = core.compile_model(model, device, config)
     except Exception as e:
         raise ArtifactError(
             f"artifact {root}: OpenVINO cannot compile {xml.name} for {device}: {first_line(e)}"

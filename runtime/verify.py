@@ -207,7 +207,13 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     feeds = {n: load_parity_value(root, rel) for n, rel in parity["inputs"].items()}
     expected = {n: load_parity_value(root, rel) for n, rel in parity["expected"].items()}
     tol = Tolerance(**parity.get("tolerance", {}))
-    actual = mask_dont_cares(model.run(feeds), feeds, parity)
+    if manifest.llm is not None and manifest.llm.kv_layout == "ov-paged":  # feeds: the ort-cpu contract
+        from precast.runtime.llm.ov_contract import ContractStep
+
+        run = ContractStep(model.path, manifest.target, manifest.llm, threads)
+    else:
+        run = model.run
+    actual = mask_dont_cares(run(feeds), feeds, parity)
     report = compare_outputs(mask_dont_cares(expected, feeds, parity), actual, tol)
     return {
         "ok": all(r["ok"] for r in report.values()),

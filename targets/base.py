@@ -67,6 +67,10 @@ class Target:
         self.context: Any = None
         # The manifest's stages block (runtime.stages_spec.StagesSpec), set by build() when it wrote stages.
         self.stages: Any = None
+        # Set by build() when the target wrote its own lowering of the source (openvino causal-lm: a
+        # PagedAttention step graph): the manifest's llm block (dict) and io ([inputs], [outputs]).
+        self.llm: Any = None
+        self.io: Any = None
 
     @classmethod
     def parse_typed(cls, raw: dict[str, str]) -> Any:

@@ -47,6 +47,16 @@ class OpenVINO(Target):
         performance_hint: Literal["LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"] = field(
             default="LATENCY", metadata={"help": "OpenVINO's performance hint"}
         )
+        weights: Literal["f32", "int8", "int4"] = field(
+            default="f32", metadata={"help": "weight compression through NNCF (int4: symmetric, per group)"}
+        )
+        group_size: int = field(
+            default=128, metadata={"help": "int4 weights: columns per scale (e.g. 128, 32)"}
+        )
+        kv_cache_precision: Literal["f32", "f16", "u8"] = field(
+            default="f32",
+            metadata={"help": "causal-lm: the paged KV cache's precision (u8: per-block scales)"},
+        )
 
     @classmethod
     def can_build(cls) -> Availability:
@@ -61,6 +71,12 @@ class OpenVINO(Target):
         ok, why = openvino_available("CPU")
         return Availability(ok, why)
 
+    def check_options(self) -> None:
+        if self.options["group_size"] < 1:
+            raise UsageError(
+                f"target 'openvino' option group_size must be >= 1, got {self.options['group_size']}"
+            )
+
     def build(self, model: ir.Model, out_dir: Path) -> OpenVINOBlock:
         import openvino as ov
 
@@ -71,6 +87,13 @@ class OpenVINO(Target):
             )
         if hint not in _HINTS:
             raise UsageError(f"target 'openvino' option performance_hint must be one of {', '.join(_HINTS)}")
+        lowering = (getattr(self.context, "extra", None) or {}).get("lowerings", {}).get("openvino")
+        if lowering is not None:  # a causal LM: its own step graph over OpenVINO's PagedAttention
+            from precast.targets.openvino_llm import build_causal_lm
+
+            return build_causal_lm(self, lowering, out_dir)
+        if self.options["kv_cache_precision"] != "f32":
+            raise UsageError("target 'openvino' option kv_cache_precision applies to --task causal-lm only")
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             src = Path(tmp) / "model.onnx"
             ir.save(model, src)
@@ -80,14 +103,29 @@ class OpenVINO(Target):
                 raise PassFailedError(
                     f"target 'openvino': OpenVINO cannot read the ONNX graph: {first_line(e)}"
                 ) from e
+            from precast.targets.openvino_llm import compress_weights
+
+            ov_model = compress_weights(ov_model, self.options["weights"], self.options["group_size"])
             ov.save_model(ov_model, str(out_dir / "model.xml"), compress_to_fp16=False)
+        if self.options["weights"] != "f32":
+            self.precision = self.options["weights"]  # held to the accuracy budget
         return OpenVINOBlock(
             name=self.name,
             backend="openvino",
             model="model.xml",
             weights="model.bin",
             device=self.options["device"],
-            precision=_PRECISIONS[prec],
+            precision=_PRECISIONS[prec] if self.options["weights"] == "f32" else self.options["weights"],
             config={"INFERENCE_PRECISION_HINT": prec, "PERFORMANCE_HINT": hint},
             requires={"openvino": ov.get_version().split("-")[0]},
         )
+
+    def stand_in(self, out_dir: Path, block: OpenVINOBlock):
+        """A causal-lm step IR is verified on the compile's sample step (the ort-cpu contract) through the
+        runtime's OVStepRunner (runtime/llm/ov_contract.py); other IR loads as a user would."""
+        if self.llm is None:
+            return None
+        from precast.runtime.llm.ov_contract import ContractStep
+        from precast.runtime.llm_spec import LLMSpec
+
+        return ContractStep(out_dir, block, LLMSpec.from_json(self.llm, f"target {self.name}"))

@@ -118,6 +118,14 @@ class Engine:
                 from precast.runtime.llm.staged_runner import StagedRunner
 
                 runner = StagedRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
+            elif llm.kv_layout == "ov-paged":  # OpenVINO's PagedAttention over the engine's block tables
+                from precast.runtime.llm.ov_runner import OVStepRunner
+
+                if runner_kwargs.pop("micro_batches", None) is not None:
+                    raise UsageError(
+                        f"{where}: micro_batches applies to staged artifacts; this one has no stages"
+                    )
+                runner = OVStepRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
             elif runner_kwargs.get("micro_batches") is not None:
                 raise UsageError(
                     f"{where}: micro_batches applies to staged artifacts; this one has no stages"

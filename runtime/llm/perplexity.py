@@ -228,7 +228,12 @@ def perplexity_of_text(
     w = int(window if window is not None else min(spec.max_context, 1024))
     s = max(1, int(stride if stride is not None else w))
     nb = max(1, min(batch, -(-len(ids) // s))) * spec.blocks_for(max(2, min(w, len(ids))))
-    check_graph_matches_spec(model._session, spec, model.path)
-    runner = ModelRunner(model._session, spec, nb, model.path)
+    if spec.kv_layout == "ov-paged":  # OpenVINO's PagedAttention step (runtime/llm/ov_runner.py)
+        from precast.runtime.llm.ov_runner import OVStepRunner
+
+        runner = OVStepRunner(model._session._compiled, spec, nb, model.path)
+    else:
+        check_graph_matches_spec(model._session, spec, model.path)
+        runner = ModelRunner(model._session, spec, nb, model.path)
     result, _ = perplexity(runner, ids, window, stride, batch, progress=report)
     return result

@@ -1,0 +1,205 @@
+"""OVStepRunner: the engine's steps on an OpenVINO step graph whose attention is PagedAttention (numpy + openvino).
+
+The graph (kv_layout "ov-paged", compiler/ov_decoder.py) takes every scheduled token of a step back to back,
+no padding, and per request its past length and its blocks:
+
+    input_ids, positions [1,T]       tokens of row 0, then row 1, ...
+    past_lens [B] i32                rows' cached tokens (num_computed)
+    subsequence_begins [B+1] i32     where each row's tokens start in T
+    block_indices [N] i32            each row's blocks (the engine's block tables, trimmed to the tokens)
+    block_indices_begins [B+1] i32   where each row's blocks start in N
+    max_context_len [] i32           the longest row, past + new
+    logits_indices [B] i64           each row's last token in T
+    key_cache.i / value_cache.i      the pool, [NB, KV, block, D] as the compiled model lays it out
+  -> logits [B, V]
+
+So a mixed step (prefill chunks among decodes) is one call, and the kernel writes the new tokens' K/V into the
+pool blocks itself: no gather, no scatter, no padding. The pool tensors are allocated once at the compiled
+model's cache shapes (KV precision f32 / f16 / u8 with per-block scales: the plugin's layout) and bound with
+``set_tensor`` once; ``key_cache[i]`` / ``value_cache[i]`` are numpy views of them, so copy-on-write block
+copies (StepRunner.execute) are numpy assignments on the pool. A steady decode run only refills its ids,
+positions and lengths in place (the bound step tensors share their memory).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from precast.runtime.errors import ArtifactError, InputError
+from precast.runtime.llm.runner import StepRunner
+from precast.runtime.llm.scheduler import SchedulerOutput
+from precast.runtime.llm_spec import LLMSpec
+
+__all__ = ["OV_STEP_INPUTS", "OVStepRunner", "step_feeds"]
+
+OV_STEP_INPUTS = (
+    "input_ids",
+    "positions",
+    "past_lens",
+    "subsequence_begins",
+    "block_indices",
+    "block_indices_begins",
+    "max_context_len",
+    "logits_indices",
+)
+
+
+def step_feeds(
+    tokens: list[list[int]], pasts: list[int], tables: list[list[int]], block_size: int
+) -> dict[str, np.ndarray]:
+    """The step arrays of rows computing ``tokens[b]`` after ``pasts[b]`` cached ones over ``tables[b]``."""
+    new = [len(t) for t in tokens]
+    ends = [p + n for p, n in zip(pasts, new)]
+    blocks = [table[: -(-e // block_size)] for table, e in zip(tables, ends)]
+    flat = [tok for row in tokens for tok in row]
+    pos = [p + j for p, n in zip(pasts, new) for j in range(n)]
+    return {
+        "input_ids": np.array(flat, dtype=np.int64).reshape(1, -1),
+        "positions": np.array(pos, dtype=np.int64).reshape(1, -1),
+        "past_lens": np.array(pasts, dtype=np.int32),
+        "subsequence_begins": np.cumsum([0, *new], dtype=np.int32),
+        "block_indices": np.array([b for row in blocks for b in row], dtype=np.int32),
+        "block_indices_begins": np.cumsum([0, *map(len, blocks)], dtype=np.int32),
+        "max_context_len": np.array(max(ends), dtype=np.int32),
+        "logits_indices": np.cumsum(new, dtype=np.int64) - 1,
+    }
+
+
+class OVStepRunner(StepRunner):
+    """One OpenVINO infer request over the compiled step; owns the pool tensors (``num_blocks`` blocks)."""
+
+    def __init__(self, compiled, spec: LLMSpec, num_blocks: int, path: Path | None = None):
+        import openvino as ov
+
+        if num_blocks < 1:
+            raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.spec, self.path, self.num_blocks = spec, path, int(num_blocks)
+        self._compiled = compiled
+        self._request = compiled.create_infer_request()
+        check_compiled_matches_spec(compiled, spec, path)
+        self._pool: dict[str, ov.Tensor] = {}
+        for k_name, v_name in spec.kv_inputs:
+            for name in (k_name, v_name):
+                port = compiled.input(name)
+                dims = port.get_partial_shape()
+                shape = [self.num_blocks] + [dims[j].get_length() for j in range(1, dims.rank.get_length())]
+                tensor = ov.Tensor(port.get_element_type(), shape)
+                tensor.data[...] = 0  # (a u8 block's scales too: an unwritten block reads as zeros)
+                self._request.set_tensor(name, tensor)
+                self._pool[name] = tensor
+        self.key_cache = [self._pool[k].data for k, _ in spec.kv_inputs]
+        self.value_cache = [self._pool[v].data for _, v in spec.kv_inputs]
+        self._steady: dict[str, np.ndarray] | None = None  # the bound arrays of the current decode run
+
+    @classmethod
+    def from_artifact(
+        cls,
+        path: str | os.PathLike,
+        num_blocks: int | None = None,
+        threads: int | None = None,
+        verify: bool = True,
+    ) -> OVStepRunner:
+        """Load (integrity-checked) an ``--target openvino --task causal-lm`` artifact. ``threads``:
+        OpenVINO's INFERENCE_NUM_THREADS. ``num_blocks`` defaults to 4 full-context requests."""
+        from precast.runtime.model import load
+
+        model = load(path, threads=threads, verify=verify)
+        spec = LLMSpec.from_manifest(model.manifest, str(path))
+        compiled = getattr(model._session, "_compiled", None)
+        if compiled is None or spec.kv_layout != "ov-paged":
+            raise ArtifactError(f"{path}: kv_layout 'ov-paged' needs an OpenVINO artifact")
+        if num_blocks is None:
+            num_blocks = 4 * spec.blocks_for(spec.max_context)
+        return cls(compiled, spec, num_blocks, Path(model.path))
+
+    @property
+    def kv_bytes(self) -> int:
+        """Bytes held by the pools (all layers, K and V, scales included)."""
+        return sum(int(t.byte_size) for t in self._pool.values())
+
+    def _run(self, feeds: dict[str, np.ndarray] | None) -> np.ndarray:
+        import openvino as ov
+
+        if feeds is not None:
+            for name, arr in feeds.items():
+                self._request.set_tensor(name, ov.Tensor(arr, shared_memory=True))
+        self._request.infer()
+        return self._request.get_tensor("logits").data.copy()
+
+    def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
+        """ModelRunner.step's checked call (perplexity, benchmarks): right-padded [B, S] ids, each row's
+        past and new lengths and block table -> logits [B, V] of each row's last new token. Positions are
+        past_lens + 0.. (the graph's rotary reads the ones given; these are the engine's)."""
+        ids = np.asarray(input_ids, dtype=np.int64)
+        past = [int(p) for p in np.asarray(past_lens).reshape(-1)]
+        new = [int(n) for n in np.asarray(new_lens).reshape(-1)]
+        tables = [list(map(int, t)) for t in np.asarray(block_tables).reshape(len(past), -1)]
+        if ids.ndim != 2 or ids.shape[0] != len(past) or len(new) != len(past):
+            raise InputError(
+                f"input_ids [B, S] with B = len(past_lens); got {ids.shape} and {len(past)} rows"
+            )
+        bs = self.spec.block_size
+        for b, (p, n, table) in enumerate(zip(past, new, tables)):
+            if not 1 <= n <= ids.shape[1] or p < 0 or p + n > self.spec.max_context:
+                raise InputError(f"row {b}: {n} new tokens after {p} do not fit [1, {self.spec.max_context}]")
+            if p + n > len(table) * bs or any(not 0 <= x < self.num_blocks for x in table):
+                raise InputError(
+                    f"row {b}: its block table does not hold {p + n} tokens in [0, {self.num_blocks})"
+                )
+        tokens = [ids[b, :n].tolist() for b, n in enumerate(new)]
+        if min(min(t) for t in tokens) < 0 or max(max(t) for t in tokens) >= self.spec.vocab:
+            raise InputError(f"input_ids hold token ids outside [0, {self.spec.vocab})")
+        self._steady = None
+        return self._run(step_feeds(tokens, past, tables, bs))
+
+    # -- the engine's entry points (runner.StepRunner.execute) --------------------------------------
+    def _mixed(self, out: SchedulerOutput) -> np.ndarray:
+        self._steady = None
+        tokens = [r.token_ids[r.num_computed : r.num_computed + n] for r, n in zip(out.rows, out.num_new)]
+        pasts = [r.num_computed for r in out.rows]
+        return self._run(step_feeds(tokens, pasts, out.block_tables, self.spec.block_size))
+
+    def _decode_rows(self, out: SchedulerOutput) -> np.ndarray:
+        rows = out.rows
+        tokens = [[r.token_ids[r.num_computed]] for r in rows]
+        feeds = step_feeds(tokens, [r.num_computed for r in rows], out.block_tables, self.spec.block_size)
+        self._steady = feeds  # bound below with shared memory: a steady step refills these in place
+        return self._run(feeds)
+
+    def _decode_steady(self, out: SchedulerOutput) -> np.ndarray:
+        feeds = self._steady
+        if feeds is None or len(feeds["past_lens"]) != len(out.rows):
+            return self._decode_rows(out)
+        # The same rows, one token further, every row inside the blocks it had: ids, positions, lengths.
+        rows = out.rows
+        feeds["input_ids"][0] = [r.token_ids[-1] for r in rows]
+        past = [r.num_computed for r in rows]
+        feeds["positions"][0] = past
+        feeds["past_lens"][:] = past
+        feeds["max_context_len"][...] = max(past) + 1
+        return self._run(None)
+
+
+def check_compiled_matches_spec(compiled, spec: LLMSpec, path) -> None:
+    """The manifest's llm block is untrusted: the step inputs and every KV name must be the graph's, and the
+    pool's KV-head and block dims the block's, or the first step would fail inside OpenVINO."""
+    where = f"{path}/manifest.json: llm block"
+    names = {n for port in compiled.inputs for n in port.get_names()}
+    for name in (*OV_STEP_INPUTS, *(n for pair in spec.kv_inputs for n in pair)):
+        if name not in names:
+            raise ArtifactError(
+                f"{where} does not match the model: {name!r} is not an input of the step graph"
+            )
+    if "logits" not in {n for port in compiled.outputs for n in port.get_names()}:
+        raise ArtifactError(f"{where} does not match the model: 'logits' is not an output of the step graph")
+    for _, v_name in spec.kv_inputs:  # values: [NB, KV, block, D(+ scales)] in every precision
+        dims = compiled.input(v_name).get_partial_shape()
+        got = (dims[1].get_length(), dims[2].get_length()) if dims.rank.get_length() == 4 else None
+        if got != (spec.kv_heads, spec.block_size):
+            raise ArtifactError(
+                f"{where} does not match the model: {v_name!r} is {dims} once compiled, the block says "
+                f"kv_heads={spec.kv_heads}, block_size={spec.block_size}"
+            )

@@ -1,0 +1,96 @@
+"""Target ``openvino`` for ``--task causal-lm``: the PagedAttention step graph (compiler/ov_decoder.py) as IR.
+
+    source.lowerings["openvino"]() -> ov.Model (+ its llm block, kv_layout "ov-paged", block 32)
+      -> weights: f32 | int8 | int4 (NNCF compress_weights, group_size; what optimum-intel runs)
+      -> model.xml/.bin, config: INFERENCE_PRECISION_HINT, KV_CACHE_PRECISION (f32 | f16 | u8 per-block scales)
+
+Verification runs the IR on the compile's sample step, which is the ort-cpu step contract: the runtime's
+ContractStep (runtime/llm/ov_contract.py: past K/V copied into an OVStepRunner pool, new K/V read back out)
+gives logits and every new K/V row for the torch reference; ``precast verify`` re-runs it the same way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from precast.runtime.errors import PassFailedError, UsageError, first_line
+from precast.runtime.manifest import TensorSpec
+from precast.runtime.target_blocks import OpenVINOBlock
+
+__all__ = ["build_causal_lm", "compress_weights", "step_io"]
+
+KV_PRECISIONS = {"f32": "float32", "f16": "float16", "u8": "uint8"}
+
+
+def compress_weights(model, weights: str, group_size: int):
+    """NNCF weight compression (int8: per channel; int4: symmetric, ``group_size`` columns per scale)."""
+    if weights == "f32":
+        return model
+    try:
+        import nncf
+    except ImportError:
+        raise UsageError(
+            "target 'openvino' weights=int4|int8 needs nncf: pip install 'precast[openvino]'"
+        ) from None
+    try:
+        if weights == "int8":
+            return nncf.compress_weights(model, mode=nncf.CompressWeightsMode.INT8_ASYM)
+        return nncf.compress_weights(
+            model, mode=nncf.CompressWeightsMode.INT4_SYM, group_size=group_size, ratio=1.0
+        )
+    except Exception as e:
+        raise PassFailedError(
+            f"target 'openvino': NNCF weight compression ({weights}) failed: {first_line(e)}"
+        ) from e
+
+
+def step_io(llm: dict, kv: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
+    """The IR's inputs and outputs as the manifest records them (the pool's dims as the f32 layout names them)."""
+    ints = [
+        TensorSpec("input_ids", "int64", (1, "tokens")),
+        TensorSpec("positions", "int64", (1, "tokens")),
+        TensorSpec("past_lens", "int32", ("batch",)),
+        TensorSpec("subsequence_begins", "int32", ("batch_plus_1",)),
+        TensorSpec("block_indices", "int32", ("blocks",)),
+        TensorSpec("block_indices_begins", "int32", ("batch_plus_1",)),
+        TensorSpec("max_context_len", "int32", ()),
+        TensorSpec("logits_indices", "int64", ("batch",)),
+    ]
+    pool = ("num_blocks", llm["kv_heads"], "block_rows", "head_bytes")
+    kinds = [[TensorSpec(n, KV_PRECISIONS[kv], pool) for n in pair] for pair in llm["kv_inputs"]]
+    pools = [p[0] for p in kinds] + [p[1] for p in kinds]
+    return ints + pools, [TensorSpec("logits", "float32", ("batch", llm["vocab"]))]
+
+
+def build_causal_lm(target, lowering, out_dir: Path) -> OpenVINOBlock:
+    """The step IR from the source's OpenVINO lowering; sets ``target.llm`` / ``target.io`` for the manifest."""
+    import openvino as ov
+
+    opts = target.options
+    kv, weights = opts["kv_cache_precision"], opts["weights"]
+    progress = getattr(target.context, "progress", None)
+    model, llm = lowering(progress)
+    model = compress_weights(model, weights, int(opts["group_size"]))
+    from precast.compiler.ov_decoder import open_cache_inputs
+
+    open_cache_inputs(model)
+    ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=False)
+    target.llm = llm
+    target.io = step_io(llm, kv)
+    if weights != "f32":
+        target.precision = weights  # held to the accuracy budget, not to fp32 tolerances
+    prec = opts["inference_precision"]
+    return OpenVINOBlock(
+        name=target.name,
+        backend="openvino",
+        model="model.xml",
+        weights="model.bin",
+        device=opts["device"],
+        precision={"f32": "fp32", "int8": "int8", "int4": "int4"}[weights],
+        config={
+            "INFERENCE_PRECISION_HINT": prec,
+            "KV_CACHE_PRECISION": kv,
+            "PERFORMANCE_HINT": opts["performance_hint"].upper(),
+        },
+        requires={"openvino": ov.get_version().split("-")[0]},
+    )
