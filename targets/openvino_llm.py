@@ -30,7 +30,7 @@ def compress_weights(model, weights: str, group_size: int):
         import nncf
     except ImportError:
         raise UsageError(
-            "target 'openvino' weights=int4|int8 needs nncf: pip install 'precast[openvino]'"
+            "target 'openvino' weights=int4|int8 needs nncf: pip install 'precast[openvino-weights]'"
         ) from None
     try:
         if weights == "int8":
