@@ -1,9 +1,12 @@
 """The manifest's ``stages`` block: a model cut into consecutive pipeline stages (the ``split-stages`` pass).
 
-A staged artifact holds one model file per stage instead of one ``model.onnx``; stage k reads the model's
-inputs it needs plus the boundary tensors stage k-1 produced, and the last stage produces the model's outputs.
-Running the stages in order gives the unsplit model's outputs; ``runtime/pipeline.py`` runs them as a pipeline
-(one worker per stage, bounded queues between them).
+A staged artifact holds one model file per stage instead of one ``model.onnx`` (the target block then names
+no ``model``); stage k reads the model's inputs it needs plus the boundary tensors stage k-1 produced. A
+boundary tensor a later stage needs is passed through the stages between (listed as their input and output),
+so stage k+1 needs nothing from before stage k. A model output is an output of the stage that computes it
+(for an encoder, the last). Running the stages in order gives the unsplit model's outputs
+(``runtime/staged_session.py``); ``runtime/pipeline.py`` runs them as a pipeline (one worker per stage,
+bounded queues between them).
 
     {"stages": {"n": 2, "by": "bytes",
                 "stages": [{"model": "stages/stage_0.onnx", "inputs": ["input_ids", ...],

@@ -97,6 +97,17 @@ def test_inspect_shows_each_stage_and_json_has_the_block(cli, stack_art):
     assert [s["bytes"] for s in block["stages"]] == [2176] * 3
 
 
+def test_profile_runs_every_stage(cli, stack_art, tmp_path):
+    r = cli("profile", stack_art, "--json", "--runs", "2", "--trace", tmp_path / "trace.json")
+    assert r.code == 0, r.err
+    ops = {row["op"]: row for row in json.loads(r.out)["ops"]}
+    # 6 layers over 3 stage files: the scale Mul and the ReduceMean are in different stages than the Gemms
+    assert ops["ReduceMean"]["nodes"] == 1 and ops["Mul"]["nodes"] == 1
+    assert sum(row["nodes"] for row in ops.values() if row["op"] in ("Gemm", "FusedGemm")) == 6
+    events = json.loads((tmp_path / "trace.json").read_text())
+    assert any(str(ev.get("name", "")).startswith("scale") for ev in events)
+
+
 def test_verify_reruns_parity_through_the_chained_stages(cli, stack_art):
     r = cli("verify", stack_art)
     assert r.code == 0, r.err
