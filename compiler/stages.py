@@ -117,6 +117,11 @@ def stage_models(model: ir.Model) -> list[Stage]:
         if id(v) in feedable:
             ins[k][id(v)] = None
         outs[k][id(v)] = None
+    read = {i for k in range(n) for i in ins[k]}
+    for v in graph.inputs:  # an input nothing reads stays the model's input (the IO signature lists it)
+        if id(v) in feedable and id(v) not in read:
+            by_id[id(v)] = v
+            ins[0][id(v)] = None
     for v in graph.inputs:  # an input no node reads (a causal LM's 'positions' in the mapped layout) stays
         if not any(id(v) in stage_ins for stage_ins in ins):  # an input, of stage 0: the model's IO is kept
             by_id[id(v)] = v

@@ -84,6 +84,13 @@ def test_a_staged_artifact_loads_without_the_compilers_dependencies(stack_art):
     assert "RUNTIME-OK" in r.stdout, r.stderr
 
 
+def test_a_staged_compile_is_byte_identical_twice(stack_art, stack_onnx, tmp_path):
+    again = tmp_path / "again"
+    compile_model(str(stack_onnx), again, CompileOptions(passes=STAGED))
+    for rel in ["manifest.json", *(f"stages/stage_{k}.onnx" for k in range(3))]:
+        assert (again / rel).read_bytes() == (stack_art / rel).read_bytes(), rel
+
+
 def test_inspect_shows_each_stage_and_json_has_the_block(cli, stack_art):
     r = cli("inspect", stack_art)
     assert r.code == 0, r.err

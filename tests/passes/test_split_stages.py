@@ -145,3 +145,15 @@ def test_plan_is_recorded_on_the_model():
         "boundaries": [["h2"]],
         "layers": [[0, 3], [3, 6]],
     }
+
+
+def test_an_input_no_stage_reads_stays_an_input_of_the_first_stage():
+    import onnx_ir as ir
+
+    model = residual_stack()
+    model.graph.inputs.append(
+        ir.Value(name="unused", type=ir.TensorType(ir.DataType.INT64), shape=ir.Shape(["b"]))
+    )
+    s0, s1 = stage_models(split(model, n=2).model)
+    assert s0.inputs == ["x", "unused"] and s1.inputs == ["h2"]
+    assert [v.name for v in s0.model.graph.inputs] == ["x", "unused"]
