@@ -1,8 +1,9 @@
 """Where a graph can be cut into pipeline stages, and which cuts balance them (used by ``split-stages``).
 
 A cut at position ``p`` (the graph's nodes in order) puts ``nodes[:p]`` before it. The tensors that *cross*
-it are the non-constant values produced before ``p`` that a node at or after ``p`` reads (or that the graph
-outputs). Graph inputs never cross: every stage reads the model's inputs it needs directly. Constant values
+it are the non-constant values produced before ``p`` that a node at or after ``p`` reads. A model output
+leaves from the stage that computes it (a causal LM's per-layer KV outputs from their layer's stage), and
+graph inputs never cross: every stage reads the model's inputs it needs directly. Constant values
 (initializers, ``Constant`` nodes, anything computed from constants only) never cross either: a stage that
 reads one gets its own copy.
 
@@ -89,7 +90,7 @@ class CutAnalysis:
     candidates: list[int]  # positions p (1..N-1) where a stage may start
     candidate_layers: list[int] | None  # named layers: the first layer after each candidate
 
-    def crossing_at(self, p: int, graph: ir.Graph) -> list[str]:
+    def crossing_at(self, p: int) -> list[str]:
         """Names of the tensors crossing a cut before node ``p``."""
         before = {id(o) for n in self.nodes[:p] for o in n.outputs}
         names: dict[str, None] = {}
@@ -97,9 +98,6 @@ class CutAnalysis:
             for v in reads:
                 if id(v) in before and id(v) not in self.constant:
                     names.setdefault(v.name, None)
-        for v in graph.outputs:
-            if id(v) in before and id(v) not in self.constant:
-                names.setdefault(v.name, None)
         return list(names)
 
 
@@ -124,9 +122,6 @@ def analyse(graph: ir.Graph) -> CutAnalysis:
         for v in rd:
             if id(v) in last:
                 last[id(v)] = max(last[id(v)], i)
-    for v in graph.outputs:
-        if id(v) in last:
-            last[id(v)] = n
     # Graph inputs count as live until their last reader: they never cross (each stage reads them), but a
     # residual that is still a graph input (the first layer's) makes a point inside that layer no narrower.
     for v in graph.inputs:

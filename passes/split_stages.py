@@ -85,7 +85,7 @@ class SplitStages(Pass):
         stages = stage_models(model)
         plan["bytes"] = [s.bytes for s in stages]
         model.metadata_props[PLAN_KEY] = json.dumps(plan, sort_keys=True)
-        boundary = sum(len(cuts.crossing_at(p, graph)) for p in chosen)
+        boundary = sum(len(cuts.crossing_at(p)) for p in chosen)
         return PassResult(
             model, {"stages": self.options.n, "bytes": plan["bytes"], "boundary_tensors": boundary}
         )
@@ -110,7 +110,7 @@ def _plan(options, cuts: CutAnalysis, starts, ends, times, graph: ir.Graph) -> d
     plan: dict = {
         "n": options.n,
         "by": options.by,
-        "boundaries": [cuts.crossing_at(p, graph) for p in starts[1:]],
+        "boundaries": [cuts.crossing_at(p) for p in starts[1:]],
     }
     if layers is not None:
         plan["layers"] = layers

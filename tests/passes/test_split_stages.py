@@ -157,3 +157,22 @@ def test_an_input_no_stage_reads_stays_an_input_of_the_first_stage():
     s0, s1 = stage_models(split(model, n=2).model)
     assert s0.inputs == ["x", "unused"] and s1.inputs == ["h2"]
     assert [v.name for v in s0.model.graph.inputs] == ["x", "unused"]
+
+
+def test_model_outputs_leave_from_the_stage_that_computes_them(rng):
+    """Like a causal LM's per-layer KV outputs: each layer's h_i is also a model output."""
+    model = residual_stack()
+    values = {o.name: o for node in model.graph for o in node.outputs}
+    model.graph.outputs.extend(values[f"h{i}"] for i in range(5))
+    feeds = {"x": rng.standard_normal((2, 16)).astype(np.float32)}
+    names = [o.name for o in model.graph.outputs]
+    expected = dict(zip(names, ort_run(model, feeds)))
+    result = split(model, n=3)
+    assert stage_plan(result.model)["boundaries"] == [["h1"], ["h3"]]
+    assert result.stats["boundary_tensors"] == 2
+    s0, s1, s2 = stage_models(result.model)
+    assert (s0.outputs, s1.inputs, s1.outputs) == (["h0", "h1"], ["h1"], ["h2", "h3"])
+    assert (s2.inputs, s2.outputs) == (["h3"], ["h4", "y"])
+    got = run_chain([s0, s1, s2], feeds)
+    for name in names:
+        np.testing.assert_allclose(got[name], expected[name], rtol=1e-6, atol=1e-6, err_msg=name)
