@@ -108,7 +108,10 @@ def register_backend(*names: str) -> Callable[[SessionFactory], SessionFactory]:
     return deco
 
 
-def create_session(root: Path, target: TargetBlock, threads: int | None = None) -> Session:
+def create_session(
+    root: Path, target: TargetBlock, threads: int | None = None, spinning: bool | None = None
+) -> Session:
+    """A session of the target's backend; ``spinning`` reaches ONNX Runtime CPU sessions only (see load)."""
     for module in _BACKEND_MODULES:
         importlib.import_module(module)  # cheap: vendor packages are imported by the factories
     factory = BACKENDS.get(target.backend)
@@ -116,10 +119,16 @@ def create_session(root: Path, target: TargetBlock, threads: int | None = None) 
         raise TargetUnavailableError(
             f"artifact {root}: backend '{target.backend}' is not supported by this runtime"
         )
+    if spinning is not None and factory is create_ort_session:
+        return factory(root, target, threads, spinning=spinning)
     return factory(root, target, threads)
 
 
-def ort_session_options(settings: SessionSettings | Mapping | None = None, threads: int | None = None):
+def ort_session_options(
+    settings: SessionSettings | Mapping | None = None,
+    threads: int | None = None,
+    spinning: bool | None = None,
+):
     """SessionOptions from a target block's settings (or the compiler's ``{"graph_optimization_level": ...}``)."""
     import onnxruntime as ort
 
@@ -139,11 +148,16 @@ def ort_session_options(settings: SessionSettings | Mapping | None = None, threa
     so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
     so.log_severity_level = 3
+    if spinning is not None:  # (None: ONNX Runtime's default, spinning)
+        for pool in ("intra_op", "inter_op"):
+            so.add_session_config_entry(f"session.{pool}.allow_spinning", "1" if spinning else "0")
     return so
 
 
 @register_backend("onnxruntime")
-def create_ort_session(root: Path, target: TargetBlock, threads: int | None = None) -> Session:
+def create_ort_session(
+    root: Path, target: TargetBlock, threads: int | None = None, spinning: bool | None = None
+) -> Session:
     if not isinstance(target, OrtBlock):  # target_block_from_json maps "onnxruntime" to OrtBlock
         raise TypeError(f"an onnxruntime session needs an OrtBlock, got {type(target).__name__}")
     if target.ep_plugin is not None:
@@ -162,7 +176,7 @@ def create_ort_session(root: Path, target: TargetBlock, threads: int | None = No
             f"(available: {', '.join(sorted(available))})"
         )
     settings = target.session_settings
-    so = ort_session_options(settings, threads)
+    so = ort_session_options(settings, threads, spinning)
     try:
         # weights and prepacked copies on 2 MiB pages: fewer TLB walks per token (runtime/hugepages.py)
         with collapse_new_memory(settings.to_json()):

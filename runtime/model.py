@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from precast.runtime.backends import Session, check_target_name, check_threads, create_session
-from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError, first_line
+from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError, UsageError, first_line
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import Manifest, TensorSpec, check_integrity, read_manifest
 from precast.runtime.target_blocks import TargetBlock
@@ -106,6 +106,7 @@ def load(
     verify: bool = True,
     prefer: str | None = None,
     pubkey: str | os.PathLike | None = None,
+    spinning: bool | None = None,
 ) -> Model:
     """Load an artifact directory: schema check, sha256 of every file, then a backend session.
 
@@ -114,8 +115,13 @@ def load(
 
     A multi-target artifact loads the best target this host can run (``prefer`` puts one first);
     ``model.skipped`` says why each better one was passed over.
+
+    ``spinning`` (ONNX Runtime CPU sessions): whether idle intra-/inter-op threads spin-wait for the next
+    run; None keeps ONNX Runtime's default (they do). Other backends ignore it.
     """
     check_threads(threads)
+    if spinning is not None and not isinstance(spinning, bool):
+        raise UsageError(f"spinning must be True, False or None, got {spinning!r}")
     if prefer is not None:  # a typo: exit 4 with the close match, not "no target ... in this artifact"
         check_target_name(prefer)
     root = Path(path)
@@ -124,7 +130,7 @@ def load(
 
         root = unpack_to_temp(root, pubkey=pubkey)
         try:
-            model = load(root, threads=threads, verify=verify, prefer=prefer)
+            model = load(root, threads=threads, verify=verify, prefer=prefer, spinning=spinning)
         except BaseException:
             remove_temp(root)
             raise
@@ -136,7 +142,7 @@ def load(
     if verify:
         check_integrity(root, manifest)
     if manifest.is_multi_target:
-        return _load_best(root, manifest, threads=threads, verify=verify, prefer=prefer)
+        return _load_best(root, manifest, threads=threads, verify=verify, prefer=prefer, spinning=spinning)
     own = manifest.target.name
     if prefer is not None and prefer != own:
         raise ArtifactError(f"{root}: no target '{prefer}' in this artifact (has: {own})")
@@ -148,7 +154,7 @@ def load(
 
         session = open_staged(root, manifest.target, manifest.stages, threads=threads)
     else:
-        session = create_session(root, manifest.target, threads=threads)
+        session = create_session(root, manifest.target, threads=threads, spinning=spinning)
     _check_io_matches(root, session, inputs, outputs)
     return Model(root, manifest, session, inputs, outputs)
 
@@ -172,7 +178,7 @@ def _check_io_matches(root: Path, session, inputs: list[TensorSpec], outputs: li
             )
 
 
-def _load_best(root: Path, manifest: Manifest, *, threads, verify, prefer) -> Model:
+def _load_best(root: Path, manifest: Manifest, *, threads, verify, prefer, spinning=None) -> Model:
     entries = manifest.target_dirs()
     if prefer is not None and prefer not in entries:
         raise ArtifactError(
@@ -182,7 +188,7 @@ def _load_best(root: Path, manifest: Manifest, *, threads, verify, prefer) -> Mo
     skipped: dict[str, str] = {}
     for name in order:
         try:
-            model = load(root / entries[name], threads=threads, verify=verify)
+            model = load(root / entries[name], threads=threads, verify=verify, spinning=spinning)
         except TargetUnavailableError as e:
             skipped[name] = str(e)
             continue

@@ -63,14 +63,19 @@ class ModelRunner(StepRunner):
         num_blocks: int | None = None,
         threads: int | None = None,
         verify: bool = True,
+        spinning: bool = False,
     ) -> ModelRunner:
         """Load (integrity-checked) an artifact compiled with ``--task causal-lm``.
 
-        ``num_blocks`` defaults to enough blocks for 4 full-context requests.
+        ``num_blocks`` defaults to enough blocks for 4 full-context requests. ``spinning``: whether ONNX
+        Runtime's idle threads spin-wait between runs (its own default). Off for LLM steps: on a shared host
+        a spinning thread burns the time slices other processes (and the step's own threads) need, and
+        decode measured 1.2x (b1) to 5-7x (b1, b8, a competing busy process) faster without it
+        (benchmarks/bench_llm_spin.py); on a quiet, dedicated host try True.
         """
         from precast.runtime.model import load
 
-        model = load(path, threads=threads, verify=verify)
+        model = load(path, threads=threads, verify=verify, spinning=spinning)
         spec = LLMSpec.from_manifest(model.manifest, str(path))
         check_graph_matches_spec(model._session, spec, path)
         if num_blocks is None:

@@ -140,3 +140,29 @@ def test_generate_cli_streams(llama, expected):
     assert '"finish_reason"' in res.output
     res = CliRunner().invoke(cli, ["generate", str(llama), TEXTS[0], "--max-tokens", "0"])
     assert res.exit_code != 0 and "max_tokens" in str(res.exception or res.output)
+
+
+def _spinning(eng) -> tuple[str, str]:
+    opts = eng.runner._session.get_session_options()
+    return tuple(
+        opts.get_session_config_entry(f"session.{p}.allow_spinning") for p in ("intra_op", "inter_op")
+    )
+
+
+@pytest.mark.slow
+def test_spinning_off_by_default_and_either_way_matches_hf(llama, expected):
+    # ONNX Runtime's threads spin-wait unless told not to; an LLM step loop tells them (measured faster on a
+    # shared host, benchmarks/bench_llm_spin.py), and spinning=True gives the default back: same tokens.
+    from precast.runtime.errors import UsageError
+
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True)
+    for kwargs, want in (
+        ({}, ("0", "0")),
+        ({"spinning": True}, ("1", "1")),
+        ({"spinning": False}, ("0", "0")),
+    ):
+        eng = Engine.load(llama, num_blocks=64, threads=2, **kwargs)
+        assert _spinning(eng) == want, kwargs
+        assert eng.generate(TEXTS[0], params)[0].token_ids == expected[TEXTS[0]]
+    with pytest.raises(UsageError, match="spinning must be True, False or None, got 'no'"):
+        Engine.load(llama, num_blocks=8, spinning="no")
