@@ -38,6 +38,8 @@ class _TimedSession:
 
     def __init__(self, inner):
         self._inner, self.seconds = inner, 0.0
+        if "_sess" in getattr(inner, "__dict__", {}):  # ORT's C++ session, which the mapped runner calls
+            self._sess = _TimedC(inner._sess, self)
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -54,6 +56,19 @@ class _TimedSession:
 
     def run_with_iobinding(self, *args, **kwargs):
         return self._timed(self._inner.run_with_iobinding, *args, **kwargs)
+
+
+class _TimedC:
+    """ORT's C++ session (InferenceSession._sess) with its run_with_iobinding timed into ``owner.seconds``."""
+
+    def __init__(self, inner, owner: _TimedSession):
+        self._inner, self._owner = inner, owner
+
+    def __getattr__(self, name):
+        return getattr(self._inner, name)
+
+    def run_with_iobinding(self, *args):
+        return self._owner._timed(self._inner.run_with_iobinding, *args)
 
 
 class _FreeRunner:
