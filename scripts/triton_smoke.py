@@ -218,13 +218,18 @@ def check_tensor_model(url: str, model: str, artifact: Path, manifest: dict) -> 
 
     # 3. A bad request gets an error naming the input; the server keeps serving.
     name, arr = next(iter(sample.items()))
-    bad = {**sample, name: np.zeros((*arr.shape[:-1], arr.shape[-1] + 3), dtype=arr.dtype)}
+    shape = next(i for i in manifest["io"]["inputs"] if i["name"] == name).get("shape") or [None]
+    if isinstance(shape[-1], int):  # a fixed last dim: one of another size
+        bad_arr, what = np.zeros((*arr.shape[:-1], arr.shape[-1] + 3), dtype=arr.dtype), "shape"
+    else:  # a variable one (a sequence) takes any size: another dtype
+        bad_arr, what = arr.astype(np.float32 if arr.dtype != np.float32 else np.float64), "dtype"
+    bad = {**sample, name: bad_arr}
     try:
         _infer(client, model, bad, out_names)
-        raise AssertionError("a request with a wrong shape was accepted")
+        raise AssertionError(f"a request with a wrong {what} was accepted")
     except InferenceServerException as e:
         assert name in str(e), f"error does not name input '{name}': {e}"
-        _log(f"{model}: bad shape rejected: {str(e).splitlines()[0][:160]}")
+        _log(f"{model}: bad {what} rejected: {str(e).splitlines()[0][:160]}")
     np.testing.assert_allclose(
         _infer(client, model, feeds, out_names)[out_names[0]],
         np.load(artifact / parity["expected"][out_names[0]], allow_pickle=False),
