@@ -78,7 +78,7 @@ class SplitStages(Pass):
         for k, (a, b) in enumerate(zip(starts, ends)):
             for node in cuts.nodes[a:b]:
                 node.metadata_props[STAGE_KEY] = str(k)
-        plan = _plan(self.options, cuts, starts, ends, times, graph)
+        plan = _plan(self.options, cuts, starts, ends, times)
         model.metadata_props[PLAN_KEY] = json.dumps(plan, sort_keys=True)
         from precast.compiler.stages import stage_models  # the exact bytes (with duplicates) and boundaries
 
@@ -100,7 +100,8 @@ class SplitStages(Pass):
         return node_times_us(model, feeds)
 
 
-def _plan(options, cuts: CutAnalysis, starts, ends, times, graph: ir.Graph) -> dict:
+def _plan(options, cuts: CutAnalysis, starts, ends, times) -> dict:
+    """The plan recorded on the model: n, by, the tensors crossing each cut, layers and time per stage."""
     layers = None
     if cuts.candidate_layers is not None:
         named = sorted({k for k in cuts.layer if k is not None})

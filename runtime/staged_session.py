@@ -108,8 +108,9 @@ def _check_entry(root: Path, entry: StageEntry, session: Session) -> None:
     for name in entry.inputs:
         if name not in reads:
             raise ArtifactError(f"{where} lists input '{name}', which its model does not read")
-    for name in sorted(reads - set(entry.inputs)):
-        raise ArtifactError(f"{where}: its model reads '{name}', which the block does not list")
+    unlisted = sorted(reads - set(entry.inputs))
+    if unlisted:
+        raise ArtifactError(f"{where}: its model reads '{unlisted[0]}', which the block does not list")
     for name in entry.outputs:
         if name not in writes:
             raise ArtifactError(f"{where} lists output '{name}', which its model does not write")

@@ -131,8 +131,12 @@ def test_verify_reruns_parity_through_the_chained_stages(cli, stack_art):
         (lambda m: m["stages"]["stages"][2].update(model="../stage_2.onnx"), ("stages.stages[2].model",)),
         (lambda m: m["stages"]["stages"][1].update(inputs=["h1"]), ("stages/stage_1.onnx", "'s'")),
         (lambda m: m["stages"]["stages"][2].update(outputs=["y", "z"]), ("stages/stage_2.onnx", "'z'")),
+        (
+            lambda m: m["stages"]["stages"][1].update(inputs=["s", "h1", "x"]),
+            ("stages/stage_1.onnx", "input 'x', which its model does not read"),
+        ),
     ],
-    ids=["unknown-key", "path-outside", "input-missing", "output-not-written"],
+    ids=["unknown-key", "path-outside", "input-missing", "output-not-written", "input-not-read"],
 )
 def test_a_tampered_stages_block_is_exit_3(cli, stack_art, tmp_path, edit, needles):
     art = _copy(stack_art, tmp_path)
