@@ -363,6 +363,19 @@ def check_llm_model(url: str, model: str, artifact: Path) -> dict:
     return {"streams": len(prompts), "tokens": sum(len(g[1]) for g in got), "seconds": round(seconds, 3)}
 
 
+def check_same_streams(url: str, staged: str, unsplit: str) -> dict:
+    """A staged LLM artifact's model and the unsplit one of the same source stream the same greedy tokens."""
+    prompts = ["def main(", "import os\n", "class Text"]
+    body = lambda p: {"text_input": p, "max_tokens": 8}  # noqa: E731
+    with ThreadPoolExecutor(2 * len(prompts)) as pool:
+        a = list(pool.map(lambda p: _generate_stream(url, staged, body(p)), prompts))
+        b = list(pool.map(lambda p: _generate_stream(url, unsplit, body(p)), prompts))
+    for p, (_, ids_a, _), (_, ids_b, _) in zip(prompts, a, b):
+        assert ids_a == ids_b, f"prompt {p!r}: '{staged}' streamed {ids_a}, '{unsplit}' {ids_b}"
+    _log(f"{staged} (staged) == {unsplit} (unsplit): {len(prompts)} concurrent greedy streams")
+    return {"unsplit": unsplit, "streams": len(prompts), "tokens": sum(len(x[1]) for x in a)}
+
+
 class Served:
     """One artifact's part of the server: its manifest, the models to load and the one clients call."""
 
@@ -373,9 +386,10 @@ class Served:
         if not self.block:
             raise SystemExit(f"{artifact}: not a 'triton' target artifact")
         self.repo = artifact / self.block["repository"]
-        self.staged = "ensemble" in self.block
-        self.model = self.block["ensemble"] if self.staged else self.block["python_model"]
-        self.models = [*self.block["stage_models"], self.model] if self.staged else [self.model]
+        self.staged = self.manifest.get("stages") is not None  # split-stages: an ensemble, or a staged engine
+        ensemble = self.block.get("ensemble")
+        self.model = ensemble or self.block["python_model"]
+        self.models = [*self.block["stage_models"], ensemble] if ensemble else [self.model]
 
 
 def smoke(artifacts: list[Path], work: Path) -> list[dict]:
@@ -406,7 +420,9 @@ def smoke(artifacts: list[Path], work: Path) -> list[dict]:
             twin = (
                 next((u for u in served if not u.staged and _same_source(s, u)), None) if s.staged else None
             )
-            if twin is not None:
+            if twin is not None and s.block["mode"] == "llm":
+                result["same_as_unsplit"] = check_same_streams(server.url, s.model, twin.model)
+            elif twin is not None:
                 result["same_as_unsplit"] = check_same_answers(
                     server.url, s.model, twin.model, s.artifact, s.manifest
                 )

@@ -13,7 +13,8 @@ tokenizer). The precast manifest's block points at ``<name>/1/model.onnx`` with 
 provider, so ``precast.runtime.load`` (and the compile's verification) run the very file Triton serves.
 
 A staged model (the pipeline ends in ``split-stages``) is written as one model per stage and an ensemble
-named ``<name>`` that chains them: see targets/triton_ensemble.py.
+named ``<name>`` that chains them: see targets/triton_ensemble.py. A staged causal-LM step graph is served
+by the decoupled ``<name>_precast`` model alone, its Engine running ``stages/stage_<k>.onnx`` as a pipeline.
 """
 
 from __future__ import annotations
@@ -220,10 +221,7 @@ class Triton(Target):
         from precast.targets.triton_ensemble import build_ensemble
 
         if mode == "llm":
-            raise UsageError(
-                "target 'triton': a staged causal-LM step graph cannot be a Triton ensemble (the engine binds "
-                "its KV in place, step by step); drop split-stages from the pipeline, or compile for ort-cpu"
-            )
+            return self._build_staged_llm(model, out_dir, o)
         name = o["model_name"]
         built = build_ensemble(model, out_dir / REPOSITORY_DIR, REPOSITORY_DIR, o)
         self.stages = built.stages  # the manifest's stages block: the files the stage models serve
@@ -256,6 +254,49 @@ class Triton(Target):
             ],
         )
 
+    def _build_staged_llm(self, model: ir.Model, out_dir: Path, o: dict) -> TritonBlock:
+        """A staged causal-LM step graph is no ensemble (the engine binds each stage's KV in place, step by
+        step): the decoupled precast model's Engine runs the stages as a pipeline (runtime/llm/staged_runner.py),
+        from ``stages/stage_<k>.onnx`` beside the repository, as ort-cpu writes them."""
+        from precast.compiler.stages import STAGES_DIR, write_stages
+
+        def save(m: ir.Model, path: Path) -> list[str]:
+            files = save_onnx(m, path)
+            if o["ort_level"] != "none" and len(files) == 1:
+                OrtCpu._ort_offline_optimize(path, o["ort_level"])
+            return files
+
+        self.stages = write_stages(model, out_dir, save)
+        py_name = o["model_name"] + "_precast"
+        py_cfg = self._python_config(py_name, None, "llm", o)
+        version_dir = out_dir / REPOSITORY_DIR / py_name / str(o["version"])
+        version_dir.mkdir(parents=True)
+        shutil.copyfile(_PYTHON_MODEL, version_dir / "model.py")
+        (version_dir.parent / "config.pbtxt").write_text(render_config(py_cfg), encoding="utf-8")
+        return TritonBlock(
+            name=self.name,
+            model=None,  # the stages block names the stage files
+            providers=["CPUExecutionProvider"],
+            device="cpu",
+            precision=self.precision,
+            session=SessionSettings(graph_optimization_level="all", intra_op_num_threads=int(o["threads"])),
+            offline_ort_level=o["ort_level"],
+            triton={
+                "repository": REPOSITORY_DIR,
+                "python_model": py_name,
+                "version": o["version"],
+                "max_batch_size": 0,
+                "batch_dim": None,
+                "mode": "llm",
+                "decoupled": True,
+                "instance_kind": "KIND_CPU",
+            },
+            notes=[
+                f"Triton model repository: {REPOSITORY_DIR}/ (model '{py_name}' on the python backend, decoupled: "
+                f"its precast Engine runs the {self.stages.n} stages of {STAGES_DIR}/ as a pipeline)"
+            ],
+        )
+
     @staticmethod
     def _onnx_config(
         name: str,
@@ -281,7 +322,7 @@ class Triton(Target):
         )
 
     @staticmethod
-    def _python_config(py_name: str, onnx_cfg: ModelConfig, mode: str, o: dict) -> ModelConfig:
+    def _python_config(py_name: str, onnx_cfg: ModelConfig | None, mode: str, o: dict) -> ModelConfig:
         params = {"precast_artifact": "../..", "precast_mode": mode, "precast_threads": str(o["threads"])}
         if mode == "llm":
             params["precast_num_blocks"] = str(o["llm_num_blocks"])

@@ -21,7 +21,14 @@ from precast.targets.triton_config import EnsembleStep, ModelConfig, TensorConfi
 from precast.targets.triton_ensemble import check_wiring
 from tests.helpers import ort_run, save, tiny_mlp
 from tests.targets.pbtxt import one, parse
-from tests.targets.triton_fixtures import masked_stack, mlp_triton, staged_masked_triton, staged_mlp_triton
+from tests.targets.triton_fixtures import (
+    llama_triton,
+    masked_stack,
+    mlp_triton,
+    staged_llama_triton,
+    staged_masked_triton,
+    staged_mlp_triton,
+)
 from tests.targets.triton_stub import Request, load_python_model, stub_module
 
 OPTIONS = {"preferred_batch_sizes": "4,8", "max_queue_delay_us": "500", "stage_instances": "1,2"}
@@ -233,6 +240,48 @@ def test_three_stages_pass_the_mask_through_as_one_ensemble_tensor(tmp_path_fact
     np.testing.assert_allclose(load(art).run(feeds)["y"], tensors["y"], rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
+def test_staged_llm_is_served_by_the_decoupled_engine(tmp_path_factory, pb_utils):
+    """A staged causal-LM step graph is no ensemble (its engine binds each stage's KV in place): the decoupled
+    precast model runs the staged artifact's engine, and streams the unsplit artifact's greedy tokens."""
+    from precast.runtime.llm import Engine, SamplingParams
+
+    art = staged_llama_triton(tmp_path_factory)
+    manifest = json.loads((art / "manifest.json").read_text())
+    assert manifest["target"]["triton"]["python_model"] == "llama_staged_precast"
+    assert manifest["target"]["triton"]["decoupled"] and "ensemble" not in manifest["target"]["triton"]
+    assert [s["model"] for s in manifest["stages"]["stages"]] == [
+        "stages/stage_0.onnx",
+        "stages/stage_1.onnx",
+    ]
+    assert sorted(p.name for p in (art / "model_repository").iterdir()) == ["llama_staged_precast"]
+    cfg = _config(art, "llama_staged_precast")
+    assert one(one(cfg, "model_transaction_policy"), "decoupled") is True
+    prompts = ["def main(", "import os\n"]
+    expected = Engine.load(llama_triton(tmp_path_factory)).generate(prompts, SamplingParams(max_tokens=6))
+    instance = load_python_model(art, "llama_staged_precast")
+    try:
+        requests = [
+            Request(text_input=np.array([p.encode()], dtype=object), max_tokens=np.array([6], np.int32))
+            for p in prompts
+        ]
+        assert instance.execute(requests) is None  # decoupled: answers go through the senders
+        for req, exp in zip(requests, expected):
+            _wait(lambda req=req: req.sender.sent and req.sender.sent[-1][1] == 1)
+            assert [int(r.outputs["token_id"][0]) for r, _ in req.sender.sent] == exp.token_ids
+    finally:
+        instance.finalize()
+
+
+def _wait(cond, timeout: float = 60.0) -> None:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "timed out waiting for the engine"
+        time.sleep(0.01)
+
+
 def _compile_staged(tmp_path: Path, **options: str) -> Path:
     tmp_path.mkdir(parents=True, exist_ok=True)
     src = save(tiny_mlp(), tmp_path / "mlp.onnx")
@@ -274,7 +323,6 @@ def test_staged_triton_artifact_is_reproducible(tmp_path):
         ({"stage_instances": "1,x"}, "stage_instances must be comma-separated counts >= 1"),
         ({"stage_instances": "0,1"}, "stage_instances must be comma-separated counts >= 1"),
         ({"stage_backend": "tensorrt"}, "stage_backend must be python|onnxruntime"),
-        ({"mode": "llm"}, "staged causal-LM step graph cannot be a Triton ensemble"),
     ],
 )
 def test_bad_staged_options_name_the_option(tmp_path, options, match):

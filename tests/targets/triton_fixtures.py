@@ -10,7 +10,14 @@ from onnx import TensorProto, helper
 from precast.compiler.driver import CompileOptions, compile_model
 from tests.helpers import make_model, save, tiny_mlp
 
-__all__ = ["llama_triton", "masked_stack", "mlp_triton", "staged_masked_triton", "staged_mlp_triton"]
+__all__ = [
+    "llama_triton",
+    "masked_stack",
+    "mlp_triton",
+    "staged_llama_triton",
+    "staged_masked_triton",
+    "staged_mlp_triton",
+]
 
 _BUILT: dict[str, Path] = {}
 
@@ -86,14 +93,25 @@ def staged_masked_triton(tmp_path_factory, **options: str) -> Path:
     return _BUILT[key]
 
 
-def llama_triton(tmp_path_factory) -> Path:
-    """A tiny Llama (seeded random weights, local BPE tokenizer) compiled with --task causal-lm -t triton."""
-    if "llama" not in _BUILT:
+def llama_triton(tmp_path_factory, staged: bool = False) -> Path:
+    """A tiny Llama (seeded random weights, local BPE tokenizer) compiled with --task causal-lm -t triton
+    (``staged``: with ``default,split-stages{n=2}``, model ``llama_staged``)."""
+    key = "llama-staged" if staged else "llama"
+    if key not in _BUILT:
         from tests.llm.fixtures import build_llama
 
-        d = tmp_path_factory.mktemp("triton-llama")
+        d = tmp_path_factory.mktemp("triton-" + key)
         folder = build_llama(d / "tiny-llama")
-        opts = CompileOptions(targets=("triton",), task="causal-lm", target_options={"model_name": "llama"})
+        opts = CompileOptions(
+            targets=("triton",),
+            task="causal-lm",
+            passes="default,split-stages{n=2}" if staged else None,
+            target_options={"model_name": key.replace("-", "_")},
+        )
         compile_model(str(folder), d / "art", opts)
-        _BUILT["llama"] = d / "art"
-    return _BUILT["llama"]
+        _BUILT[key] = d / "art"
+    return _BUILT[key]
+
+
+def staged_llama_triton(tmp_path_factory) -> Path:
+    return llama_triton(tmp_path_factory, staged=True)
