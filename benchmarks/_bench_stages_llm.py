@@ -14,8 +14,10 @@ Each engine serves the same ``--concurrency`` requests, all submitted at once to
 prompts of 24-40 tokens, greedy, ``--new-tokens`` each, no EOS): continuous batching decodes them together.
 
     unsplit, 2 threads              Engine.load(unsplit, threads=2): one session, 2 intra-op threads
+    unsplit, 1 thread               the same with 1 thread (what a stage's session is: no spinning pool)
     2 stages x 1 thread, mb 2       Engine.load(staged): a worker + 1-thread session per stage; each step's
                                     rows in 2 micro-batches, stage 1 runs one while stage 0 runs the other
+    2 stages x 1 thread, mb 4       4 micro-batches: a smaller pipeline bubble, each stage's weights read 4x
     2 stages x 1 thread, mb 1       the same without micro-batches (the stages take turns: the control)
 
 Columns: aggregate generated tokens/s (all requests, first submit to last token), its ratio to the first row,
@@ -51,7 +53,9 @@ CONFIG = {**STEP_CONFIG, "tie_word_embeddings": False}
 STAGED = "default,split-stages{n=2,by=time}"
 ENGINES = {  # name -> (artifact, Engine.load options)
     "unsplit, 2 threads": ("unsplit", {"threads": 2}),
+    "unsplit, 1 thread": ("unsplit", {"threads": 1}),
     "2 stages x 1 thread, mb 2": ("staged", {"threads": 1, "micro_batches": 2}),
+    "2 stages x 1 thread, mb 4": ("staged", {"threads": 1, "micro_batches": 4}),
     "2 stages x 1 thread, mb 1": ("staged", {"threads": 1, "micro_batches": 1}),
 }
 
