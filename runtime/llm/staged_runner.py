@@ -109,7 +109,11 @@ class _Stage:
         for name in self.boundary_out:  # unallocated again: ONNX Runtime allocates this run's (own) tensors
             io.bind_output(name, "cpu")
         t0 = time.perf_counter()
-        self.session.run_with_iobinding(io)
+        sess = getattr(self.session, "__dict__", {}).get("_sess")  # ORT's C++ session (see mapped_runner)
+        if sess is not None:
+            sess.run_with_iobinding(io._iobinding, None)
+        else:  # a session wrapping ORT's (a stand-in, a timer)
+            self.session.run_with_iobinding(io)
         self.busy_seconds += time.perf_counter() - t0
         if self.last:
             job.logits = logits
@@ -185,10 +189,11 @@ class StagedRunner(MappedModelRunner):
         num_blocks: int | None = None,
         threads: int | None = None,
         verify: bool = True,
+        spinning: bool = False,
         micro_batches: int | None = None,
     ) -> StagedRunner:
         """Load a staged causal-lm artifact: one session per stage with ``threads`` intra-op threads each
-        (default 1: the stages' workers are the parallelism)."""
+        (default 1: the stages' workers are the parallelism); ``spinning`` as ModelRunner.from_artifact's."""
         from precast.runtime.backends import check_threads, create_session
         from precast.runtime.manifest import check_integrity, read_manifest
 
@@ -204,7 +209,12 @@ class StagedRunner(MappedModelRunner):
             raise ArtifactError(_PAGED_REFUSED.format(where=root))
         entries = [_with_kv_layers(e, spec) for e in manifest.stages.stages]
         sessions = [
-            create_session(root, dataclasses.replace(manifest.target, model=e.model), threads=threads or 1)
+            create_session(
+                root,
+                dataclasses.replace(manifest.target, model=e.model),
+                threads=threads or 1,
+                spinning=spinning,
+            )
             for e in entries
         ]
         check_stages_match_spec(sessions, entries, spec, root)
