@@ -91,6 +91,15 @@ def test_a_staged_compile_is_byte_identical_twice(stack_art, stack_onnx, tmp_pat
         assert (again / rel).read_bytes() == (stack_art / rel).read_bytes(), rel
 
 
+def test_ort_offline_level_is_applied_to_each_stage(stack_onnx, tmp_path, rng):
+    out = tmp_path / "ext"
+    opts = CompileOptions(passes=STAGED, target_options={"ort_level": "extended"})
+    compile_model(str(stack_onnx), out, opts)  # parity of the chained, offline-optimized stages
+    ops = [n.op_type for k in range(3) for n in ir.load(out / f"stages/stage_{k}.onnx").graph]
+    assert "FusedGemm" in ops and "Relu" not in ops  # ONNX Runtime's Gemm+Relu fusion, in every stage
+    assert load(out).manifest.target.offline_ort_level == "extended"
+
+
 def test_inspect_shows_each_stage_and_json_has_the_block(cli, stack_art):
     r = cli("inspect", stack_art)
     assert r.code == 0, r.err
