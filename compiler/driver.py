@@ -205,7 +205,15 @@ class _Build:
             return manifests[plans[0].name]
         precisions = {tp.name: tp.target.precision for tp in plans}
         failed = {name: _failure(e) for name, e in self.failed.items()}
-        return write_index(stage, build_index(manifests, precisions, failed))
+        index = build_index(manifests, precisions, failed)
+        speeds = {n: (m.get("parity") or {}).get("speed") for n, m in manifests.items()}
+        if len(manifests) > 1 and all(speeds.values()):  # causal LMs: the faster on this host first
+            from precast.compiler.llm_speed import speed_score
+
+            order = sorted(index.fallback_order or list(manifests), key=lambda n: -speed_score(speeds[n]))
+            index = dataclasses.replace(index, fallback_order=order)
+            self.run.progress.note("fastest causal-lm target here: " + " > ".join(order))
+        return write_index(stage, index)
 
     def one_target(self, tp: TargetPlan, out_dir: Path) -> dict:
         """passes -> target files -> staged manifest -> verify through the runtime -> final manifest."""
@@ -256,6 +264,11 @@ class _Build:
         staged = finalize_manifest(out_dir, manifest)
         parity = self.verify(tp, target, block, out_dir, context)
         timings[f"{tp.name}:verify"] = time.perf_counter() - t2
+        if "llm" in self.source.info and len(self.run.plan.targets) > 1:  # ranks the index's targets
+            from precast.compiler.llm_speed import llm_speed
+
+            progress.step(f"[{tp.name}] measuring its serving speed on this host")
+            parity = {**parity, "speed": llm_speed(out_dir)}
         # Same files as staged (the runtime load checked them): only the manifest's parity block changes.
         final = dataclasses.replace(manifest, parity={**parity, **tensors})
         return finalize_manifest(out_dir, final, self.build_info(tp.name), files=staged["files"])

@@ -178,13 +178,23 @@ def _check_io_matches(root: Path, session, inputs: list[TensorSpec], outputs: li
             )
 
 
-def _load_best(root: Path, manifest: Manifest, *, threads, verify, prefer, spinning=None) -> Model:
+def target_order(root: Path, manifest: Manifest, prefer: str | None = None) -> list[str]:
+    """An index's targets in the order to try: ``prefer`` first, then its ``fallback_order`` (a causal-lm
+    compile ranks its targets by measured speed there), else PREFERENCE's."""
     entries = manifest.target_dirs()
     if prefer is not None and prefer not in entries:
         raise ArtifactError(
             f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})"
         )
-    order = preference_order(entries, prefer)
+    recorded = manifest.fallback_order or []
+    if sorted(recorded) != sorted(entries):  # absent, or not this index's targets: the static order
+        return preference_order(entries, prefer)
+    return sorted(recorded, key=lambda n: n != prefer)
+
+
+def _load_best(root: Path, manifest: Manifest, *, threads, verify, prefer, spinning=None) -> Model:
+    entries = manifest.target_dirs()
+    order = target_order(root, manifest, prefer)
     skipped: dict[str, str] = {}
     for name in order:
         try:

@@ -81,6 +81,7 @@ class Engine:
         *,
         config: SchedulerConfig | None = None,
         enable_prefix_caching: bool = True,
+        prefer: str | None = None,
         **runner_kwargs,
     ) -> Engine:
         """Open a causal-lm artifact (a directory, or a file packed by ``precast pack``, as
@@ -88,7 +89,9 @@ class Engine:
         ``runner_kwargs``: ModelRunner.from_artifact's ``threads`` and ``verify`` (a staged artifact's
         StagedRunner also takes ``micro_batches``; its ``threads`` is per stage, default 1). A packed
         artifact is unpacked into a temp dir the engine owns: ``close()`` removes it (else garbage
-        collection or exit)."""
+        collection or exit). A multi-target index (a causal LM compiled for ort-cpu and openvino) opens its
+        first target this host can run in the index's order, which the compile measured (the faster first);
+        ``prefer`` names one to put first."""
         from precast.runtime.llm.model_runner import ModelRunner
         from precast.runtime.llm.tokenizer import TextTokenizer
         from precast.runtime.manifest import read_manifest
@@ -110,6 +113,7 @@ class Engine:
 
             root = unpacked = unpack_to_temp(root)
         try:
+            root = _pick_target(root, prefer)  # an index's sub-artifact (else root itself)
             manifest = read_manifest(root)
             llm = manifest.llm
             if llm is None:
@@ -435,3 +439,58 @@ class Engine:
                 kv_blocks_free=self.pool.num_free,
                 block_size=self.block_size,
             )
+
+
+def llm_index_target(root: Path, prefer: str | None = None) -> Path | None:
+    """For a multi-target index of a causal LM: the sub-artifact Engine.load opens (else None)."""
+    from precast.runtime.manifest import read_manifest
+
+    manifest = read_manifest(root)
+    if not manifest.is_multi_target or not manifest.target_dirs():
+        return None
+    first = next(iter(manifest.target_dirs().values()))
+    if read_manifest(root / first).llm is None:
+        return None
+    return _pick_target(root, prefer)
+
+
+def _pick_target(root: Path, prefer: str | None) -> Path:
+    """``root``, or for a multi-target index the sub-artifact of its first target (runtime.model.target_order:
+    ``prefer``, then the compile's measured order) whose backend this host has."""
+    from precast.runtime.backends import check_target_name
+    from precast.runtime.errors import TargetUnavailableError
+    from precast.runtime.manifest import read_manifest
+    from precast.runtime.model import target_order
+
+    if prefer is not None:
+        check_target_name(prefer)
+    manifest = read_manifest(root)
+    if not manifest.is_multi_target:
+        if prefer is not None and prefer != manifest.target.name:
+            raise ArtifactError(
+                f"{root}: no target '{prefer}' in this artifact (has: {manifest.target.name})"
+            )
+        return root
+    entries, skipped = manifest.target_dirs(), []
+    for name in target_order(root, manifest, prefer):
+        why = _unavailable(read_manifest(root / entries[name]).target)
+        if why is None:
+            return root / entries[name]
+        skipped.append(f"{name}: {why}")
+    raise TargetUnavailableError(
+        f"{root}: no target of this artifact can run on this host ({'; '.join(skipped)})"
+    )
+
+
+def _unavailable(block) -> str | None:
+    """Why this host cannot run the target block's backend (None: it can), without loading the model."""
+    import importlib.util
+
+    if block.backend == "openvino":
+        from precast.runtime.openvino_backend import openvino_available
+
+        ok, why = openvino_available(block.device or "CPU")
+        return None if ok else why
+    if block.backend == "onnxruntime" and importlib.util.find_spec("onnxruntime") is None:
+        return "python package 'onnxruntime' is not installed"
+    return None

@@ -155,6 +155,12 @@ class ModelHost:
         from precast.runtime.model import load
 
         manifest = read_manifest(root) if root.is_dir() else None
+        if manifest is not None and manifest.is_multi_target:  # a causal LM's index: its fastest target here
+            from precast.runtime.llm.engine import llm_index_target
+
+            sub = llm_index_target(root)
+            if sub is not None:
+                root, manifest = sub, read_manifest(sub)
         is_llm = manifest is not None and manifest.llm is not None
         if self.llm_options and not is_llm:
             from precast.runtime.errors import UsageError

@@ -1,0 +1,61 @@
+"""How fast a compiled causal-lm target serves on the compiling host: what a multi-target compile orders by.
+
+A causal LM compiled for several CPU backends (ort-cpu and openvino: the same engine above two step graphs)
+is measured per target right after it verifies, through the runtime's own Engine: one request's decode rate
+and 8 requests' aggregate rate, fresh prompts, the prefix cache off. The index's ``fallback_order`` puts the
+faster one first (geometric mean of the two rates), so ``load`` / ``Engine.load`` / ``precast serve`` pick it;
+``--prefer`` overrides. Each target's parity block keeps its numbers (``speed``). It is this host's
+measurement: a deployment host unlike it may rank them otherwise (``precast bench`` says).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+
+import numpy as np
+
+__all__ = ["llm_speed", "speed_score"]
+
+NEW_TOKENS = 16
+BATCH = 8
+
+
+def llm_speed(path: Path, threads: int | None = None) -> dict[str, float]:
+    """{'decode_b1_tok_s', 'batch8_tok_s'} of the causal-lm artifact at ``path`` on this host."""
+    from precast.runtime.llm import Engine
+    from precast.runtime.llm.sampler import SamplingParams
+
+    engine = Engine.load(path, threads=threads, enable_prefix_caching=False, verify=False)
+    try:
+        vocab, ctx = engine.vocab, engine.max_context
+        prompt_len = max(2, min(64, ctx // 4))
+        rng = np.random.default_rng(0)
+
+        def prompts(n: int) -> list[list[int]]:
+            return [rng.integers(0, vocab, prompt_len).tolist() for _ in range(n)]
+
+        def params(n: int):
+            return SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False)
+
+        engine.generate(prompts(1), params(2))  # warm-up: first shapes, first allocations
+        t0 = time.perf_counter()
+        engine.generate(prompts(1), params(1))
+        ttft = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine.generate(prompts(1), params(NEW_TOKENS + 1))
+        b1 = NEW_TOKENS / max(time.perf_counter() - t0 - ttft, 1e-9)
+        t0 = time.perf_counter()
+        done = engine.generate(prompts(BATCH), params(NEW_TOKENS))
+        batched = sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
+    finally:
+        engine.close()
+    return {"decode_b1_tok_s": round(b1, 2), "batch8_tok_s": round(batched, 2)}
+
+
+def speed_score(speed: dict[str, float] | None) -> float:
+    """One number to rank targets by (higher is faster): the geometric mean of the two rates."""
+    if not speed:
+        return 0.0
+    return math.sqrt(max(speed["decode_b1_tok_s"], 0.0) * max(speed["batch8_tok_s"], 0.0))
