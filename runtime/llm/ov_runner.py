@@ -101,9 +101,12 @@ class OVStepRunner(StepRunner):
         num_blocks: int | None = None,
         threads: int | None = None,
         verify: bool = True,
+        spinning: bool = False,
     ) -> OVStepRunner:
         """Load (integrity-checked) an ``--target openvino --task causal-lm`` artifact. ``threads``:
-        OpenVINO's INFERENCE_NUM_THREADS. ``num_blocks`` defaults to 4 full-context requests."""
+        OpenVINO's INFERENCE_NUM_THREADS. ``num_blocks`` defaults to 4 full-context requests. ``spinning``
+        is ModelRunner's (ONNX Runtime's idle threads) and has no counterpart here (accepted, unused)."""
+        del spinning
         from precast.runtime.model import load
 
         model = load(path, threads=threads, verify=verify)
