@@ -32,7 +32,7 @@ from precast.compiler.source import Source, locate_source
 from precast.compiler.verify import tolerance_for
 from precast.runtime.errors import TargetUnavailableError, UsageError
 from precast.runtime.manifest import TensorSpec
-from precast.targets.base import Target, get_target
+from precast.targets.base import Target, all_targets, get_target
 
 __all__ = ["CompileOptions", "CompilePlan", "SourcePlan", "TargetPlan", "plan_compile", "plan_source"]
 
@@ -208,7 +208,7 @@ def _plan_targets(opts: CompileOptions) -> tuple[TargetPlan, ...]:
         if not cls.runs_stages and any(s.name == "split-stages" for s in specs):
             raise UsageError(
                 f"target '{cls.name}' cannot run a staged model: drop split-stages from its pipeline "
-                "(targets that run stages: ort-cpu)"
+                f"(targets that run stages: {', '.join(sorted(n for n, c in all_targets().items() if c.runs_stages))})"
             )
         tol = tolerance_for(cls.precision, opts, specs)  # also parses --accuracy-budget: a typo fails here
         plans.append(TargetPlan(cls, options, specs, tol))
