@@ -283,7 +283,7 @@ def build_manifest(
     if llm_spec is not None and stages is not None:  # a staged causal LM: each stage owns its layers' KV
         from precast.runtime.llm.staged_runner import staged_llm_block
 
-        stages = staged_llm_block(stages, llm_spec, f"source {source.name}")
+        stages = staged_llm_block(stages, llm_spec)
     return Manifest(
         schema_version=SCHEMA_VERSION,
         files={},

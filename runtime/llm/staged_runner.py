@@ -21,56 +21,31 @@ micro-batches (disjoint slots) never touch each other's KV. Tensors crossing a c
 binding to the next as ONNX Runtime values (no copy). A binding runs once per step (each micro-batch has
 its own (slot, rows) binding), and a step returns only when every micro-batch is through the last stage.
 
-Only the mapped KV layout is staged (the layout ort-cpu compiles Llama-family models to); a staged paged
-artifact is refused at load with one line.
+This module runs the mapped KV layout (what ort-cpu compiles Llama-family models to); ``from_artifact`` of a
+staged paged step graph (GPT-2, the generic decoders) returns staged_paged_runner.StagedPagedRunner.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import queue
-import threading
 import time
 from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, InputError, UsageError
+from precast.runtime.errors import ArtifactError, InputError
 from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, MappedModelRunner, gqa_lengths
+from precast.runtime.llm.stage_workers import Countdown, Job, StageWorkers
+from precast.runtime.llm.stage_workers import chunks as split_rows
 from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.stages_spec import StageEntry, StagesSpec
 
 __all__ = ["StagedRunner", "check_stages_match_spec", "staged_llm_block"]
 
 _STEP_INPUTS = ("input_ids", "positions", *MAPPED_STEP_INPUTS)
-_STOP = object()
-
-
-class _Job:
-    """One micro-batch: slots slot .. slot+rows-1, its step inputs, the tensors crossing each cut."""
-
-    __slots__ = ("slot", "rows", "arrays", "boundary", "logits", "error", "done")
-
-    def __init__(self, slot: int, rows: int, arrays: dict[str, np.ndarray], done: _Countdown):
-        self.slot, self.rows, self.arrays = slot, rows, arrays
-        self.boundary: dict[str, object] = {}  # name -> OrtValue, from the stages before
-        self.logits: np.ndarray | None = None
-        self.error: BaseException | None = None
-        self.done = done
-
-
-class _Countdown:
-    """Set when ``n`` micro-batches of a step are through the last stage."""
-
-    def __init__(self, n: int):
-        self.left, self.lock, self.event = n, threading.Lock(), threading.Event()
-
-    def tick(self) -> None:
-        with self.lock:
-            self.left -= 1
-            if self.left == 0:
-                self.event.set()
+# the step inputs of either layout (paged: staged_paged_runner.PAGED_STEP_INPUTS)
+_ANY_STEP_INPUT = (*_STEP_INPUTS, "past_lens", "new_lens", "block_tables")
 
 
 class _Stage:
@@ -97,7 +72,7 @@ class _Stage:
         self._bindings: dict[tuple[int, int], tuple] = {}
         self.busy_seconds = 0.0  # time inside the session (benchmarks: busy / wall per stage)
 
-    def run(self, job: _Job) -> None:
+    def run(self, job: Job) -> None:
         io, logits, bound = self._bindings.get((job.slot, job.rows)) or self._bind(job.slot, job.rows)
         arrays = job.arrays
         if bound[0] is not arrays:  # (a decode binding's own arrays stay bound from step to step)
@@ -159,7 +134,9 @@ class StagedRunner(MappedModelRunner):
         queue_depth: int = 4,
     ):
         if spec.kv_layout != "mapped":
-            raise ArtifactError(_PAGED_REFUSED.format(where=path or "artifact"))
+            raise InputError(
+                f"{path or 'artifact'}: StagedRunner runs the mapped layout (paged: StagedPagedRunner)"
+            )
         if len(sessions) != len(stages) or len(sessions) < 2:
             raise InputError(
                 f"a staged runner needs one session per stage (>= 2), got {len(sessions)} for {len(stages)}"
@@ -172,15 +149,8 @@ class StagedRunner(MappedModelRunner):
         self.stages = [
             _Stage(k, s, e, self.spec, self.kv, k == n - 1) for k, (s, e) in enumerate(zip(sessions, stages))
         ]
-        self._queues = [queue.Queue(maxsize=queue_depth) for _ in stages]
         self._decode_arrays: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        self._workers = [
-            threading.Thread(target=self._work, args=(k,), name=f"precast-llm-stage-{k}", daemon=True)
-            for k in range(n)
-        ]
-        self._closed = False
-        for w in self._workers:
-            w.start()
+        self._pipe = StageWorkers([stage.run for stage in self.stages], queue_depth)
 
     @classmethod
     def from_artifact(
@@ -205,8 +175,6 @@ class StagedRunner(MappedModelRunner):
         spec = LLMSpec.from_manifest(manifest, str(root))
         if manifest.stages is None:
             raise ArtifactError(f"{root}: not a staged artifact (manifest has no 'stages' block)")
-        if spec.kv_layout != "mapped":
-            raise ArtifactError(_PAGED_REFUSED.format(where=root))
         entries = [_with_kv_layers(e, spec) for e in manifest.stages.stages]
         sessions = [
             create_session(
@@ -220,46 +188,20 @@ class StagedRunner(MappedModelRunner):
         check_stages_match_spec(sessions, entries, spec, root)
         if num_blocks is None:
             num_blocks = 4 * spec.blocks_for(spec.max_context)
+        if spec.kv_layout == "paged":  # the graph gathers the pools itself: ModelRunner's pools and scatter
+            from precast.runtime.llm.staged_paged_runner import StagedPagedRunner
+
+            return StagedPagedRunner(sessions, entries, spec, num_blocks, root, micro_batches=micro_batches)
         return cls(sessions, entries, spec, num_blocks, root, micro_batches=micro_batches)
 
-    # -- workers ---------------------------------------------------------------------------------------
-    def _work(self, k: int) -> None:
-        stage, inbox = self.stages[k], self._queues[k]
-        nxt = self._queues[k + 1] if k + 1 < len(self._queues) else None
-        while True:
-            job = inbox.get()
-            if job is _STOP:
-                if nxt is not None:
-                    nxt.put(_STOP)
-                return
-            if job.error is None:
-                try:
-                    stage.run(job)
-                except BaseException as e:  # reported to the step's caller; the worker goes on
-                    job.error = e
-            if nxt is None:
-                job.done.tick()
-            else:
-                nxt.put(job)
-
-    def _run_jobs(self, jobs: list[_Job]) -> None:
-        if self._closed:
-            raise InputError("the staged runner is shut down (its engine was closed)")
-        for job in jobs:
-            self._queues[0].put(job)
-        jobs[0].done.event.wait()
-        for job in jobs:
-            if job.error is not None:
-                raise job.error
+    @property
+    def workers(self) -> list:
+        """The stage worker threads (alive until shutdown)."""
+        return self._pipe.threads
 
     def shutdown(self) -> None:
         """Stop and join the stage workers (Engine.close calls it). Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        self._queues[0].put(_STOP)
-        for w in self._workers:
-            w.join()
+        self._pipe.shutdown()
 
     def close(self) -> None:
         self.shutdown()
@@ -270,8 +212,8 @@ class StagedRunner(MappedModelRunner):
         """The decode rows in ``slots`` (exactly 0 .. n-1, any order) as micro-batches of contiguous slots."""
         n = len(tokens)
         order = sorted(range(n), key=slots.__getitem__)  # the row in slot 0, 1, ...
-        chunks = _chunks(n, self.micro_batches)
-        done = _Countdown(len(chunks))
+        chunks = split_rows(n, self.micro_batches)
+        done = Countdown(len(chunks))
         jobs = []
         for lo, rows in chunks:
             arrays = self._decode_arrays.get((lo, rows)) or self._new_decode_arrays(lo, rows)
@@ -281,8 +223,8 @@ class StagedRunner(MappedModelRunner):
             arrays["positions"][:, 0] = pos
             arrays["seqlens_k"][:] = pos  # S = 1: seqlens_k = past_lens
             arrays["total_sequence_length"][()] = max(pos) + 1
-            jobs.append(_Job(lo, rows, arrays, done))
-        self._run_jobs(jobs)
+            jobs.append(Job(lo, rows, arrays, done))
+        self._pipe.run_jobs(jobs)
         logits = np.empty((n, self.spec.vocab), dtype=np.float32)
         for job, (lo, rows) in zip(jobs, chunks):
             logits[order[lo : lo + rows]] = job.logits
@@ -313,15 +255,15 @@ class StagedRunner(MappedModelRunner):
             )
         # decode micro-batches and one job per prefill row, all in the pipeline at once
         order = sorted(decode, key=slot_of.__getitem__)
-        chunks = _chunks(len(decode), self.micro_batches) if decode else []
-        done = _Countdown(len(chunks) + len(prefill))
+        chunks = split_rows(len(decode), self.micro_batches) if decode else []
+        done = Countdown(len(chunks) + len(prefill))
         jobs, targets = [], []
         for lo, rows in chunks:
             sel = order[lo : lo + rows]
             p = past[sel]
             arrays = {"input_ids": np.ascontiguousarray(ids[sel, :1]), "positions": p[:, None].copy()}
             arrays.update(gqa_lengths(p, new[sel], 1))
-            jobs.append(_Job(lo, rows, arrays, done))
+            jobs.append(Job(lo, rows, arrays, done))
             targets.append(sel)
         for r in prefill:
             n = new_l[r]
@@ -330,19 +272,13 @@ class StagedRunner(MappedModelRunner):
                 "positions": np.ascontiguousarray(pos[r : r + 1, :n]),
             }
             arrays.update(gqa_lengths(past[r : r + 1], new[r : r + 1], n))
-            jobs.append(_Job(slot_of[r], 1, arrays, done))
+            jobs.append(Job(slot_of[r], 1, arrays, done))
             targets.append([r])
-        self._run_jobs(jobs)
+        self._pipe.run_jobs(jobs)
         logits = np.empty((b, self.spec.vocab), dtype=np.float32)
         for job, rows in zip(jobs, targets):
             logits[rows] = job.logits
         return logits
-
-
-_PAGED_REFUSED = (
-    "{where}: split-stages on a causal LM needs kv_layout 'mapped' (a Llama-family model with a head size that "
-    "is a multiple of 16), this step graph is 'paged'; drop split-stages (or --kv-layout paged)"
-)
 
 
 def _with_kv_layers(entry: StageEntry, spec: LLMSpec) -> StageEntry:
@@ -354,24 +290,10 @@ def _with_kv_layers(entry: StageEntry, spec: LLMSpec) -> StageEntry:
     return dataclasses.replace(entry, kv_layers=owned)
 
 
-def staged_llm_block(stages: StagesSpec, spec: LLMSpec, where: str = "model") -> StagesSpec:
+def staged_llm_block(stages: StagesSpec, spec: LLMSpec) -> StagesSpec:
     """The compiler's ``stages`` block of a causal LM: each stage's ``kv_layers`` filled in (the layers whose
-    KV it reads). A staged paged-layout step graph is refused (UsageError): the staged runner is mapped-only."""
-    if spec.kv_layout != "mapped":
-        raise UsageError(_PAGED_REFUSED.format(where=where))
+    KV it reads)."""
     return dataclasses.replace(stages, stages=[_with_kv_layers(e, spec) for e in stages.stages])
-
-
-def _chunks(n: int, parts: int) -> list[tuple[int, int]]:
-    """[0, n) as up to ``parts`` contiguous (first, rows) runs of near-equal size."""
-    parts = max(1, min(parts, n))
-    base, extra = divmod(n, parts)
-    out, lo = [], 0
-    for k in range(parts):
-        rows = base + (k < extra)
-        out.append((lo, rows))
-        lo += rows
-    return out
 
 
 def check_stages_match_spec(sessions, stages: list[StageEntry], spec: LLMSpec, path) -> None:
@@ -401,7 +323,7 @@ def check_stages_match_spec(sessions, stages: list[StageEntry], spec: LLMSpec, p
                 if name not in ins and name not in outs:
                     raise ArtifactError(f"{where}: stage {k} owns layer {i} but its graph lacks {name!r}")
         for name in ins:
-            if name not in all_kv and name not in _STEP_INPUTS and name not in produced:
+            if name not in all_kv and name not in _ANY_STEP_INPUT and name not in produced:
                 raise ArtifactError(f"{where}: stage {k} reads {name!r}, which no earlier stage produces")
         if ("logits" in outs) != (k == len(stages) - 1):
             raise ArtifactError(f"{where}: only the last stage produces 'logits' (stage {k} does not fit)")

@@ -4,7 +4,8 @@ A tiny Llama (N(0, 0.1) weights, norms perturbed, 4 layers, GQA 4/2, head size 1
 compiled once plain and once with ``default,split-stages{n=2}``. The staged artifact's stages each own a
 consecutive range of layers and only those layers' KV; the engine runs it with one worker per stage and
 micro-batches in flight in both stages at once. Greedy tokens must equal the unsplit artifact's and HF
-generate()'s, for one request and for 8 concurrent requests of different lengths.
+generate()'s, for one request and for 8 concurrent requests of different lengths; the paged layout (a generic
+decoder) likewise.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import time
 
 import pytest
 
-from precast.runtime.errors import ArtifactError, UsageError
+from precast.runtime.errors import ArtifactError
 from tests.llm.fixtures import build_causal_lm
 from tests.llm.test_causal_lm import hf_greedy
 
@@ -162,7 +163,7 @@ def test_engine_close_joins_the_stage_workers(llama4):
 
     _, _, staged = llama4
     engine = Engine.load(staged, num_blocks=16)
-    workers = list(engine.runner._workers)
+    workers = list(engine.runner.workers)
     assert [w.name for w in workers] == ["precast-llm-stage-0", "precast-llm-stage-1"]
     assert all(w.is_alive() for w in workers)
     engine.generate([[5, 6, 7]], _greedy())
@@ -189,11 +190,33 @@ def test_tampered_kv_ownership_is_refused(llama4, tmp_path):
     assert info.value.exit_code == 3 and "\n" not in str(info.value)
 
 
-def test_staged_paged_layout_is_refused_at_compile(llama4, tmp_path):
-    folder, _, _ = llama4
-    with pytest.raises(UsageError, match="mapped") as info:
-        _compile(folder, tmp_path / "paged", STAGED, kv_layout="paged")
-    assert "\n" not in str(info.value)
+def test_paged_generic_decoder_staged_matches_unsplit_and_hf(tmp_path):
+    """The paged layout (the generic decoder path: Qwen3 with qk-norm, 4 layers): stages own their layers'
+    pools and scatter their own new K/V; the rotary tables, masks and gather indices the first stage derives
+    from the step inputs cross the cut. 8 requests of different lengths batched, micro-batches of the
+    batched prefill too."""
+    from precast.runtime.llm import Engine
+
+    folder = build_causal_lm(tmp_path / "qwen3", "qwen3", seed=3, num_hidden_layers=4)
+    plain, staged = _compile(folder, tmp_path / "plain"), _compile(folder, tmp_path / "staged", STAGED)
+    manifest = json.loads((staged / "manifest.json").read_text())
+    assert manifest["llm"]["kv_layout"] == "paged"
+    owned = [st["kv_layers"] for st in manifest["stages"]["stages"]]
+    assert [i for layers in owned for i in layers] == [0, 1, 2, 3] and all(owned)
+    got = {}
+    for name, art in (("plain", plain), ("staged", staged)):
+        engine = Engine.load(art, num_blocks=64)
+        try:
+            prompts = _prompts(engine, 8)
+            got[name] = [c.token_ids for c in engine.generate(prompts, _greedy())]
+            assert type(engine.runner).__name__ == (
+                "StagedPagedRunner" if name == "staged" else "ModelRunner"
+            )
+        finally:
+            engine.close()
+    assert got["staged"] == got["plain"]
+    for i in (0, 7):
+        assert got["staged"][i] == hf_greedy(folder, prompts[i], NEW_TOKENS), i
 
 
 def test_staged_engine_runs_without_the_compiler_dependencies(llama4):
