@@ -18,7 +18,8 @@ Engines (precision class: what its ratio divides by):
   ov-fp32                      OpenVINO GenAI, its defaults (bf16 compute where the CPU has it, u8 KV)
   ov-fp32-f32                  the same with f32 inference precision and an f32 KV cache forced
   ov-int4                      optimum-intel's INT4 export (NNCF, group 32, every layer), defaults
-  llamacpp-f32, llamacpp-q4_0  llama.cpp through llama-cpp-python (its converter; Q4_0 by its quantizer)
+  llamacpp-f32, llamacpp-q4_0  llama.cpp through llama-cpp-python (its converter; Q4_0 by its quantizer;
+                               f32 with an f32 KV cache, Q4_0 with its default f16 KV)
   (b1: LLMPipeline; c8 / c32: ContinuousBatchingPipeline, prefix caching off, KV grown on demand)
 Ratios: engine / precast of the same precision class in the same round (rates: >1 = engine faster; TTFT:
 <1 = engine faster), median and range over rounds. Rounds rotate the engines' order. --load measures every
@@ -59,9 +60,9 @@ ENGINES = {
     "genai-fp32": ("genai", "genai", "fp32", "fp32", [], ("b1",)),
     "genai-int4": ("genai", "genai", "int4", "int4", [], ("b1",)),
     "ov-fp32": ("ov", "ov", "fp32", "fp32", [], ("b1", "c8", "c32")),
-    "ov-fp32-f32": ("ov", "ov", "fp32", "fp32", ["--ov-f32"], ("b1", "c8", "c32")),
+    "ov-fp32-f32": ("ov", "ov", "fp32", "fp32", ["--force-f32"], ("b1", "c8", "c32")),
     "ov-int4": ("ov", "ov", "int4", "int4", [], ("b1", "c8", "c32")),
-    "llamacpp-f32": ("llamacpp", "llamacpp", "f32", "fp32", [], ("b1", "c8", "c32")),
+    "llamacpp-f32": ("llamacpp", "llamacpp", "f32", "fp32", ["--force-f32"], ("b1", "c8", "c32")),
     "llamacpp-q4_0": ("llamacpp", "llamacpp", "q4_0", "int4", [], ("b1", "c8", "c32")),
 }
 PACKAGES = {

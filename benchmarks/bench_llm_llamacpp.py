@@ -66,6 +66,8 @@ class LlamaCpp:
         cp.n_batch = cp.n_ubatch = BUDGET
         cp.n_seq_max = a.max_requests
         cp.n_threads = cp.n_threads_batch = a.threads
+        if a.force_f32:  # its KV cache is f16 by default; f32 for the fp32-equivalent column
+            cp.type_k = cp.type_v = getattr(L, "GGML_TYPE_F32", 0)  # ggml type 0
         self.ctx = L.llama_init_from_model(self.model, cp)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")

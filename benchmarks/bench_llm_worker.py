@@ -1,6 +1,6 @@
 """One engine of bench_llm.py, loaded once, timed on request: JSON lines in on stdin, JSON lines out.
 
-    python bench_llm_worker.py ENGINE PATH [--threads 2] [--max-requests 32] [--max-len 640] [--ov-f32]
+    python bench_llm_worker.py ENGINE PATH [--threads 2] [--max-requests 32] [--max-len 640] [--force-f32]
 
 ENGINE: precast (an artifact; this interpreter needs precast), genai (a builder folder; onnxruntime-genai),
 ov (an optimum-intel export; openvino-genai), llamacpp (a GGUF file; llama-cpp-python). Each runs in the
@@ -94,7 +94,7 @@ class Genai:
 
 class OpenVINO:
     """OpenVINO GenAI: LLMPipeline for batch 1, ContinuousBatchingPipeline (paged, its own scheduler) for
-    concurrent requests. --ov-f32 forces f32 inference precision and an f32 KV cache; else its defaults (bf16
+    concurrent requests. --force-f32 forces f32 inference precision and an f32 KV cache; else its defaults (bf16
     compute where the CPU has it, u8 KV). Prefix caching off on both (the bench sends fresh prompts anyway)."""
 
     def __init__(self, path: str, a: argparse.Namespace):
@@ -103,7 +103,7 @@ class OpenVINO:
 
         self.ov, self.ovg, self.path = ov, ovg, path
         self.props: dict = {"INFERENCE_NUM_THREADS": a.threads}
-        if a.ov_f32:
+        if a.force_f32:
             self.props.update(INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32")
         sc = ovg.SchedulerConfig()
         sc.enable_prefix_caching = False
@@ -181,7 +181,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--max-requests", type=int, default=32)
     ap.add_argument("--max-len", type=int, default=640, help="longest prompt + new tokens of one request")
-    ap.add_argument("--ov-f32", action="store_true")
+    ap.add_argument(
+        "--force-f32", action="store_true", help="f32 compute and KV cache (OpenVINO, llama.cpp: f32 KV)"
+    )
     a = ap.parse_args()
     out = os.fdopen(os.dup(1), "w")  # the protocol's stdout; fd 1 itself now goes to stderr
     os.dup2(2, 1)
