@@ -31,22 +31,13 @@ import torch
 from torch import nn
 
 from precast.runtime.errors import ModelLoadError
+from precast.runtime.llm.ov_runner import OV_STEP_INPUTS  # the runner's feeds are the graph's inputs
 
 __all__ = ["OV_STEP_INPUTS", "OVDecoder", "export_ov_step", "open_cache_inputs", "ov_lowering", "ov_refusal"]
 
 ATTN_IMPLEMENTATION = "precast_ov_paged"
 PA_RT_INFO = (
     "precast_paged_attention"  # the IR's model-level rt_info key (runtime/openvino_backend.py reads it)
-)
-OV_STEP_INPUTS = (
-    "input_ids",
-    "positions",
-    "past_lens",
-    "subsequence_begins",
-    "block_indices",
-    "block_indices_begins",
-    "max_context_len",
-    "logits_indices",
 )
 _NEG = torch.finfo(torch.float32).min
 # Families whose attention code bypasses the interface (attention_swaps.py points it at the ort-cpu one).

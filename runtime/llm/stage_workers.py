@@ -105,6 +105,22 @@ class StageWorkers:
             t.join()
 
 
+class StageWorkersOwner:
+    """What a runner whose stages run on ``self._pipe`` (StageWorkers) offers the engine: its worker threads,
+    and ``shutdown`` (Engine.close calls it; idempotent)."""
+
+    _pipe: StageWorkers
+
+    @property
+    def workers(self) -> list:
+        """The stage worker threads (alive until shutdown)."""
+        return self._pipe.threads
+
+    def shutdown(self) -> None:
+        """Stop and join the stage workers. Idempotent."""
+        self._pipe.shutdown()
+
+
 def chunks(n: int, parts: int) -> list[tuple[int, int]]:
     """[0, n) as up to ``parts`` contiguous (first, rows) runs of near-equal size."""
     parts = max(1, min(parts, n))

@@ -20,7 +20,7 @@ import numpy as np
 
 from precast.runtime.errors import InputError
 from precast.runtime.llm.model_runner import ModelRunner
-from precast.runtime.llm.stage_workers import Countdown, Job, StageWorkers
+from precast.runtime.llm.stage_workers import Countdown, Job, StageWorkers, StageWorkersOwner
 from precast.runtime.llm.stage_workers import chunks as split_rows
 from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.stages_spec import StageEntry
@@ -75,7 +75,7 @@ class _PagedStage:
             job.logits = out[-1]
 
 
-class StagedPagedRunner(ModelRunner):
+class StagedPagedRunner(StageWorkersOwner, ModelRunner):
     """ModelRunner over a staged paged step graph (same execute() / step() contract as the unsplit one)."""
 
     def __init__(
@@ -101,14 +101,6 @@ class StagedPagedRunner(ModelRunner):
             _PagedStage(k, s, e, self, k == n - 1) for k, (s, e) in enumerate(zip(sessions, stages))
         ]
         self._pipe = StageWorkers([stage.run for stage in self.stages], queue_depth)
-
-    @property
-    def workers(self) -> list:
-        return self._pipe.threads
-
-    def shutdown(self) -> None:
-        """Stop and join the stage workers (Engine.close calls it). Idempotent."""
-        self._pipe.shutdown()
 
     def close(self) -> None:
         self.shutdown()

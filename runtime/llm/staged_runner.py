@@ -36,7 +36,7 @@ import numpy as np
 
 from precast.runtime.errors import ArtifactError, InputError
 from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, MappedModelRunner, gqa_lengths
-from precast.runtime.llm.stage_workers import Countdown, Job, StageWorkers
+from precast.runtime.llm.stage_workers import Countdown, Job, StageWorkers, StageWorkersOwner
 from precast.runtime.llm.stage_workers import chunks as split_rows
 from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.stages_spec import StageEntry, StagesSpec
@@ -115,7 +115,7 @@ class _Stage:
         return entry
 
 
-class StagedRunner(MappedModelRunner):
+class StagedRunner(StageWorkersOwner, MappedModelRunner):
     """The mapped runner over a staged step graph (same execute() / step() contract as the unsplit one).
 
     ``sessions``: one ONNX Runtime session per stage, in order; ``stages``: the manifest's stage entries.
@@ -193,15 +193,6 @@ class StagedRunner(MappedModelRunner):
 
             return StagedPagedRunner(sessions, entries, spec, num_blocks, root, micro_batches=micro_batches)
         return cls(sessions, entries, spec, num_blocks, root, micro_batches=micro_batches)
-
-    @property
-    def workers(self) -> list:
-        """The stage worker threads (alive until shutdown)."""
-        return self._pipe.threads
-
-    def shutdown(self) -> None:
-        """Stop and join the stage workers (Engine.close calls it). Idempotent."""
-        self._pipe.shutdown()
 
     def close(self) -> None:
         self.shutdown()
