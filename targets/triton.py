@@ -32,7 +32,7 @@ from precast.runtime.errors import UsageError
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.target_blocks import SessionSettings, TritonBlock
 from precast.targets.base import Target, register_target
-from precast.targets.ort_cpu import OrtCpu, save_onnx
+from precast.targets.ort_cpu import OrtCpu, save_model, save_onnx
 from precast.targets.triton_config import (
     ModelConfig,
     TensorConfig,
@@ -190,14 +190,9 @@ class Triton(Target):
         (repo / py_name / "config.pbtxt").write_text(render_config(py_cfg), encoding="utf-8")
 
         model_rel = f"{REPOSITORY_DIR}/{name}/{o['version']}/model.onnx"
-        return TritonBlock(
-            name=self.name,
-            model=model_rel,
-            providers=["CPUExecutionProvider"],
-            device="cpu",
-            precision=self.precision,
-            session=SessionSettings(graph_optimization_level="all", intra_op_num_threads=int(o["threads"])),
-            offline_ort_level=o["ort_level"],
+        return self._block(
+            o,
+            model_rel,
             triton={
                 "repository": REPOSITORY_DIR,
                 "onnx_model": name,
@@ -227,14 +222,9 @@ class Triton(Target):
         self.stages = built.stages  # the manifest's stages block: the files the stage models serve
         stage_names = [cfg.name for cfg in built.stage_configs]
         backend = "python backend" if o["stage_backend"] == "python" else "onnxruntime backend"
-        return TritonBlock(
-            name=self.name,
-            model=None,  # the stages block names the stage files (as ort-cpu's staged block)
-            providers=["CPUExecutionProvider"],
-            device="cpu",
-            precision=self.precision,
-            session=SessionSettings(graph_optimization_level="all", intra_op_num_threads=int(o["threads"])),
-            offline_ort_level=o["ort_level"],
+        return self._block(
+            o,
+            None,  # the stages block names the stage files (as ort-cpu's staged block)
             triton={
                 "repository": REPOSITORY_DIR,
                 "ensemble": name,
@@ -258,29 +248,20 @@ class Triton(Target):
         """A staged causal-LM step graph is no ensemble (the engine binds each stage's KV in place, step by
         step): the decoupled precast model's Engine runs the stages as a pipeline (runtime/llm/staged_runner.py),
         from ``stages/stage_<k>.onnx`` beside the repository, as ort-cpu writes them."""
-        from precast.compiler.stages import STAGES_DIR, write_stages
+        from precast.compiler.stages import STAGES_DIR
 
-        def save(m: ir.Model, path: Path) -> list[str]:
-            files = save_onnx(m, path)
-            if o["ort_level"] != "none" and len(files) == 1:
-                OrtCpu._ort_offline_optimize(path, o["ort_level"])
-            return files
-
-        self.stages = write_stages(model, out_dir, save)
+        level = o["ort_level"]
+        offline = None if level == "none" else (lambda path: OrtCpu._ort_offline_optimize(path, level))
+        save_model(model, out_dir, self, offline=offline)  # sets self.stages
         py_name = o["model_name"] + "_precast"
         py_cfg = self._python_config(py_name, None, "llm", o)
         version_dir = out_dir / REPOSITORY_DIR / py_name / str(o["version"])
         version_dir.mkdir(parents=True)
         shutil.copyfile(_PYTHON_MODEL, version_dir / "model.py")
         (version_dir.parent / "config.pbtxt").write_text(render_config(py_cfg), encoding="utf-8")
-        return TritonBlock(
-            name=self.name,
-            model=None,  # the stages block names the stage files
-            providers=["CPUExecutionProvider"],
-            device="cpu",
-            precision=self.precision,
-            session=SessionSettings(graph_optimization_level="all", intra_op_num_threads=int(o["threads"])),
-            offline_ort_level=o["ort_level"],
+        return self._block(
+            o,
+            None,  # the stages block names the stage files
             triton={
                 "repository": REPOSITORY_DIR,
                 "python_model": py_name,
@@ -295,6 +276,21 @@ class Triton(Target):
                 f"Triton model repository: {REPOSITORY_DIR}/ (model '{py_name}' on the python backend, decoupled: "
                 f"its precast Engine runs the {self.stages.n} stages of {STAGES_DIR}/ as a pipeline)"
             ],
+        )
+
+    def _block(self, o: dict, model: str | None, *, triton: dict, notes: list[str]) -> TritonBlock:
+        """The target block every layout shares (ORT on the CPU, the offline level) with its own model,
+        ``triton`` record and notes."""
+        return TritonBlock(
+            name=self.name,
+            model=model,
+            providers=["CPUExecutionProvider"],
+            device="cpu",
+            precision=self.precision,
+            session=SessionSettings(graph_optimization_level="all", intra_op_num_threads=int(o["threads"])),
+            offline_ort_level=o["ort_level"],
+            triton=triton,
+            notes=notes,
         )
 
     @staticmethod
