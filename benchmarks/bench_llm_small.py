@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_llm_overhead import _TimedSession  # noqa: E402
+from bench_llm_vs_genai import open_genai  # noqa: E402
 
 PROMPT, NEW = 128, 128
 MODELS = {
@@ -140,14 +141,7 @@ class Precast:
 
 class Genai:
     def __init__(self, path: Path, threads: int):
-        import onnxruntime_genai as og
-
-        cfg = json.loads((path / "genai_config.json").read_text())
-        cfg["model"]["decoder"]["session_options"].update(
-            intra_op_num_threads=threads, inter_op_num_threads=1
-        )
-        (path / "genai_config.json").write_text(json.dumps(cfg, indent=4))
-        self.og, self.model = og, og.Model(str(path))
+        self.og, self.model = open_genai(path, threads)
 
     def _run(self, prompt: list[int]):
         params = self.og.GeneratorParams(self.model)

@@ -167,16 +167,20 @@ class Precast:
         return wall, statistics.median(h.ttft_s for h in handles)
 
 
+def open_genai(path: Path, threads: int):
+    """(onnxruntime_genai, its Model of the builder folder ``path``) with ``threads`` intra-op threads and one
+    inter-op thread (written into the folder's genai_config.json, genai's only way to set them)."""
+    import onnxruntime_genai as og
+
+    cfg = json.loads((path / "genai_config.json").read_text())
+    cfg["model"]["decoder"]["session_options"].update(intra_op_num_threads=threads, inter_op_num_threads=1)
+    (path / "genai_config.json").write_text(json.dumps(cfg, indent=4))
+    return og, og.Model(str(path))
+
+
 class Genai:
     def __init__(self, path: Path, threads: int):
-        import onnxruntime_genai as og
-
-        cfg = json.loads((path / "genai_config.json").read_text())
-        cfg["model"]["decoder"]["session_options"].update(
-            intra_op_num_threads=threads, inter_op_num_threads=1
-        )
-        (path / "genai_config.json").write_text(json.dumps(cfg, indent=4))
-        self.og, self.model = og, og.Model(str(path))
+        self.og, self.model = open_genai(path, threads)
         self.weights = weight_bytes_read(path / "model.onnx")
         self._gen = None
 
