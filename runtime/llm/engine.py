@@ -437,6 +437,9 @@ class Engine:
                 kv_blocks_total=self.pool.num_blocks,
                 kv_blocks_used=self.pool.num_used,
                 kv_blocks_free=self.pool.num_free,
+                kv_blocks_touched=self.pool.num_touched,
+                kv_bytes_reserved=int(getattr(self.runner, "kv_bytes", 0)),
+                kv_bytes_resident=int(getattr(self.runner, "kv_resident_bytes", 0)),
                 block_size=self.block_size,
             )
 

@@ -95,6 +95,7 @@ class MappedModelRunner(ModelRunner):
 
     @property
     def kv_bytes(self) -> int:
+        """Bytes of the pool file (its pages appear when first written: kv_resident_bytes)."""
         return self.kv.nbytes
 
     def close(self) -> None:
@@ -103,7 +104,9 @@ class MappedModelRunner(ModelRunner):
 
     # -- step ---------------------------------------------------------------------------------------------
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
-        return self._step(*self._check(input_ids, positions, past_lens, new_lens, block_tables)).copy()
+        ids, pos, past, new, tables = self._check(input_ids, positions, past_lens, new_lens, block_tables)
+        self._note_written(past, new, tables)
+        return self._step(ids, pos, past, new, tables).copy()
 
     def _step(self, ids, pos, past, new, tables) -> np.ndarray:
         self._again = None

@@ -45,6 +45,9 @@ class EngineMetrics(EngineCounters):
     kv_blocks_total: int = 0
     kv_blocks_used: int = 0
     kv_blocks_free: int = 0
+    kv_blocks_touched: int = 0  # blocks ever handed out (the pool's high-water mark)
+    kv_bytes_reserved: int = 0  # the runner's KV pools as allocated (address space)
+    kv_bytes_resident: int = 0  # the part of them holding memory: the touched blocks
     block_size: int = 0
 
     @property

@@ -84,7 +84,8 @@ class ModelRunner(StepRunner):
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes held by the pools (all layers, K and V)."""
+        """Bytes the pools reserve (all layers, K and V). np.zeros maps them lazily: what they hold is
+        kv_resident_bytes (runner.StepRunner)."""
         return sum(a.nbytes for a in self.key_cache) + sum(a.nbytes for a in self.value_cache)
 
     def _check(self, input_ids, positions, past_lens, new_lens, block_tables):
@@ -126,7 +127,9 @@ class ModelRunner(StepRunner):
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
         """Run one step; write the new tokens' K/V into the pools; return logits [B, V] of each last real token.
         (The engine calls ``execute(SchedulerOutput)``, which builds valid inputs and skips these checks.)"""
-        return self._step(*self._check(input_ids, positions, past_lens, new_lens, block_tables))
+        ids, pos, past, new, tables = self._check(input_ids, positions, past_lens, new_lens, block_tables)
+        self._note_written(past, new, tables)
+        return self._step(ids, pos, past, new, tables)
 
     def _step(self, ids, pos, past, new, tables) -> np.ndarray:
         if ids.shape[1] > 1 and (ids.shape[0] == 1 or not self.spec.batched_prefill):

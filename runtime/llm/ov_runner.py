@@ -81,13 +81,14 @@ class OVStepRunner(StepRunner):
         self._request = compiled.create_infer_request()
         check_compiled_matches_spec(compiled, spec, path)
         self._pool: dict[str, ov.Tensor] = {}
+        self._memory: list[np.ndarray] = []
         for k_name, v_name in spec.kv_inputs:
             for name in (k_name, v_name):
                 port = compiled.input(name)
                 dims = port.get_partial_shape()
                 shape = [self.num_blocks] + [dims[j].get_length() for j in range(1, dims.rank.get_length())]
-                tensor = ov.Tensor(port.get_element_type(), shape)
-                tensor.data[...] = 0  # (a u8 block's scales too: an unwritten block reads as zeros)
+                tensor, memory = _lazy_zero_tensor(port.get_element_type(), shape)
+                self._memory.append(memory)  # (the tensor does not own it: kept alive with the runner)
                 self._request.set_tensor(name, tensor)
                 self._pool[name] = tensor
         self.key_cache = [self._pool[k].data for k, _ in spec.kv_inputs]
@@ -120,7 +121,7 @@ class OVStepRunner(StepRunner):
 
     @property
     def kv_bytes(self) -> int:
-        """Bytes held by the pools (all layers, K and V, scales included)."""
+        """Bytes the pools reserve (all layers, K and V, scales included); see kv_resident_bytes."""
         return sum(int(t.byte_size) for t in self._pool.values())
 
     def _run(self, feeds: dict[str, np.ndarray] | None) -> np.ndarray:
@@ -156,6 +157,7 @@ class OVStepRunner(StepRunner):
         if min(min(t) for t in tokens) < 0 or max(max(t) for t in tokens) >= self.spec.vocab:
             raise InputError(f"input_ids hold token ids outside [0, {self.spec.vocab})")
         self._steady = None
+        self._note_written(past, new, tables)
         return self._run(step_feeds(tokens, past, tables, bs))
 
     # -- the engine's entry points (runner.StepRunner.execute) --------------------------------------
@@ -184,6 +186,20 @@ class OVStepRunner(StepRunner):
         feeds["past_lens"][:] = past
         feeds["max_context_len"][...] = max(past) + 1
         return self._run(None)
+
+
+def _lazy_zero_tensor(element_type, shape: list[int]):
+    """An ov.Tensor over fresh anonymous memory: the kernel hands out zero pages as they are first written,
+    so a pool holds memory for the blocks the engine has used, not for all it reserves (an unwritten
+    block, a u8 block's scales too, reads as zeros). Page-aligned, so OpenVINO computes in it in place
+    (set_tensor binds it; a step writes through it into our numpy views) instead of copying it."""
+    import mmap
+
+    import openvino as ov
+
+    nbytes = -(-element_type.bitwidth * int(np.prod(shape)) // 8)
+    raw = np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]  # (the array keeps the map)
+    return ov.Tensor(raw, ov.Shape(shape), element_type), raw
 
 
 def check_compiled_matches_spec(compiled, spec: LLMSpec, path) -> None:

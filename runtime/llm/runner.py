@@ -23,19 +23,44 @@ __all__ = ["StepRunner", "group_by_length"]
 
 
 class StepRunner:
-    """Base of the model runners: ``spec`` (block_size, vocab, pad_id), ``key_cache`` / ``value_cache`` pools."""
+    """Base of the model runners: ``spec`` (block_size, vocab, pad_id), ``key_cache`` / ``value_cache`` pools.
+
+    A runner's pools are lazily backed (pages appear when first written), so ``kv_bytes`` is what it reserves
+    and ``kv_resident_bytes`` what it holds: the blocks below the highest one any step wrote, which the
+    engine's high-water-mark BlockPool keeps near the peak of blocks in use.
+    """
 
     _steady_arrays: tuple | None = None  # (ids, past, tables, new) of the last DECODE step
+    kv_blocks_touched = 0  # 1 + the highest block id a step has written (or copied into)
+
+    @property
+    def kv_resident_bytes(self) -> int:
+        """Bytes of the pools' touched blocks (kv_blocks_touched x bytes per block): what the pools hold."""
+        return self.kv_blocks_touched * (self.kv_bytes // self.num_blocks)
+
+    def _note_written(self, past, new, tables) -> None:
+        """Record the blocks of a checked step() (rows write positions past .. past+new-1)."""
+        bs, top = self.spec.block_size, self.kv_blocks_touched - 1
+        lists = (a.tolist() if isinstance(a, np.ndarray) else a for a in (past, new, tables))
+        for p, n, t in zip(*lists):
+            top = max(top, max(t[p // bs : (p + n - 1) // bs + 1], default=top))
+        self.kv_blocks_touched = top + 1
 
     def execute(self, out: SchedulerOutput) -> np.ndarray:
         """Run one scheduled step; logits [len(out.rows), V] of each row's last new token (for a runner
         that keeps its own buffer, valid until its next step)."""
         kind = out.kind
-        if kind is StepKind.STEADY:  # (no copies in a steady step)
+        if kind is StepKind.STEADY:  # (no copies in a steady step, and every row inside its tables' blocks)
             return self._decode_steady(out)
+        # Touched blocks: each row writes from its block of num_computed on (a steady run stays inside them).
+        bs, top = self.spec.block_size, self.kv_blocks_touched - 1
+        for r, t in zip(out.rows, out.block_tables):
+            top = max(top, max(t[r.num_computed // bs :], default=top))
         for src, dst in out.copies:
+            top = max(top, dst)
             for pool in (*self.key_cache, *self.value_cache):
                 pool[dst] = pool[src]
+        self.kv_blocks_touched = top + 1
         if kind is StepKind.DECODE:
             return self._decode_rows(out)
         return self._mixed(out)

@@ -70,7 +70,10 @@ def test_block_pool_hands_out_a_sequences_next_block():
     assert a == [0, 1] and b == [2]
     pool.free([2])
     assert pool.allocate(1, after=a[-1]) == [2]  # free and the successor of a's last block
-    assert pool.allocate(2, after=5) == [6, 7] and pool.allocate(1, after=7) == [3]  # else the LRU head
+    c = pool.allocate(3)  # [3, 4, 5]: fresh blocks
+    pool.free(c[1:])
+    assert pool.allocate(2, after=c[0]) == [4, 5]  # freed successors of c's last block
+    assert pool.allocate(1, after=5) == [6]  # none freed left: the next fresh block (block_pool.py)
     pool.check()
 
 
