@@ -13,7 +13,10 @@ for every engine in a round):
   c8     8 requests at once, prompts 32-512 tokens (evenly spread, shuffled), --new each: aggregate tokens/s
   c32    the same with 32 requests
 Engines (precision class: what its ratio divides by):
-  precast-fp32, precast-int4   precast's engine (ort-cpu artifacts; INT4 = RTN block 32, accuracy level 4)
+  precast-fp32, precast-int4   precast's engine on ort-cpu artifacts (INT4 = RTN block 32, accuracy level 4)
+  precast-ov-fp32, -ov-int4    precast's engine on --target openvino artifacts (its scheduler, block pool and
+                               sampler; the step on OpenVINO's PagedAttention): fp32 = f32 compute + f32 KV;
+                               INT4 = NNCF group 32 every linear layer + u8 KV (OpenVINO GenAI's defaults)
   genai-fp32, genai-int4       onnxruntime-genai (b1 only: on CPU it batches statically, without paging)
   ov-fp32                      OpenVINO GenAI, its defaults (bf16 compute where the CPU has it, u8 KV)
   ov-fp32-f32                  the same with f32 inference precision and an f32 KV cache forced
@@ -21,11 +24,12 @@ Engines (precision class: what its ratio divides by):
   llamacpp-f32, llamacpp-q4_0  llama.cpp through llama-cpp-python (its converter; Q4_0 by its quantizer;
                                f32 with an f32 KV cache, Q4_0 with its default f16 KV)
   (b1: LLMPipeline; c8 / c32: ContinuousBatchingPipeline, prefix caching off, KV grown on demand)
-Ratios: engine / precast of the same precision class in the same round (rates: >1 = engine faster; TTFT:
+Ratios: engine / the base precast engine of the same precision class in the same round (--base: ort =
+precast-fp32 / precast-int4, ov = precast-ov-*, auto = ov when those run; rates: >1 = engine faster; TTFT:
 <1 = engine faster), median and range over rounds. Rounds rotate the engines' order. --load measures every
 round twice, without and with a competing process that keeps one core busy (a single-threaded numpy matmul
 loop, or --load-kind spin: a Python busy loop), and adds each engine's loaded / unloaded rate.
-"agree": how many of the first 32 greedy tokens of one warm-up prompt equal precast-fp32's.
+"agree": how many of the first 32 greedy tokens of one warm-up prompt equal precast-fp32's (else precast-ov-fp32's).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ ROWS = {"b1": 1, "c8": 8, "c32": 32}
 ENGINES = {
     "precast-fp32": ("precast", "precast", "fp32", "fp32", [], ("b1", "c8", "c32")),
     "precast-int4": ("precast", "precast", "int4", "int4", [], ("b1", "c8", "c32")),
+    "precast-ov-fp32": ("precast", "precast", "ov-fp32", "fp32", [], ("b1", "c8", "c32")),
+    "precast-ov-int4": ("precast", "precast", "ov-int4", "int4", [], ("b1", "c8", "c32")),
     "genai-fp32": ("genai", "genai", "fp32", "fp32", [], ("b1",)),
     "genai-int4": ("genai", "genai", "int4", "int4", [], ("b1",)),
     "ov-fp32": ("ov", "ov", "fp32", "fp32", [], ("b1", "c8", "c32")),
@@ -84,6 +90,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--load", action="store_true", help="also measure under a competing one-core load")
     ap.add_argument("--load-kind", choices=("matmul", "spin"), default="matmul")
+    ap.add_argument("--base", choices=("auto", "ort", "ov"), default="auto", help="the precast engine ratios divide by")
     ap.add_argument("--work", default="/tmp/precast-bench-llm")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     ap.add_argument(
@@ -220,7 +227,7 @@ def warm_up(workers: dict[str, Worker], a) -> dict[str, str]:
         ids[name] = r.get("ids", [])
         if "c8" in w.rows and any(x != "b1" for x in a.rows):
             w.ask(op="batch", prompts=mixed_prompts(rng, 4, 16, 64), new=8)
-    ref = ids.get("precast-fp32")
+    ref = ids.get("precast-fp32") or ids.get("precast-ov-fp32")
     agree = {}
     for name, got in ids.items():
         same = next(
@@ -276,6 +283,14 @@ def _med(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def base_of(name: str, workers: dict, a) -> str:
+    """The precast engine an engine's ratios divide by: same precision class, --base's backend."""
+    cls = ENGINES[name][3]
+    ov = f"precast-ov-{cls}"
+    use_ov = a.base == "ov" or (a.base == "auto" and ov in workers)
+    return ov if use_ov else f"precast-{cls}"
+
+
 def print_tables(workers: dict, m: dict, agree: dict, notes: dict, a) -> None:
     res = m["res"]
     print(
@@ -295,7 +310,7 @@ def print_tables(workers: dict, m: dict, agree: dict, notes: dict, a) -> None:
         )
         print("\n" + hdr + "\n" + "-" * len(hdr))
         for name in workers:
-            base = "precast-" + ENGINES[name][3]
+            base = base_of(name, workers, a)
             line = f"{name:<15}"
             for row, part, _label in cols:
                 v = _med(_col(rows[row], name, part))
@@ -330,7 +345,7 @@ def main(argv=None) -> None:
             print(f"{name}: {why}")
         return
     if not [e for e in run if e.startswith("precast-")]:
-        sys.exit("bench_llm: no precast engine to compare with (need precast-fp32 or precast-int4)")
+        sys.exit("bench_llm: no precast engine to compare with (need one of the precast-* engines)")
     workers = start_workers(run, a, notes)
     try:
         agree = warm_up(workers, a)

@@ -33,7 +33,8 @@ class Precast:
     def __init__(self, path: str, a: argparse.Namespace):
         from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
 
-        blocks = a.max_requests * -(-a.max_len // 16) + 16
+        block = json.loads((Path(path) / "manifest.json").read_text())["llm"]["block_size"]
+        blocks = a.max_requests * -(-a.max_len // block) + 16
         self.engine = Engine.load(
             path,
             num_blocks=blocks,
@@ -42,7 +43,7 @@ class Precast:
             enable_prefix_caching=False,
         )
         self.params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False)
-        self.info = f"{blocks} KV blocks of 16"
+        self.info = f"{blocks} KV blocks of {block}"
 
     def b1(self, prompt: list[int], new: int) -> dict:
         t0 = time.perf_counter()
@@ -150,6 +151,18 @@ def make(engine: str, path: str, a: argparse.Namespace):
     return {"precast": Precast, "genai": Genai, "ov": OpenVINO}[engine](path, a)
 
 
+def peak_rss_mb() -> float:
+    """This process's peak resident set (VmHWM). Not getrusage's ru_maxrss: Linux carries that across exec,
+    so every worker would report the driver's peak (it compiled the models with torch) instead of its own."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
 def serve(engine, out) -> None:
     def say(obj) -> None:
         out.write(json.dumps(obj) + "\n")
@@ -162,7 +175,7 @@ def serve(engine, out) -> None:
         if op == "quit":
             return
         if op == "rss":  # peak resident memory of this process: weights, KV cache, compiled kernels
-            say({"rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024})
+            say({"rss_mb": peak_rss_mb()})
             continue
         fn = getattr(engine, op, None)
         if fn is None:
