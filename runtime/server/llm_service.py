@@ -131,6 +131,8 @@ class LLMService:
         metrics.llm_waiting.set(m.waiting)
         metrics.kv_used.set(m.kv_blocks_used)
         metrics.kv_free.set(m.kv_blocks_free)
+        metrics.kv_resident.set(m.kv_bytes_resident)
+        metrics.kv_reserved.set(m.kv_bytes_reserved)
         metrics.queue_capacity.set(self.max_active)
         # The engine's counters are its own (a reloaded model starts at 0): add what grew since the last scrape.
         seen = self._exported

@@ -30,6 +30,8 @@ METRIC_NAMES = [
     "precast_llm_requests_waiting",
     "precast_llm_kv_blocks_used",
     "precast_llm_kv_blocks_free",
+    "precast_llm_kv_bytes_resident",
+    "precast_llm_kv_bytes_reserved",
     "precast_llm_preemptions_total",
     "precast_llm_prefix_cache_queries_total",
     "precast_llm_prefix_cache_hits_total",
@@ -97,6 +99,16 @@ class ServerMetrics:
         self.llm_waiting = Gauge("precast_llm_requests_waiting", "LLM requests waiting", registry=r)
         self.kv_used = Gauge("precast_llm_kv_blocks_used", "KV cache blocks in use", registry=r)
         self.kv_free = Gauge("precast_llm_kv_blocks_free", "KV cache blocks free", registry=r)
+        self.kv_resident = Gauge(
+            "precast_llm_kv_bytes_resident",
+            "KV cache bytes holding memory (blocks ever handed out; the pool grows on demand)",
+            registry=r,
+        )
+        self.kv_reserved = Gauge(
+            "precast_llm_kv_bytes_reserved",
+            "KV cache bytes reserved (address space of the whole pool)",
+            registry=r,
+        )
         self.preemptions = Counter(
             "precast_llm_preemptions", "Requests preempted because the KV cache ran out of blocks", registry=r
         )

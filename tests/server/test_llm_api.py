@@ -143,5 +143,9 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     text = httpx.get(f"{url}/metrics").text
     assert metric_value(text, "precast_llm_kv_blocks_used") == 0
     assert metric_value(text, "precast_llm_kv_blocks_free") == m.kv_blocks_total
+    # the pool grew on demand: the blocks this server's requests touched hold memory, the rest only address space
+    resident, reserved = (metric_value(text, f"precast_llm_kv_bytes_{k}") for k in ("resident", "reserved"))
+    assert resident == m.kv_bytes_resident > 0 and reserved == m.kv_bytes_reserved
+    assert resident < reserved and m.kv_blocks_touched < m.kv_blocks_total
     assert metric_value(text, "precast_llm_time_to_first_token_seconds_count") > 0
     assert metric_value(text, "precast_llm_tokens_total", kind="completion") > 0
