@@ -14,6 +14,7 @@ for every engine in a round):
   c32    the same with 32 requests
 Engines (precision class: what its ratio divides by):
   precast-fp32, precast-int4   precast's engine on ort-cpu artifacts (INT4 = RTN block 32, accuracy level 4)
+  precast-fp32-spin, -int4-spin  the same with ONNX Runtime's spinning thread pools (precast's default: off)
   precast-ov-fp32, -ov-int4    precast's engine on --target openvino artifacts (its scheduler, block pool and
                                sampler; the step on OpenVINO's PagedAttention): fp32 = f32 compute + f32 KV;
                                INT4 = NNCF group 32 every linear layer + u8 KV (OpenVINO GenAI's defaults)
@@ -58,9 +59,11 @@ from bench_llm_vs_genai import Genai, build  # noqa: E402,F401
 PROMPT = 128
 ROWS = {"b1": 1, "c8": 8, "c32": 32}
 # name: (worker kind, interpreter flag, build precision, precision class, worker flags, rows)
-ENGINES = {
+ENGINES = {  # (the -spin variants are opt-in: --engines names them)
     "precast-fp32": ("precast", "precast", "fp32", "fp32", [], ("b1", "c8", "c32")),
     "precast-int4": ("precast", "precast", "int4", "int4", [], ("b1", "c8", "c32")),
+    "precast-fp32-spin": ("precast", "precast", "fp32", "fp32", ["--spinning"], ("b1", "c8", "c32")),
+    "precast-int4-spin": ("precast", "precast", "int4", "int4", ["--spinning"], ("b1", "c8", "c32")),
     "precast-ov-fp32": ("precast", "precast", "ov-fp32", "fp32", [], ("b1", "c8", "c32")),
     "precast-ov-int4": ("precast", "precast", "ov-int4", "int4", [], ("b1", "c8", "c32")),
     "genai-fp32": ("genai", "genai", "fp32", "fp32", [], ("b1",)),
@@ -83,14 +86,20 @@ VENVS = {"genai": "/work/venvs/genai", "ov": "/work/venvs/ovgenai", "llamacpp": 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", choices=tuple(models.MODELS), default="bench")
-    ap.add_argument("--engines", default=",".join(ENGINES), help="comma-separated (default: all)")
+    ap.add_argument(
+        "--engines",
+        default=",".join(e for e in ENGINES if not e.endswith("-spin")),
+        help="comma-separated (default: all but the -spin variants)",
+    )
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated of b1,c8,c32")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--new", type=int, default=128, help="new tokens per request")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--load", action="store_true", help="also measure under a competing one-core load")
     ap.add_argument("--load-kind", choices=("matmul", "spin"), default="matmul")
-    ap.add_argument("--base", choices=("auto", "ort", "ov"), default="auto", help="the precast engine ratios divide by")
+    ap.add_argument(
+        "--base", choices=("auto", "ort", "ov"), default="auto", help="the precast engine ratios divide by"
+    )
     ap.add_argument("--work", default="/tmp/precast-bench-llm")
     ap.add_argument("--json", type=Path, default=None, help="write the raw measurements here")
     ap.add_argument(

@@ -94,7 +94,12 @@ PRECAST_BUILDS = {
     "fp32": ("ort-cpu", "default", None, {}),
     "int4": ("ort-cpu", "default,quantize-int4{accuracy_level=4}", "cosine>=0.95", {}),
     "ov-fp32": ("openvino", None, None, {}),
-    "ov-int4": ("openvino", None, "cosine>=0.95", {"weights": "int4", "group_size": "32", "kv_cache_precision": "u8"}),
+    "ov-int4": (
+        "openvino",
+        None,
+        "cosine>=0.95",
+        {"weights": "int4", "group_size": "32", "kv_cache_precision": "u8"},
+    ),
 }
 
 

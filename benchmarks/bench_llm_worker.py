@@ -41,6 +41,7 @@ class Precast:
             threads=a.threads,
             config=SchedulerConfig(max_num_batched_tokens=512),
             enable_prefix_caching=False,
+            spinning=a.spinning,
         )
         self.params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False)
         self.info = f"{blocks} KV blocks of {block}"
@@ -196,6 +197,9 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=640, help="longest prompt + new tokens of one request")
     ap.add_argument(
         "--force-f32", action="store_true", help="f32 compute and KV cache (OpenVINO, llama.cpp: f32 KV)"
+    )
+    ap.add_argument(
+        "--spinning", action="store_true", help="precast: ONNX Runtime's spinning thread pools (default off)"
     )
     a = ap.parse_args()
     out = os.fdopen(os.dup(1), "w")  # the protocol's stdout; fd 1 itself now goes to stderr
