@@ -35,6 +35,19 @@ def _int8_initializers(model: ir.Model) -> int:
     )
 
 
+def _host_has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI or AVX-VNNI (Linux /proc/cpuinfo; elsewhere assumed yes)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = line.split(":", 1)[1].split()
+                    return "avx512_vnni" in flags or "avx_vnni" in flags
+    except OSError:
+        pass
+    return True
+
+
 @register("quantize-int8")
 class QuantizeInt8(Pass):
     """INT8 weights (and, in static mode, calibrated activations) via onnxruntime.quantization.
@@ -63,7 +76,9 @@ class QuantizeInt8(Pass):
         activation: Literal["uint8", "int8"] = option("uint8", "static: activation type")
         weight: Literal["int8", "uint8"] = option("int8", "weight type")
         reduce_range: bool = option(
-            False, "7-bit weights (can help accuracy on CPUs without VNNI, whose int8 products may saturate)"
+            not _host_has_vnni(),
+            "7-bit weights: ONNX Runtime's u8 x s8 kernels on CPUs without VNNI saturate 16-bit sums of 8-bit "
+            "products (default: on where the compiling CPU has no VNNI, off where it has)",
         )
         ops: tuple[str, ...] = option((), "op types to quantize (empty: ONNX Runtime's default set)")
         exclude: tuple[str, ...] = option((), "node names or op types to keep fp32 (mixed precision)")
