@@ -76,9 +76,9 @@ class QuantizeInt8(Pass):
         activation: Literal["uint8", "int8"] = option("uint8", "static: activation type")
         weight: Literal["int8", "uint8"] = option("int8", "weight type")
         reduce_range: bool = option(
-            not _host_has_vnni(),
+            False,
             "7-bit weights: ONNX Runtime's u8 x s8 kernels on CPUs without VNNI saturate 16-bit sums of 8-bit "
-            "products (default: on where the compiling CPU has no VNNI, off where it has)",
+            "products (dynamic mode turns it on by itself where the compiling CPU has no VNNI)",
         )
         ops: tuple[str, ...] = option((), "op types to quantize (empty: ONNX Runtime's default set)")
         exclude: tuple[str, ...] = option((), "node names or op types to keep fp32 (mixed precision)")
@@ -107,7 +107,7 @@ class QuantizeInt8(Pass):
         common = dict(
             op_types_to_quantize=list(o.ops) or None,
             per_channel=o.per_channel,
-            reduce_range=o.reduce_range,
+            reduce_range=o.reduce_range or (o.mode == "dynamic" and not _host_has_vnni()),
             weight_type=qtype[o.weight],
             nodes_to_exclude=excluded,
             use_external_data_format=proto.ByteSize() > _LARGE,
