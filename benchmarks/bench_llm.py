@@ -15,11 +15,13 @@ for every engine in a round):
 Engines (precision class: what its ratio divides by):
   precast-fp32, precast-int4   precast's engine on ort-cpu artifacts (INT4 = RTN block 32, accuracy level 4)
   precast-fp32-spin, -int4-spin  the same with ONNX Runtime's spinning thread pools (precast's default: off)
-  precast-ov-fp32, -ov-int4    precast's engine on --target openvino artifacts (its scheduler, block pool and
-                               sampler; the step on OpenVINO's PagedAttention): fp32 = f32 compute + f32 KV;
-                               INT4 = NNCF group 32 every linear layer + u8 KV (OpenVINO GenAI's defaults)
+  precast-ov-fp32, -ov-bf16,   precast's engine on --target openvino artifacts (its scheduler, block pool and
+  precast-ov-int4              sampler; the step on OpenVINO's PagedAttention): fp32 = f32 compute + f32 KV;
+                               bf16 = OpenVINO GenAI's defaults (bf16 compute where the CPU has it, else f32;
+                               u8 KV); INT4 = NNCF group 32 every linear layer + those defaults
   genai-fp32, genai-int4       onnxruntime-genai (b1 only: on CPU it batches statically, without paging)
-  ov-fp32                      OpenVINO GenAI, its defaults (bf16 compute where the CPU has it, u8 KV)
+  ov-fp32                      OpenVINO GenAI, its defaults (bf16 compute where the CPU has it, u8 KV): class
+                               bf16, against precast-ov-bf16
   ov-fp32-f32                  the same with f32 inference precision and an f32 KV cache forced
   ov-int4                      optimum-intel's INT4 export (NNCF, group 32, every layer), defaults
   llamacpp-f32, llamacpp-q4_0  llama.cpp through llama-cpp-python (its converter; Q4_0 by its quantizer;
@@ -65,10 +67,11 @@ ENGINES = {  # (the -spin variants are opt-in: --engines names them)
     "precast-fp32-spin": ("precast", "precast", "fp32", "fp32", ["--spinning"], ("b1", "c8", "c32")),
     "precast-int4-spin": ("precast", "precast", "int4", "int4", ["--spinning"], ("b1", "c8", "c32")),
     "precast-ov-fp32": ("precast", "precast", "ov-fp32", "fp32", [], ("b1", "c8", "c32")),
+    "precast-ov-bf16": ("precast", "precast", "ov-bf16", "bf16", [], ("b1", "c8", "c32")),
     "precast-ov-int4": ("precast", "precast", "ov-int4", "int4", [], ("b1", "c8", "c32")),
     "genai-fp32": ("genai", "genai", "fp32", "fp32", [], ("b1",)),
     "genai-int4": ("genai", "genai", "int4", "int4", [], ("b1",)),
-    "ov-fp32": ("ov", "ov", "fp32", "fp32", [], ("b1", "c8", "c32")),
+    "ov-fp32": ("ov", "ov", "fp32", "bf16", [], ("b1", "c8", "c32")),
     "ov-fp32-f32": ("ov", "ov", "fp32", "fp32", ["--force-f32"], ("b1", "c8", "c32")),
     "ov-int4": ("ov", "ov", "int4", "int4", [], ("b1", "c8", "c32")),
     "llamacpp-f32": ("llamacpp", "llamacpp", "f32", "fp32", ["--force-f32"], ("b1", "c8", "c32")),
@@ -296,6 +299,8 @@ def base_of(name: str, workers: dict, a) -> str:
     """The precast engine an engine's ratios divide by: same precision class, --base's backend."""
     cls = ENGINES[name][3]
     ov = f"precast-ov-{cls}"
+    if cls == "bf16":  # only the OpenVINO backend has bf16 compute
+        return ov if ov in workers else base_of("ov-fp32-f32", workers, a)
     use_ov = a.base == "ov" or (a.base == "auto" and ov in workers)
     return ov if use_ov else f"precast-{cls}"
 

@@ -94,11 +94,14 @@ PRECAST_BUILDS = {
     "fp32": ("ort-cpu", "default", None, {}),
     "int4": ("ort-cpu", "default,quantize-int4{accuracy_level=4}", "cosine>=0.95", {}),
     "ov-fp32": ("openvino", None, None, {}),
+    # OpenVINO GenAI's defaults: bf16 compute where the CPU has it (the hint falls back to f32 where it has
+    # not), u8 KV; held to the default budget (cosine>=0.99).
+    "ov-bf16": ("openvino", None, None, {"inference_precision": "bf16", "kv_cache_precision": "u8"}),
     "ov-int4": (
         "openvino",
         None,
         "cosine>=0.95",
-        {"weights": "int4", "group_size": "32", "kv_cache_precision": "u8"},
+        {"weights": "int4", "group_size": "32", "kv_cache_precision": "u8", "inference_precision": "bf16"},
     ),
 }
 

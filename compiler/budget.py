@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 QUANTIZE_PASSES = frozenset({"quantize-int8", "quantize-int4", "convert-fp16"})
-_LOW_PRECISION_TARGETS = frozenset({"int8", "int4"})
+_LOW_PRECISION_TARGETS = frozenset({"int8", "int4", "bf16"})
 
 
 def is_quantized(specs: Sequence[Any], precision: str = "fp32") -> bool:

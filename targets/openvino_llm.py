@@ -77,16 +77,18 @@ def build_causal_lm(target, lowering, out_dir: Path) -> OpenVINOBlock:
     ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=False)
     target.llm = llm
     target.io = step_io(llm, kv)
+    prec = opts["inference_precision"]
     if weights != "f32":
         target.precision = weights  # held to the accuracy budget, not to fp32 tolerances
-    prec = opts["inference_precision"]
+    elif prec != "f32":  # bf16 / f16 compute: also budget-held (bf16 keeps 8 mantissa bits)
+        target.precision = {"bf16": "bf16", "f16": "fp16"}[prec]
     return OpenVINOBlock(
         name=target.name,
         backend="openvino",
         model="model.xml",
         weights="model.bin",
         device=opts["device"],
-        precision={"f32": "fp32", "int8": "int8", "int4": "int4"}[weights],
+        precision=target.precision if weights == "f32" else weights,
         config={
             "INFERENCE_PRECISION_HINT": prec,
             "KV_CACHE_PRECISION": kv,

@@ -57,7 +57,7 @@ def test_bench_llm_list_skips_missing_interpreters_with_a_note(tmp_path):
     assert p.returncode == 0, p.stderr
     lines = p.stdout.splitlines()
     assert lines[0] == "small256: hidden 256, 4 layers, 4/2 heads, vocab 32000"
-    assert lines[1] == "would run: precast-fp32, precast-int4, precast-ov-fp32, precast-ov-int4"
+    assert lines[1] == "would run: precast-fp32, precast-int4, precast-ov-fp32, precast-ov-bf16, precast-ov-int4"
     skipped = [ln.split(":")[0] for ln in lines[2:]]
     assert skipped == [
         "genai-fp32",

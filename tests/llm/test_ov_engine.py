@@ -153,6 +153,26 @@ def test_kv_precision_top1_agreement_with_f32(kv, min_top1, ov_llama, tiny_llama
         assert sizes[1] < 0.5 * sizes[0]
 
 
+def test_bf16_compute_is_budget_held_and_agrees_top1(ov_llama, tiny_llama_dir, tmp_path):
+    """inference_precision=bf16 (OpenVINO GenAI's default compute where the CPU has it) + u8 KV: verified
+    against the budget (cosine>=0.99; PagedAttention then needs a bf16 pool, past K/V rounded into it), the
+    manifest says bf16, ``precast verify`` passes, and teacher-forced top-1 vs the f32 artifact is >= 0.95
+    over 200 tokens (measured 0.975 on an AMX host). On a CPU without bf16 the hint falls back to f32."""
+    from precast.runtime.verify import verify_artifact
+
+    art = _compile(tiny_llama_dir, tmp_path / "bf16", inference_precision="bf16", kv_cache_precision="u8")
+    m = json.loads((art / "manifest.json").read_text())
+    assert m["target"]["precision"] == "bf16"
+    assert m["target"]["config"]["INFERENCE_PRECISION_HINT"] == "bf16"
+    assert m["parity"]["budget"]["budget"] == "cosine>=0.99" and m["parity"]["budget"]["ok"]
+    assert m["parity"]["tolerance"]["atol"] is None  # not fp32's elementwise bound
+    assert verify_artifact(str(art))["ok"]
+    ids = np.random.default_rng(5).integers(0, 512, 200).tolist()
+    top1 = float(np.mean(_teacher_forced_argmax(ov_llama, ids) == _teacher_forced_argmax(art, ids)))
+    print(f"bf16 top-1 {top1:.3f}")
+    assert top1 >= 0.95, f"bf16 top-1 agreement {top1:.3f}"
+
+
 def test_precast_verify_reruns_the_stored_step_and_runtime_needs_no_torch(ov_llama, tiny_llama_dir):
     """``precast verify`` re-runs the stored ort-cpu-contract feeds through the IR; the engine runs with the
     compiler's dependencies blocked (numpy + openvino only)."""
