@@ -14,7 +14,9 @@ for every engine in a round):
   c32    the same with 32 requests
 Engines (precision class: what its ratio divides by):
   precast-fp32, precast-int4   precast's engine on ort-cpu artifacts (INT4 = RTN block 32, accuracy level 4)
-  precast-fp32-spin, -int4-spin  the same with ONNX Runtime's spinning thread pools (precast's default: off)
+                               (ONNX Runtime's thread spinning "auto", precast's default: it spins while
+                               the host is otherwise idle, sleeps while other processes use CPU)
+  precast-fp32-spin, -int4-spin  the same with spinning always on; -calm: always off
   precast-ov-fp32, -ov-bf16,   precast's engine on --target openvino artifacts (its scheduler, block pool and
   precast-ov-int4              sampler; the step on OpenVINO's PagedAttention): fp32 = f32 compute + f32 KV;
                                bf16 = OpenVINO GenAI's defaults (bf16 compute where the CPU has it, else f32;
@@ -61,11 +63,13 @@ from bench_llm_vs_genai import Genai, build  # noqa: E402,F401
 PROMPT = 128
 ROWS = {"b1": 1, "c8": 8, "c32": 32}
 # name: (worker kind, interpreter flag, build precision, precision class, worker flags, rows)
-ENGINES = {  # (the -spin variants are opt-in: --engines names them)
+ENGINES = {  # (the -spin / -calm variants are opt-in: --engines names them)
     "precast-fp32": ("precast", "precast", "fp32", "fp32", [], ("b1", "c8", "c32")),
     "precast-int4": ("precast", "precast", "int4", "int4", [], ("b1", "c8", "c32")),
-    "precast-fp32-spin": ("precast", "precast", "fp32", "fp32", ["--spinning"], ("b1", "c8", "c32")),
-    "precast-int4-spin": ("precast", "precast", "int4", "int4", ["--spinning"], ("b1", "c8", "c32")),
+    "precast-fp32-spin": ("precast", "precast", "fp32", "fp32", ["--spinning=on"], ("b1", "c8", "c32")),
+    "precast-int4-spin": ("precast", "precast", "int4", "int4", ["--spinning=on"], ("b1", "c8", "c32")),
+    "precast-fp32-calm": ("precast", "precast", "fp32", "fp32", ["--spinning=off"], ("b1", "c8", "c32")),
+    "precast-int4-calm": ("precast", "precast", "int4", "int4", ["--spinning=off"], ("b1", "c8", "c32")),
     "precast-ov-fp32": ("precast", "precast", "ov-fp32", "fp32", [], ("b1", "c8", "c32")),
     "precast-ov-bf16": ("precast", "precast", "ov-bf16", "bf16", [], ("b1", "c8", "c32")),
     "precast-ov-int4": ("precast", "precast", "ov-int4", "int4", [], ("b1", "c8", "c32")),
@@ -91,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", choices=tuple(models.MODELS), default="bench")
     ap.add_argument(
         "--engines",
-        default=",".join(e for e in ENGINES if not e.endswith("-spin")),
+        default=",".join(e for e in ENGINES if not e.endswith(("-spin", "-calm"))),
         help="comma-separated (default: all but the -spin variants)",
     )
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated of b1,c8,c32")
@@ -171,16 +175,17 @@ class Worker:
         )
 
     def ask(self, **req) -> dict:
-        self.p.stdin.write(json.dumps(req) + "\n")
-        self.p.stdin.flush()
+        """The answer, or {"error": ...} when the worker has died (its rows then fail, the others go on)."""
+        try:
+            self.p.stdin.write(json.dumps(req) + "\n")
+            self.p.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            return {"error": f"worker exited (rc {self.p.poll()}; see {self.log.name})"}
         return self._read()
 
     def close(self) -> None:
         if self.p.poll() is None:
-            try:
-                self.ask(op="quit")
-            except (BrokenPipeError, ValueError):
-                pass
+            self.ask(op="quit")
             self.p.wait(timeout=30)
         self.log.close()
 

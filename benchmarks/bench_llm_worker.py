@@ -41,7 +41,7 @@ class Precast:
             threads=a.threads,
             config=SchedulerConfig(max_num_batched_tokens=512),
             enable_prefix_caching=False,
-            spinning=a.spinning,
+            spinning={"auto": "auto", "on": True, "off": False}[a.spinning],
         )
         self.params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False)
         self.info = f"{blocks} KV blocks of {block}"
@@ -52,7 +52,14 @@ class Precast:
         self.engine.run_until_done()
         wall = time.perf_counter() - t0
         ids = list(h.result().token_ids)
+        self._log_spin("b1")
         return {"ttft": h.ttft_s, "wall": wall, "n": len(ids), "ids": ids[:32]}
+
+    def _log_spin(self, what: str) -> None:
+        sw = getattr(self.engine.runner, "spin_switch", None)
+        if sw is not None:  # (into the worker's log: which session the decode ended on, and why)
+            print(f"{what}: spinning {sw.spinning_now}, others {sw.last_others}, switches {sw.switches}",
+                  file=sys.stderr, flush=True)
 
     def batch(self, prompts: list[list[int]], new: int) -> dict:
         t0 = time.perf_counter()
@@ -199,7 +206,10 @@ def main() -> None:
         "--force-f32", action="store_true", help="f32 compute and KV cache (OpenVINO, llama.cpp: f32 KV)"
     )
     ap.add_argument(
-        "--spinning", action="store_true", help="precast: ONNX Runtime's spinning thread pools (default off)"
+        "--spinning",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="precast: ONNX Runtime's thread spinning (auto: follows the host's load, precast's default)",
     )
     a = ap.parse_args()
     out = os.fdopen(os.dup(1), "w")  # the protocol's stdout; fd 1 itself now goes to stderr

@@ -246,11 +246,14 @@ class MappedModelRunner(ModelRunner):
         # ONNX Runtime's Python run_with_iobinding spends ~6 us a call on WebGPU graph-capture checks (as long
         # as a whole small-model decode step's Python): run the binding's C++ session directly. A session that
         # wraps ORT's (a stand-in, a timer) has no own _sess and keeps its run_with_iobinding.
-        sess = getattr(self._session, "__dict__", {}).get("_sess")
+        # With a spin switch the binding (made on the calm session) runs on the session it picks: a CPU
+        # binding is its names and bound buffers, which both sessions of the one graph take alike.
+        session = self._active_session()
+        sess = getattr(session, "__dict__", {}).get("_sess")
         if sess is not None:
             sess.run_with_iobinding(io._iobinding, None)
         else:
-            self._session.run_with_iobinding(io)
+            session.run_with_iobinding(io)
 
     def _bind(self, slot: int, rows: int) -> _Binding:
         if len(self._bindings) >= 256:

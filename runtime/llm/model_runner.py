@@ -13,11 +13,15 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, InputError
+from precast.runtime.errors import ArtifactError, InputError, UsageError
 from precast.runtime.llm.runner import StepRunner
 from precast.runtime.llm_spec import LLMSpec  # the manifest's llm block (re-exported here)
 
-__all__ = ["LLMSpec", "ModelRunner"]
+__all__ = ["AUTO_SPIN_MAX_BYTES", "LLMSpec", "ModelRunner"]
+
+# spinning="auto" holds a second (spinning) session, so a second copy of the weights: only up to this size.
+# Bigger models' steps last long enough that waking the pool's threads costs little of them.
+AUTO_SPIN_MAX_BYTES = 1 << 30
 
 
 class ModelRunner(StepRunner):
@@ -36,6 +40,8 @@ class ModelRunner(StepRunner):
 
             cls = MappedModelRunner
         return super().__new__(cls)
+
+    spin_switch = None  # a SpinSwitch (spinning="auto"): the session each step runs on
 
     def __init__(self, session, spec: LLMSpec, num_blocks: int, path: Path | None = None):
         if num_blocks < 1:
@@ -63,24 +69,42 @@ class ModelRunner(StepRunner):
         num_blocks: int | None = None,
         threads: int | None = None,
         verify: bool = True,
-        spinning: bool = False,
+        spinning: bool | str = "auto",
     ) -> ModelRunner:
         """Load (integrity-checked) an artifact compiled with ``--task causal-lm``.
 
         ``num_blocks`` defaults to enough blocks for 4 full-context requests. ``spinning``: whether ONNX
-        Runtime's idle threads spin-wait between runs (its own default). Off for LLM steps: on a shared host
-        a spinning thread burns the time slices other processes (and the step's own threads) need, and
-        decode measured 1.2x (b1) to 5-7x (b1, b8, a competing busy process) faster without it
-        (benchmarks/bench_llm_spin.py); on a quiet, dedicated host try True.
+        Runtime's idle threads spin-wait between runs. True is fastest on a quiet host (decode b1 1.3-1.5x
+        on bench_llm.py's models) and slowest on a shared one (a spinning thread burns the time slices
+        other processes and the step's own threads need: 1.6x slower with one core busy); False is the
+        reverse. "auto" (the default) holds both sessions and runs each step on the one the host's load
+        calls for (spin_switch.py), for artifacts up to AUTO_SPIN_MAX_BYTES (else False).
         """
+        from precast.runtime.backends import create_session
         from precast.runtime.model import load
 
-        model = load(path, threads=threads, verify=verify, spinning=spinning)
+        if spinning not in (True, False, "auto"):
+            raise UsageError(f"spinning must be True, False or 'auto', got {spinning!r}")
+        auto = spinning == "auto"
+        model = load(path, threads=threads, verify=verify, spinning=False if auto else spinning)
         spec = LLMSpec.from_manifest(model.manifest, str(path))
         check_graph_matches_spec(model._session, spec, path)
         if num_blocks is None:
             num_blocks = 4 * spec.blocks_for(spec.max_context)
-        return cls(model._session, spec, num_blocks, Path(model.path))
+        runner = cls(model._session, spec, num_blocks, Path(model.path))
+        root = Path(model.path)
+        if auto and hasattr(model._session, "run_with_iobinding") and _weights_bytes(root) <= AUTO_SPIN_MAX_BYTES:
+            from precast.runtime.llm.spin_switch import SpinSwitch
+
+            # (the files were checked a moment ago by load(); this session reads the same ones)
+            spin = create_session(root, model.manifest.target, threads=threads, spinning=True)
+            runner.spin_switch = SpinSwitch(model._session, spin)
+        return runner
+
+    def _active_session(self):
+        """The session this step runs on (the spin switch's pick, when there is one)."""
+        switch = self.spin_switch
+        return self._session if switch is None else switch.session()
 
     @property
     def kv_bytes(self) -> int:
@@ -168,7 +192,7 @@ class ModelRunner(StepRunner):
             for i, (k_name, v_name) in enumerate(self.spec.kv_inputs):
                 feeds[k_name] = self.key_cache[i]
                 feeds[v_name] = self.value_cache[i]
-        out = self._session.run(self._outputs, feeds)
+        out = self._active_session().run(self._outputs, feeds)
         if intact and ids.shape == (1, 1):  # batch-1 decode: one slot, basic indexing (no fancy scatter)
             slot = int(past[0])
             block, offset = int(tables[0, slot // self.spec.block_size]), slot % self.spec.block_size
@@ -189,6 +213,10 @@ class ModelRunner(StepRunner):
             self.key_cache[i][blocks, :, offsets] = out[1 + 2 * i][b_idx, :, s_idx]
             self.value_cache[i][blocks, :, offsets] = out[2 + 2 * i][b_idx, :, s_idx]
         return out[0]
+
+
+def _weights_bytes(root: Path) -> int:
+    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.suffix in (".onnx", ".data", ".bin"))
 
 
 # What each KV layout's step graph takes besides the pools, and where a pool's KV-head / head-size dims sit.

@@ -102,7 +102,7 @@ class OVStepRunner(StepRunner):
         num_blocks: int | None = None,
         threads: int | None = None,
         verify: bool = True,
-        spinning: bool = False,
+        spinning: bool | str = "auto",
     ) -> OVStepRunner:
         """Load (integrity-checked) an ``--target openvino --task causal-lm`` artifact. ``threads``:
         OpenVINO's INFERENCE_NUM_THREADS. ``num_blocks`` defaults to 4 full-context requests. ``spinning``

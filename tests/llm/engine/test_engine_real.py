@@ -142,27 +142,29 @@ def test_generate_cli_streams(llama, expected):
     assert res.exit_code != 0 and "max_tokens" in str(res.exception or res.output)
 
 
-def _spinning(eng) -> tuple[str, str]:
-    opts = eng.runner._session.get_session_options()
+def _spinning(session) -> tuple[str, str]:
+    opts = session.get_session_options()
     return tuple(
         opts.get_session_config_entry(f"session.{p}.allow_spinning") for p in ("intra_op", "inter_op")
     )
 
 
 @pytest.mark.slow
-def test_spinning_off_by_default_and_either_way_matches_hf(llama, expected):
-    # ONNX Runtime's threads spin-wait unless told not to; an LLM step loop tells them (measured faster on a
-    # shared host, benchmarks/bench_llm_spin.py), and spinning=True gives the default back: same tokens.
+def test_spinning_auto_by_default_and_every_way_matches_hf(llama, expected):
+    # ONNX Runtime's threads spin-wait unless told not to. The default "auto" holds a calm session and a
+    # spinning one (the spin switch picks per step from the host's load); True / False hold one: same tokens.
     from precast.runtime.errors import UsageError
 
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
-    for kwargs, want in (
-        ({}, ("0", "0")),
-        ({"spinning": True}, ("1", "1")),
-        ({"spinning": False}, ("0", "0")),
+    for kwargs, want, spin in (
+        ({}, ("0", "0"), ("1", "1")),
+        ({"spinning": True}, ("1", "1"), None),
+        ({"spinning": False}, ("0", "0"), None),
     ):
         eng = Engine.load(llama, num_blocks=64, threads=2, **kwargs)
-        assert _spinning(eng) == want, kwargs
+        assert _spinning(eng.runner._session) == want, kwargs
+        sw = eng.runner.spin_switch
+        assert (None if sw is None else _spinning(sw.spinning)) == spin, kwargs
         assert eng.generate(TEXTS[0], params)[0].token_ids == expected[TEXTS[0]]
-    with pytest.raises(UsageError, match="spinning must be True, False or None, got 'no'"):
+    with pytest.raises(UsageError, match="spinning must be True, False or 'auto', got 'no'"):
         Engine.load(llama, num_blocks=8, spinning="no")
