@@ -61,6 +61,7 @@ from bench_llm_requests import TOKENS, mixed_prompts, round_ratios, summary  # n
 from bench_llm_vs_genai import Genai, build  # noqa: E402,F401
 
 PROMPT = 128
+SETTLE_S = 0.2  # pause before each measurement (not timed)
 ROWS = {"b1": 1, "c8": 8, "c32": 32}
 # name: (worker kind, interpreter flag, build precision, precision class, worker flags, rows)
 ENGINES = {  # (the -spin / -calm variants are opt-in: --engines names them)
@@ -282,6 +283,9 @@ def measure(workers: dict[str, Worker], a) -> dict:
                     else:
                         prompts = mixed_prompts(rng, ROWS[row])
                     for name in (n for n in order if row in workers[n].rows):
+                        # The engine before may still spin (ONNX Runtime's pool spins ~40 ms after its
+                        # last run): a quiet measurement starts once that has ended.
+                        time.sleep(SETTLE_S)
                         val, err = ask_row(workers[name], row, prompts, a.new)
                         res[cond][row][name].append(val)
                         if err:

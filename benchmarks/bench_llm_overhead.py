@@ -33,13 +33,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 PROMPT, NEW, BATCH = 128, 128, 8
 
 
-class _TimedSession:
-    """The runner's session with the time spent inside its run calls added up."""
+class _Clock:
+    seconds = 0.0
 
-    def __init__(self, inner):
-        self._inner, self.seconds = inner, 0.0
+
+class _TimedSession:
+    """The runner's session with the time spent inside its run calls added up (into ``clock.seconds``:
+    one clock for both sessions of a spin switch)."""
+
+    def __init__(self, inner, clock: _Clock | None = None):
+        self._inner, self._clock = inner, clock if clock is not None else _Clock()
         if "_sess" in getattr(inner, "__dict__", {}):  # ORT's C++ session, which the mapped runner calls
             self._sess = _TimedC(inner._sess, self)
+
+    @property
+    def seconds(self) -> float:
+        return self._clock.seconds
 
     def __getattr__(self, name):
         return getattr(self._inner, name)
@@ -49,7 +58,7 @@ class _TimedSession:
         try:
             return fn(*args, **kwargs)
         finally:
-            self.seconds += time.perf_counter() - t0
+            self._clock.seconds += time.perf_counter() - t0
 
     def run(self, *args, **kwargs):
         return self._timed(self._inner.run, *args, **kwargs)
@@ -153,7 +162,12 @@ def main(argv=None) -> None:
         config=SchedulerConfig(max_num_batched_tokens=512),
         enable_prefix_caching=False,
     )
-    session = engine.runner._session = _TimedSession(engine.runner._session)
+    runner = engine.runner
+    session = runner._session = _TimedSession(runner._session)
+    switch = runner.spin_switch  # (spinning="auto": the steps run on its calm or spinning session)
+    if switch is not None:
+        switch.calm = runner._session
+        switch.spinning = _TimedSession(switch.spinning, session._clock)
     params = SamplingParams(max_tokens=NEW, ignore_eos=True, detokenize=False)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(5, 500, PROMPT).tolist() for _ in range(BATCH)]

@@ -57,9 +57,14 @@ class Precast:
 
     def _log_spin(self, what: str) -> None:
         sw = getattr(self.engine.runner, "spin_switch", None)
-        if sw is not None:  # (into the worker's log: which session the decode ended on, and why)
-            print(f"{what}: spinning {sw.spinning_now}, others {sw.last_others}, switches {sw.switches}",
-                  file=sys.stderr, flush=True)
+        if sw is None:
+            return
+        if not hasattr(self, "_readings"):  # (into the worker's log: the switch's readings of each request)
+            self._readings, decide = [], sw._decide
+            sw._decide = lambda w, *now: (decide(w, *now), self._readings.append((w, sw.spinning_now)))
+        shown = ", ".join(f"{'-' if w is None else f'{w:.3f}'}{'s' if on else 'c'}" for w, on in self._readings)
+        print(f"{what}: spinning {sw.spinning_now}, switches {sw.switches}, readings {shown}", file=sys.stderr, flush=True)
+        self._readings.clear()
 
     def batch(self, prompts: list[list[int]], new: int) -> dict:
         t0 = time.perf_counter()

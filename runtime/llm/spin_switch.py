@@ -2,20 +2,28 @@
 
 ONNX Runtime's intra-op threads either spin-wait for the next parallel section (its default) or sleep. On
 a quiet host spinning wins the wake-up latency back (a decode step of a small model is 1-3 ms, and waking a
-sleeping thread costs tens of microseconds several times a step): measured 1.3-1.5x decode tokens/s at
+sleeping thread costs tens of microseconds several times a step): measured 1.2-1.45x decode tokens/s at
 batch 1 on bench_llm.py's models. Under a competing process it loses the time slices the step's own
 threads need: 1.6x slower with one core busy (benchmarks/README.md). The setting is fixed when a session
 is created, so a runner with ``spinning="auto"`` holds both and asks ``SpinSwitch.session()`` each step:
 
-    the spinning session while other processes used < ``busy`` cores over the last ``interval`` seconds,
-    the calm (sleeping) one otherwise; back to spinning only after ``quiet_windows`` quiet readings.
-    After idle time (no step for 4 intervals) the old window says nothing of now: spin, and decide on a
-    fresh window.
+    the spinning session until this process's threads waited for a CPU ``busy`` or more of their
+    runnable time in ``busy_windows`` readings in a row (one every ``interval`` s: 3 x 20 ms), then the
+    calm (sleeping) one until a reading is under ``quiet`` (0.05: calm threads queue less than spinning
+    ones, 0.14-0.45 under load, so one bound would flap). A burst after idle time starts spinning.
 
-"Other processes" = the host's busy CPU time (/proc/stat: user, nice, system, irq, softirq, steal) minus
-this process's own (os.times(): every thread, a spinning one included), so our own spinning never reads as
-load. Reading costs ~20 us and happens once per interval; a step otherwise pays one clock read.
-Where /proc/stat cannot be read (not Linux) the switch stays calm.
+Why three readings and not one: another process's ORT pool spins on ~40 ms after its last run (measured),
+and so does ours after the switch to calm (readings in the ``settle`` time after it are dropped): a short
+tail must not turn a whole small-model request calm (a 128-token decode lasts 0.06-0.15 s there).
+
+The signal is the kernel's run-queue delay of our own threads (/proc/self/task/*/schedstat, nanoseconds):
+waiting / (running + waiting). It measures what spinning costs (our threads queued behind others, or
+behind each other), is exact where /proc/stat's 10 ms ticks are not, and accrues only while our threads
+are runnable, so other processes' work while the engine is idle does not count. Measured on a 2-core host
+(bench INT4 model, b1 decode): 0.001-0.03 quiet (up to 0.09 right after another process's burst), 0.24-0.47
+with one competing busy process, spinning or not: ``busy`` 0.15. One quiet window brings spinning back (a
+small model's whole 128-token decode lasts 0.1 s: two windows calm for one noisy reading lose most of it). A reading costs ~30 us (a few threads' files), once per interval; a step otherwise pays one clock
+read. Where schedstat cannot be read (not Linux) the switch stays calm.
 """
 
 from __future__ import annotations
@@ -23,95 +31,108 @@ from __future__ import annotations
 import os
 import time
 
-__all__ = ["HostLoad", "SpinSwitch"]
+__all__ = ["SpinSwitch", "ThreadWait"]
 
 
-class HostLoad:
-    """CPU cores that other processes used since the previous reading (``others()``)."""
+class ThreadWait:
+    """The share of this process's runnable thread time spent waiting for a CPU since the previous reading."""
 
-    def __init__(self, stat_path: str = "/proc/stat"):
-        self.stat_path = stat_path
-        self._tick = float(os.sysconf("SC_CLK_TCK")) if hasattr(os, "sysconf") else 100.0
+    def __init__(self, task_dir: str = "/proc/self/task"):
+        self.task_dir = task_dir
         self._last = self._read()
 
-    def _read(self) -> tuple[float, float, float] | None:
+    def _read(self) -> dict[str, tuple[int, int]] | None:
         try:
-            with open(self.stat_path, "rb") as f:
-                fields = f.readline().split()
+            tids = os.listdir(self.task_dir)
         except OSError:
             return None
-        if len(fields) < 5 or fields[0] != b"cpu":
-            return None
-        v = [int(x) for x in fields[1:9]] + [0] * (9 - len(fields))
-        busy = v[0] + v[1] + v[2] + v[5] + v[6] + v[7]  # user nice system irq softirq steal
-        t = os.times()
-        return time.monotonic(), busy / self._tick, t.user + t.system
+        out = {}
+        for tid in tids:
+            try:
+                with open(f"{self.task_dir}/{tid}/schedstat", "rb") as f:
+                    run, wait = f.read().split()[:2]
+                out[tid] = (int(run), int(wait))
+            except (OSError, ValueError):
+                continue  # (a thread that ended meanwhile)
+        return out or None
 
     @property
     def available(self) -> bool:
         return self._last is not None
 
-    def others(self) -> float | None:
-        """Cores busy with other processes since the last call (None where the host does not tell)."""
+    def waiting(self) -> float | None:
+        """waiting / (running + waiting) of the threads alive at both readings; None where nothing ran
+        (under 1 ms) or the host does not tell."""
         now = self._read()
         last, self._last = self._last, now
-        if now is None or last is None or now[0] <= last[0]:
+        if now is None or last is None:
             return None
-        return max(0.0, ((now[1] - last[1]) - (now[2] - last[2])) / (now[0] - last[0]))
+        run = wait = 0
+        for tid, (r, w) in now.items():
+            before = last.get(tid)
+            if before is not None:
+                run += r - before[0]
+                wait += w - before[1]
+        total = run + wait
+        return wait / total if total >= 1_000_000 else None
 
 
 class SpinSwitch:
-    """Picks the spinning or the calm session for each step from the host's load (module docstring)."""
+    """Picks the spinning or the calm session for each step from our threads' CPU wait (module docstring)."""
 
     def __init__(
         self,
         calm,
         spinning,
         *,
-        interval: float = 0.25,
-        busy: float = 0.3,
-        quiet_windows: int = 2,
-        load: HostLoad | None = None,
+        interval: float = 0.02,
+        busy: float = 0.15,
+        quiet: float = 0.05,
+        busy_windows: int = 3,
+        quiet_windows: int = 1,
+        settle: float = 0.05,
+        load: ThreadWait | None = None,
     ):
         self.calm, self.spinning = calm, spinning
-        self.interval, self.busy, self.quiet_windows = float(interval), float(busy), int(quiet_windows)
-        self.load = load if load is not None else HostLoad()
-        self.spinning_now = self.load.available  # a quiet start; the first reading corrects it
+        self.interval, self.busy, self.quiet, self.settle = float(interval), float(busy), float(quiet), float(settle)
+        self.busy_windows, self.quiet_windows = int(busy_windows), int(quiet_windows)
+        self.load = load if load is not None else ThreadWait()
+        self.spinning_now = self.load.available  # a quiet start; the readings correct it
         self.switches = 0
-        self.last_others: float | None = None
-        self._quiet = 0
-        self._read_at = time.monotonic()
-        self._next = self._read_at + self.interval
+        self.last_waiting: float | None = None
+        self._busy = 0
+        self._quiet = self.quiet_windows
+        self._next = time.monotonic() + self.interval
+        self._settled = 0.0  # readings before this time are dropped (the spinning pool's tail)
 
     def session(self):
         """The session this step runs on."""
         now = time.monotonic()
         if now >= self._next:
-            if self.interval > 0 and now - self._read_at > 4 * self.interval:  # after idle time: that window says nothing of now
-                self._restart(now)
-            else:
-                self._decide(now)
+            idle = self.interval > 0 and now - self._next > 3 * self.interval
+            self._next = now + self.interval
+            waiting = self.load.waiting()
+            if idle:  # no step for a while: a fresh start, spinning (the last window told of back then)
+                self.spinning_now = self.load.available
+                self._busy, self._quiet = 0, self.quiet_windows
+            elif now >= self._settled:
+                self._decide(waiting, now)
         return self.spinning if self.spinning_now else self.calm
 
-    def _restart(self, now: float) -> None:
-        """A fresh window, spinning until it says otherwise (the old window held others' past work; a
-        shorter one would not do: /proc/stat and os.times() count in 10 ms ticks, so a 60 ms window reads
-        one or two ticks of jitter as 0.2-0.3 cores)."""
-        self.load.others()  # (a new baseline)
-        self._read_at, self._next = now, now + self.interval
-        self.spinning_now = self.load.available
-        self._quiet = self.quiet_windows
-
-    def _decide(self, now: float) -> None:
-        others = self.load.others()
-        self.last_others = others
-        self._read_at, self._next = now, now + self.interval
-        if others is None or others >= self.busy:
-            self._quiet = 0
-            want = False
+    def _decide(self, waiting: float | None, now: float = 0.0) -> None:
+        self.last_waiting = waiting
+        if waiting is None:  # nothing ran (or no reading): keep the state
+            if not self.load.available:
+                self.spinning_now = False
+            return
+        if waiting >= (self.busy if self.spinning_now else self.quiet):
+            self._busy, self._quiet = self._busy + 1, 0
+            want = self.spinning_now and self._busy < self.busy_windows
         else:
-            self._quiet += 1
+            self._busy, self._quiet = 0, self._quiet + 1
             want = self.spinning_now or self._quiet >= self.quiet_windows
         if want != self.spinning_now:
             self.spinning_now = want
             self.switches += 1
+            if not want:  # the spinning pool spins on for ~40 ms: our threads queue behind it meanwhile
+                self._settled = now + self.settle

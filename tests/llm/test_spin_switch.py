@@ -1,13 +1,15 @@
 """ONNX Runtime thread spinning that follows the host's load (issue 20; runtime/llm/spin_switch.py).
 
-HostLoad counts other processes' CPU and not this one's (a burner process reads as ~1 core, our own busy
-loop as ~0); SpinSwitch goes calm at the first busy reading and back to spinning after the quiet windows;
-ORT runners (mapped and paged layouts) loaded with spinning="auto" hold both sessions, and a switch that
-flips every step gives the same greedy tokens as one session; under a real competing process the engine
-runs on the calm session, and back on the spinning one once the host is quiet again."""
+ThreadWait reads our threads' run-queue delay: a spinning decode waits for CPU when every core has a
+competing process, not on a quiet host; SpinSwitch goes calm at the first busy reading, keeps its state
+through readings where nothing ran, and spins again after the quiet windows; ORT runners (mapped and paged
+layouts) loaded with spinning="auto" hold both sessions, and a switch that flips every step gives the same
+greedy tokens as one session; under real competing processes the engine runs on the calm session, and back
+on the spinning one once the host is quiet again."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
@@ -15,69 +17,93 @@ import time
 import numpy as np
 import pytest
 
-from precast.runtime.llm.spin_switch import HostLoad, SpinSwitch
+from precast.runtime.llm.spin_switch import SpinSwitch, ThreadWait
 
-BURN = "import time\nt = time.time()\nwhile time.time() - t < 30:\n    pass"
-
-
-@pytest.fixture
-def burner():
-    p = subprocess.Popen([sys.executable, "-c", BURN])
-    time.sleep(0.3)
-    yield p
-    p.kill()
-    p.wait()
+BURN = "import time\nt = time.time()\nwhile time.time() - t < 60:\n    pass"
 
 
-def test_host_load_counts_other_processes_not_this_one(burner):
-    load = HostLoad()
-    time.sleep(0.6)
-    busy = load.others()
-    burner.kill()
-    burner.wait()
-    load.others()
+class _Burners:
+    """One busy process per core (so our threads must queue for a CPU)."""
+
+    def __enter__(self):
+        self.ps = [subprocess.Popen([sys.executable, "-c", BURN]) for _ in range(os.cpu_count() or 2)]
+        time.sleep(0.3)
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.ps:
+            p.kill()
+            p.wait()
+
+
+def _decode_for(engine, seconds: float) -> None:
     t = time.monotonic()
-    while time.monotonic() - t < 0.6:  # this process busy: not "others"
-        pass
-    own = load.others()
-    assert busy is not None and own is not None
-    assert busy >= 0.6, f"a burner process read as {busy:.2f} cores"
-    assert own < 0.4, f"this process's own loop read as {own:.2f} cores of others"
+    while time.monotonic() - t < seconds:
+        _greedy(engine, [list(range(1, 20))], 16)
+
+
+def test_thread_wait_reads_queueing_under_competing_processes_only(llama_artifact_mapped):
+    from precast.runtime.llm import Engine
+
+    engine = Engine.load(llama_artifact_mapped, num_blocks=32, threads=2, spinning=True)
+    wait = ThreadWait()
+    _decode_for(engine, 0.6)
+    quiet = wait.waiting()
+    with _Burners():
+        wait.waiting()
+        _decode_for(engine, 0.6)
+        busy = wait.waiting()
+    assert quiet is not None and busy is not None
+    assert quiet < 0.1, f"a quiet host read as {quiet:.3f} of our runnable time waiting"
+    assert busy >= 0.15, f"a busy process per core read as only {busy:.3f} waiting"
 
 
 class _Readings:
     def __init__(self, values):
         self.values, self.available = list(values), True
 
-    def others(self):
+    def waiting(self):
         return self.values.pop(0)
 
 
-def test_switch_goes_calm_at_once_and_spins_again_after_quiet_windows():
-    load = _Readings([0.0, 0.9, 0.1, 0.1, 0.1, 0.5, None])
-    sw = SpinSwitch("calm", "spin", interval=0.0, busy=0.3, quiet_windows=2, load=load)
-    picks = [sw.session() for _ in range(7)]
-    assert picks == ["spin", "calm", "calm", "spin", "spin", "calm", "calm"]
-    assert sw.switches == 3
+def test_switch_goes_calm_after_busy_windows_in_a_row_and_spins_again_when_quiet():
+    load = _Readings([0.0, 0.4, 0.02, 0.4, 0.3, 0.2, 0.3, None, 0.02, 0.01, 0.5])
+    sw = SpinSwitch(
+        "calm", "spin", interval=0.0, busy=0.15, busy_windows=3, quiet_windows=1, settle=0.0, load=load
+    )
+    picks = [sw.session() for _ in range(11)]
+    # one busy reading (another process's 40 ms tail) keeps spinning; three in a row go calm
+    assert picks == ["spin", "spin", "spin", "spin", "spin", "calm", "calm", "calm", "spin", "spin", "spin"]
+    assert sw.switches == 2
 
 
-def test_after_idle_time_the_switch_spins_and_decides_on_a_fresh_short_window():
-    """The window since the last step held other processes' past work (in bench_llm.py, the other engines'
-    requests): it is dropped, the switch spins at once and decides again on a fresh window."""
-    load = _Readings([None, 0.9, 0.0, 0.9])  # (None: the restart's fresh baseline)
-    sw = SpinSwitch("calm", "spin", interval=0.04, busy=0.3, quiet_windows=2, load=load)
-    time.sleep(0.05)
-    assert sw.session() == "calm"  # reading 0.9 (a recent window)
-    time.sleep(0.2)  # idle: > 4 intervals
-    assert sw.session() == "spin"  # restarted: a new baseline, spinning
-    time.sleep(0.045)
-    assert sw.session() == "spin"  # the fresh window read quiet (0.0)
-    time.sleep(0.045)
-    assert sw.session() == "calm"  # busy again
+def test_readings_right_after_going_calm_are_dropped():
+    """Our own spinning pool spins on ~40 ms after the switch: its queueing must not keep the switch calm."""
+    load = _Readings([0.4, 0.4, 0.0])
+    sw = SpinSwitch("calm", "spin", interval=0.0, busy_windows=1, settle=0.2, load=load)
+    assert sw.session() == "calm"
+    assert sw.session() == "calm"  # 0.4 dropped (settling) ...
+    time.sleep(0.25)
+    assert sw.session() == "spin"  # ... the reading after it decides (0.0)
+    assert sw.last_waiting == 0.0
 
 
-def test_switch_without_proc_stat_stays_calm(tmp_path):
-    sw = SpinSwitch("calm", "spin", interval=0.0, load=HostLoad(str(tmp_path / "missing")))
+def test_after_idle_time_a_burst_starts_spinning():
+    load = _Readings([0.4, 0.4, 0.0, 0.4])
+    sw = SpinSwitch("calm", "spin", interval=0.1, busy_windows=1, settle=0.0, load=load)
+    time.sleep(0.12)
+    assert sw.session() == "calm"  # a recent busy window
+    time.sleep(0.6)  # idle: > 4 intervals
+    assert sw.session() == "spin"  # a fresh start (that window's 0.4 told of back then)
+    time.sleep(0.12)
+    assert sw.session() == "spin"  # its own first window was quiet
+    time.sleep(0.12)
+    assert sw.session() == "calm"
+    assert load.values == []
+
+
+def test_switch_without_schedstat_stays_calm(tmp_path):
+    sw = SpinSwitch("calm", "spin", interval=0.0, load=ThreadWait(str(tmp_path / "missing")))
     assert [sw.session() for _ in range(3)] == ["calm"] * 3
 
 
@@ -89,7 +115,7 @@ class _Flip:
     def __init__(self):
         self.n = 0
 
-    def others(self):
+    def waiting(self):
         self.n += 1
         return 1.0 if self.n % 2 else 0.0
 
@@ -123,33 +149,26 @@ def test_flipping_sessions_every_step_keeps_greedy_tokens(layout, llama_artifact
     auto = Engine.load(art, num_blocks=32, threads=2)  # spinning="auto" is the default
     sw = auto.runner.spin_switch
     assert sw is not None and sw.spinning is not sw.calm
-    sw = auto.runner.spin_switch = SpinSwitch(sw.calm, sw.spinning, interval=0.0, quiet_windows=1, load=_Flip())
+    sw = auto.runner.spin_switch = SpinSwitch(
+        sw.calm, sw.spinning, interval=0.0, busy_windows=1, quiet_windows=1, settle=0.0, load=_Flip()
+    )
     got = _greedy(auto, prompts) + _greedy(auto, prompts[:1])  # batched, then batch-1 steady decode
     assert got == ref
     assert sw.switches >= 20  # both sessions ran steps
 
 
-def test_engine_runs_calm_under_a_competing_process_and_spins_when_quiet(llama_artifact_mapped):
+def test_engine_runs_calm_under_competing_processes_and_spins_when_quiet(llama_artifact_mapped):
     from precast.runtime.llm import Engine
 
     engine = Engine.load(llama_artifact_mapped, num_blocks=32, threads=2)
-    sw = engine.runner.spin_switch
-    sw = engine.runner.spin_switch = SpinSwitch(sw.calm, sw.spinning, interval=0.05)
-    prompt = list(range(1, 20))
-    p = subprocess.Popen([sys.executable, "-c", BURN])
-    try:
-        time.sleep(0.3)
-        t = time.monotonic()
-        while time.monotonic() - t < 1.0:
-            _greedy(engine, [prompt], 16)
-        assert not sw.spinning_now, f"others read {sw.last_others} cores"
-    finally:
-        p.kill()
-        p.wait()
-    t = time.monotonic()
-    while time.monotonic() - t < 1.0:
-        _greedy(engine, [prompt], 16)
-    assert sw.spinning_now, f"quiet host, others read {sw.last_others} cores"
+    assert engine.runner.spin_switch.interval == 0.02 and engine.runner.spin_switch.spinning_now
+    with _Burners():
+        _decode_for(engine, 1.0)
+        sw = engine.runner.spin_switch
+        assert not sw.spinning_now, f"our threads read {sw.last_waiting} waiting"
+    _decode_for(engine, 1.0)
+    assert sw.spinning_now, f"quiet host, our threads read {sw.last_waiting} waiting"
+    assert sw.switches >= 2
 
 
 def test_spinning_value_is_checked(llama_artifact_mapped):
