@@ -10,7 +10,9 @@ is created, so a runner with ``spinning="auto"`` holds both and asks ``SpinSwitc
     the spinning session until this process's threads waited for a CPU ``busy`` or more of their
     runnable time in ``busy_windows`` readings in a row (one every ``interval`` s: 3 x 20 ms), then the
     calm (sleeping) one until a reading is under ``quiet`` (0.05: calm threads queue less than spinning
-    ones, 0.14-0.45 under load, so one bound would flap). A burst after idle time starts spinning.
+    ones, 0.14-0.45 under load, so one bound would flap). A burst after idle time (no step for 4
+    intervals) starts spinning unless another task is runnable at that moment (/proc/loadavg): three
+    spinning readings under load would cost a 128-token request a quarter of its rate.
 
 Why three readings and not one: another process's ORT pool spins on ~40 ms after its last run (measured),
 and so does ours after the switch to calm (readings in the ``settle`` time after it are dropped): a short
@@ -59,6 +61,14 @@ class ThreadWait:
     @property
     def available(self) -> bool:
         return self._last is not None
+
+    def others_running(self, loadavg: str = "/proc/loadavg") -> int | None:
+        """Runnable tasks on the host right now besides the caller (the kernel's instantaneous count)."""
+        try:
+            with open(loadavg, "rb") as f:
+                return max(0, int(f.read().split()[3].split(b"/")[0]) - 1)
+        except (OSError, ValueError, IndexError):
+            return None
 
     def waiting(self) -> float | None:
         """waiting / (running + waiting) of the threads alive at both readings; None where nothing ran
@@ -112,9 +122,11 @@ class SpinSwitch:
             idle = self.interval > 0 and now - self._next > 3 * self.interval
             self._next = now + self.interval
             waiting = self.load.waiting()
-            if idle:  # no step for a while: a fresh start, spinning (the last window told of back then)
-                self.spinning_now = self.load.available
-                self._busy, self._quiet = 0, self.quiet_windows
+            if idle:  # no step for a while: a fresh start (the last window told of back then), spinning
+                # unless another task is runnable right now (a competing process; our pools are asleep)
+                want = self.load.available and not self.load.others_running()
+                self.switches += want != self.spinning_now
+                self.spinning_now, self._busy, self._quiet = want, 0, self.quiet_windows
             elif now >= self._settled:
                 self._decide(waiting, now)
         return self.spinning if self.spinning_now else self.calm

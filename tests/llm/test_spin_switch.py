@@ -59,11 +59,14 @@ def test_thread_wait_reads_queueing_under_competing_processes_only(llama_artifac
 
 
 class _Readings:
-    def __init__(self, values):
-        self.values, self.available = list(values), True
+    def __init__(self, values, running=0):
+        self.values, self.available, self.running = list(values), True, running
 
     def waiting(self):
         return self.values.pop(0)
+
+    def others_running(self):
+        return self.running
 
 
 def test_switch_goes_calm_after_busy_windows_in_a_row_and_spins_again_when_quiet():
@@ -100,6 +103,9 @@ def test_after_idle_time_a_burst_starts_spinning():
     time.sleep(0.12)
     assert sw.session() == "calm"
     assert load.values == []
+    load.values, load.running = [0.0], 1
+    time.sleep(0.6)
+    assert sw.session() == "calm"  # a fresh start while another process is runnable: calm at once
 
 
 def test_switch_without_schedstat_stays_calm(tmp_path):
@@ -110,7 +116,10 @@ def test_switch_without_schedstat_stays_calm(tmp_path):
 class _Flip:
     """A load that reads busy and quiet in turn: the switch changes session every step."""
 
-    available = True
+    available, running = True, 0
+
+    def others_running(self):
+        return 0
 
     def __init__(self):
         self.n = 0
