@@ -68,6 +68,11 @@ def build_causal_lm(target, lowering, out_dir: Path) -> OpenVINOBlock:
 
     opts = target.options
     kv, weights = opts["kv_cache_precision"], opts["weights"]
+    if opts["inference_precision"] == "bf16" and kv == "f32":  # (before minutes of export)
+        raise UsageError(
+            "target 'openvino': inference_precision=bf16 needs kv_cache_precision=u8 or f16 (OpenVINO's "
+            "PagedAttention computing in bf16 refuses an f32 cache on a CPU with bf16)"
+        )
     progress = getattr(target.context, "progress", None)
     model, llm = lowering(progress)
     model = compress_weights(model, weights, int(opts["group_size"]))

@@ -41,6 +41,7 @@ class ThreadWait:
 
     def __init__(self, task_dir: str = "/proc/self/task"):
         self.task_dir = task_dir
+        self.last_run_s = 0.0  # CPU seconds our threads ran in the last reading's window
         self._last = self._read()
 
     def _read(self) -> dict[str, tuple[int, int]] | None:
@@ -84,6 +85,7 @@ class ThreadWait:
                 run += r - before[0]
                 wait += w - before[1]
         total = run + wait
+        self.last_run_s = run / 1e9
         return wait / total if total >= 1_000_000 else None
 
 
@@ -119,9 +121,12 @@ class SpinSwitch:
         """The session this step runs on."""
         now = time.monotonic()
         if now >= self._next:
-            idle = self.interval > 0 and now - self._next > 3 * self.interval
+            gap = now - self._next + self.interval  # since the last reading
             self._next = now + self.interval
             waiting = self.load.waiting()
+            # idle: no reading for 4 intervals and our threads hardly ran meanwhile (a long prefill step
+            # is no idle time: its end finds our own pool still spinning)
+            idle = self.interval > 0 and gap > 4 * self.interval and self.load.last_run_s < 0.25 * gap
             if idle:  # no step for a while: a fresh start (the last window told of back then), spinning
                 # unless another task is runnable right now (a competing process; our pools are asleep)
                 want = self.load.available and not self.load.others_running()

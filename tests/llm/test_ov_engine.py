@@ -169,6 +169,10 @@ def test_bf16_compute_is_budget_held_and_agrees_top1(ov_llama, tiny_llama_dir, t
     assert verify_artifact(str(art))["ok"]
     ids = np.random.default_rng(5).integers(0, 512, 200).tolist()
     top1 = float(np.mean(_teacher_forced_argmax(ov_llama, ids) == _teacher_forced_argmax(art, ids)))
+    from precast.runtime.errors import UsageError
+
+    with pytest.raises(UsageError, match="inference_precision=bf16 needs kv_cache_precision=u8 or f16"):
+        _compile(tiny_llama_dir, tmp_path / "bf16-f32kv", inference_precision="bf16")
     print(f"bf16 top-1 {top1:.3f}")
     assert top1 >= 0.95, f"bf16 top-1 agreement {top1:.3f}"
 

@@ -59,6 +59,8 @@ def test_thread_wait_reads_queueing_under_competing_processes_only(llama_artifac
 
 
 class _Readings:
+    last_run_s = 0.0
+
     def __init__(self, values, running=0):
         self.values, self.available, self.running = list(values), True, running
 
@@ -108,6 +110,18 @@ def test_after_idle_time_a_burst_starts_spinning():
     assert sw.session() == "calm"  # a fresh start while another process is runnable: calm at once
 
 
+def test_a_long_step_is_not_idle_time():
+    """A 100 ms prefill step between readings: our threads ran, so the reading decides (no fresh start)."""
+    load = _Readings([0.4, 0.4, 0.4, 0.4], running=0)
+    load.last_run_s = 0.2
+    sw = SpinSwitch("calm", "spin", interval=0.02, busy_windows=3, settle=0.0, load=load)
+    picks = []
+    for _ in range(4):
+        time.sleep(0.1)
+        picks.append(sw.session())
+    assert picks == ["spin", "spin", "calm", "calm"]
+
+
 def test_switch_without_schedstat_stays_calm(tmp_path):
     sw = SpinSwitch("calm", "spin", interval=0.0, load=ThreadWait(str(tmp_path / "missing")))
     assert [sw.session() for _ in range(3)] == ["calm"] * 3
@@ -116,7 +130,7 @@ def test_switch_without_schedstat_stays_calm(tmp_path):
 class _Flip:
     """A load that reads busy and quiet in turn: the switch changes session every step."""
 
-    available, running = True, 0
+    available, running, last_run_s = True, 0, 0.0
 
     def others_running(self):
         return 0
