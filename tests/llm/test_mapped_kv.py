@@ -163,7 +163,7 @@ def test_steps_run_ort_binding_directly_and_a_wrapped_session_through_its_own_ru
     ORT's (no own _sess) still has its run_with_iobinding called. Same logits either way."""
     from precast.runtime.model import load
 
-    direct = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24)
+    direct = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24, spinning=False)
     inner = direct._session._sess = _Counting(direct._session._sess)
     wrapper = _Counting(load(llama_artifact_mapped, verify=False)._session)
     wrapped = ModelRunner(wrapper, direct.spec, 24)
@@ -176,7 +176,7 @@ def test_steps_run_ort_binding_directly_and_a_wrapped_session_through_its_own_ru
 
 @pytest.mark.slow
 def test_batched_decode_equals_each_request_alone(llama_artifact_mapped):
-    runner = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24)
+    runner = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24, spinning=False)
     bs = runner.spec.block_size
     pasts = [5, 70, 33]
     rng = np.random.default_rng(3)
