@@ -91,8 +91,8 @@ class ModelRunner(StepRunner):
         check_graph_matches_spec(model._session, spec, path)
         if num_blocks is None:
             num_blocks = 4 * spec.blocks_for(spec.max_context)
-        runner = cls(model._session, spec, num_blocks, Path(model.path))
         root = Path(model.path)
+        runner = cls(model._session, spec, num_blocks, root)
         if auto and hasattr(model._session, "run_with_iobinding") and _weights_bytes(root) <= AUTO_SPIN_MAX_BYTES:
             from precast.runtime.llm.spin_switch import SpinSwitch
 

@@ -23,9 +23,8 @@ waiting / (running + waiting). It measures what spinning costs (our threads queu
 behind each other), is exact where /proc/stat's 10 ms ticks are not, and accrues only while our threads
 are runnable, so other processes' work while the engine is idle does not count. Measured on a 2-core host
 (bench INT4 model, b1 decode): 0.001-0.03 quiet (up to 0.09 right after another process's burst), 0.24-0.47
-with one competing busy process, spinning or not: ``busy`` 0.15. One quiet window brings spinning back (a
-small model's whole 128-token decode lasts 0.1 s: two windows calm for one noisy reading lose most of it). A reading costs ~30 us (a few threads' files), once per interval; a step otherwise pays one clock
-read. Where schedstat cannot be read (not Linux) the switch stays calm.
+with one competing busy process, spinning or not: ``busy`` 0.15. A reading costs ~30 us (a few threads'
+files), once per interval; a step otherwise pays one clock read. Where schedstat cannot be read (not Linux) the switch stays calm.
 """
 
 from __future__ import annotations
