@@ -19,10 +19,11 @@ Engines (precision class: what its ratio divides by):
   precast-fp32-spin, -int4-spin  the same with spinning always on; -calm: always off
   precast-ov-fp32, -ov-bf16,   precast's engine on --target openvino artifacts (its scheduler, block pool and
   precast-ov-int4              sampler; the step on OpenVINO's PagedAttention): fp32 = f32 compute + f32 KV;
-                               bf16 = OpenVINO GenAI's defaults (bf16 compute where the CPU has it, else f32;
-                               u8 KV); INT4 = NNCF group 32 every linear layer + those defaults
+                               bf16 = OpenVINO GenAI's defaults on optimum's fp32 IR (bf16 compute where the
+                               CPU has it, else f32; f16 KV, from the IR's runtime_options); INT4 = NNCF group
+                               32 every linear layer, bf16 compute, u8 KV (the INT4 IR's defaults)
   genai-fp32, genai-int4       onnxruntime-genai (b1 only: on CPU it batches statically, without paging)
-  ov-fp32                      OpenVINO GenAI, its defaults (bf16 compute where the CPU has it, u8 KV): class
+  ov-fp32                      OpenVINO GenAI, its defaults (bf16 compute where the CPU has it, f16 KV): class
                                bf16, against precast-ov-bf16
   ov-fp32-f32                  the same with f32 inference precision and an f32 KV cache forced
   ov-int4                      optimum-intel's INT4 export (NNCF, group 32, every layer), defaults

@@ -109,7 +109,8 @@ class Genai:
 class OpenVINO:
     """OpenVINO GenAI: LLMPipeline for batch 1, ContinuousBatchingPipeline (paged, its own scheduler) for
     concurrent requests. --force-f32 forces f32 inference precision and an f32 KV cache; else its defaults (bf16
-    compute where the CPU has it, u8 KV). Prefix caching off on both (the bench sends fresh prompts anyway)."""
+    compute where the CPU has it; the KV precision optimum wrote into the IR's runtime_options: f16 for its
+    fp32 export, none (the CPU's u8) for INT4). Prefix caching off on both (the bench sends fresh prompts anyway)."""
 
     def __init__(self, path: str, a: argparse.Namespace):
         import openvino as ov

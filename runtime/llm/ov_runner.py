@@ -124,14 +124,17 @@ class OVStepRunner(StepRunner):
         """Bytes the pools reserve (all layers, K and V, scales included); see kv_resident_bytes."""
         return sum(int(t.byte_size) for t in self._pool.values())
 
-    def _run(self, feeds: dict[str, np.ndarray] | None) -> np.ndarray:
+    def _run(self, feeds: dict[str, np.ndarray] | None, copy: bool = False) -> np.ndarray:
+        """Logits [B, V]: a view of the request's output (execute's contract: valid until the next step; a
+        32-row copy is 4 MB a step), or a copy."""
         import openvino as ov
 
         if feeds is not None:
             for name, arr in feeds.items():
                 self._request.set_tensor(name, ov.Tensor(arr, shared_memory=True))
         self._request.infer()
-        return self._request.get_tensor("logits").data.copy()
+        logits = self._request.get_tensor("logits").data
+        return logits.copy() if copy else logits
 
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
         """ModelRunner.step's checked call (perplexity, benchmarks): right-padded [B, S] ids, each row's
@@ -158,7 +161,7 @@ class OVStepRunner(StepRunner):
             raise InputError(f"input_ids hold token ids outside [0, {self.spec.vocab})")
         self._steady = None
         self._note_written(past, new, tables)
-        return self._run(step_feeds(tokens, past, tables, bs))
+        return self._run(step_feeds(tokens, past, tables, bs), copy=True)
 
     # -- the engine's entry points (runner.StepRunner.execute) --------------------------------------
     def _mixed(self, out: SchedulerOutput) -> np.ndarray:
