@@ -122,10 +122,13 @@ def _attention(
     _, h, t, d = query.shape
     kv = key.shape[1]
     scale = float(scaling) if scaling is not None else d**-0.5
+    # [1,H,T,D] -> [T, H*D] by a 0213 transpose of the 4-d tensor, not a select ([0]) then a 2-d one: OpenVINO
+    # folds that transpose into the fused RoPE before it (q, k) or cancels it against the model's own (v),
+    # where a select left a Gather + Transpose per tensor per layer for every step to run.
     out = ov_paged_attention(
-        query[0].transpose(0, 1).reshape(t, h * d),
-        key[0].transpose(0, 1).reshape(t, kv * d),
-        value[0].transpose(0, 1).reshape(t, kv * d),
+        query.transpose(1, 2).reshape(t, h * d),
+        key.transpose(1, 2).reshape(t, kv * d),
+        value.transpose(1, 2).reshape(t, kv * d),
         step.key_caches[i],
         step.value_caches[i],
         step.past_lens,
@@ -192,7 +195,8 @@ class OVDecoder(nn.Module):
 
     def _last_tokens(self, _module, args):
         if self._indices is not None:  # only the rows whose logits the step returns reach the head
-            return (args[0][:, self._indices], *args[1:])
+            # index_select: one Gather on the token axis (advanced indexing converts to transposes around it)
+            return (torch.index_select(args[0], 1, self._indices), *args[1:])
         return None
 
     def forward(self, input_ids, positions, past_lens, sb, bi, bib, max_context_len, logits_indices, *caches):
