@@ -181,11 +181,13 @@ def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_wei
         return y if b is None else y + b[:, None, :]
 
     has_bias = getattr(self, "has_bias", False)
+    # x broadcast to [E,T,H] explicitly: OpenVINO's CPU plugin turns x[None] @ w[E] into a FullyConnected
+    # that expects a batch of E at run time and fails on the broadcast batch of 1 (ONNX Runtime takes both)
+    x = hidden_states[None].expand(e, -1, -1)
     if self.has_gate:
-        up = linear(hidden_states[None], self.gate_up_proj, self.gate_up_proj_bias if has_bias else None)
-        up = self._apply_gate(up)
+        up = self._apply_gate(linear(x, self.gate_up_proj, self.gate_up_proj_bias if has_bias else None))
     else:
-        up = self.act_fn(linear(hidden_states[None], self.up_proj, self.up_proj_bias if has_bias else None))
+        up = self.act_fn(linear(x, self.up_proj, self.up_proj_bias if has_bias else None))
     out = linear(up, self.down_proj, self.down_proj_bias if has_bias else None)  # [E,T,H]
     if getattr(self, "has_post_expert_norm", False):
         out = self.post_expert_norm(out)

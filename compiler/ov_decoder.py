@@ -3,7 +3,8 @@
     input_ids, positions [1,T]   (every scheduled token of the step, requests back to back: no padding)
     past_lens [B] i32  subsequence_begins [B+1] i32  block_indices [N] i32  block_indices_begins [B+1] i32
     max_context_len [] i32  logits_indices [B] i64 (each request's last new token)  key_cache.i / value_cache.i
-      hf(input_ids, position_ids=positions)      the model's own embeddings, norms, rotary, MLP (as generic_decoder)
+      hf(input_ids [T,1], position_ids [T,1])    the model's own embeddings, norms, rotary, MLP (as generic_decoder);
+                                                 one token per batch row, as SDPAToPagedAttention makes it
         per layer: attention_interface(q, k, v)  ==>  precast::ov_paged_attention  ==>  PagedAttentionExtension
                    (q [T,H*D], k/v [T,KV*D], the layer's caches, the step's tables; the kernel writes the new
                    K/V into the cache blocks itself and reads each request's past from them)
@@ -110,7 +111,7 @@ def _(
 def _attention(
     module, query, key, value, attention_mask, scaling=None, sliding_window=None, softcap=None, **kw
 ):
-    """The attention interface's entry: q [1,H,T,D], k/v [1,KV,T,D] -> ([1,T,H,D], None)."""
+    """The attention interface's entry: q [T,H,1,D], k/v [T,KV,1,D] (a token per row) -> ([T,1,H,D], None)."""
     step = _ACTIVE
     if step is None:
         raise RuntimeError("precast_ov_paged attention called outside a precast step")
@@ -119,12 +120,13 @@ def _attention(
     idx = getattr(module, "layer_idx", None)
     i = idx if isinstance(idx, int) else step.calls
     step.calls += 1
-    _, h, t, d = query.shape
+    rows, h, s, d = query.shape
+    t = rows * s
     kv = key.shape[1]
     scale = float(scaling) if scaling is not None else d**-0.5
-    # [1,H,T,D] -> [T, H*D] by a 0213 transpose of the 4-d tensor, not a select ([0]) then a 2-d one: OpenVINO
-    # folds that transpose into the fused RoPE before it (q, k) or cancels it against the model's own (v),
-    # where a select left a Gather + Transpose per tensor per layer for every step to run.
+    # The tokens ride the batch axis (s == 1): the model's own [T,1,H,D] <-> [T,H,1,D] transposes and this
+    # one are reshapes to OpenVINO (no Transpose left in the compiled step; with the tokens on the sequence
+    # axis each layer ran two real ones, after the fused RoPE of q and k).
     out = ov_paged_attention(
         query.transpose(1, 2).reshape(t, h * d),
         key.transpose(1, 2).reshape(t, kv * d),
@@ -141,7 +143,7 @@ def _attention(
         kv,
         d,
     )
-    return out.view(1, t, h, d), None
+    return out.view(rows, s, h, d), None
 
 
 def ov_refusal(model_type: str, shape) -> str | None:
@@ -195,8 +197,8 @@ class OVDecoder(nn.Module):
 
     def _last_tokens(self, _module, args):
         if self._indices is not None:  # only the rows whose logits the step returns reach the head
-            # index_select: one Gather on the token axis (advanced indexing converts to transposes around it)
-            return (torch.index_select(args[0], 1, self._indices), *args[1:])
+            # index_select: one Gather on the token (batch) axis
+            return (torch.index_select(args[0], 0, self._indices), *args[1:])
         return None
 
     def forward(self, input_ids, positions, past_lens, sb, bi, bib, max_context_len, logits_indices, *caches):
@@ -206,12 +208,14 @@ class OVDecoder(nn.Module):
         prev, _ACTIVE, self._indices = _ACTIVE, step, logits_indices
         try:
             with _ov_attention(self.hf):
-                out = self.hf(input_ids=input_ids, position_ids=positions, use_cache=False)
+                out = self.hf(
+                    input_ids=input_ids.reshape(-1, 1), position_ids=positions.reshape(-1, 1), use_cache=False
+                )
         finally:
             _ACTIVE, self._indices = prev, None
-        # squeeze, not [0]: OpenVINO runs a select as a reference Gather that copies the [B, V] logits
-        # (0.8 ms of a 21 ms c32 step on the bench model); a Squeeze is a view.
-        return out.logits.squeeze(0)
+        # [B,1,V] -> [B,V] by a squeeze, not a select: OpenVINO runs a select as a reference Gather that copies
+        # the logits (0.8 ms of a 21 ms c32 step on the bench model); a Squeeze is a view.
+        return out.logits.squeeze(1)
 
 
 def sample_ov_step(spec: dict, block_size: int = 32, seed: int = 0) -> dict[str, np.ndarray]:
