@@ -11,8 +11,12 @@ is created, so a runner with ``spinning="auto"`` holds both and asks ``SpinSwitc
     runnable time in ``busy_windows`` readings in a row (one every ``interval`` s: 3 x 20 ms), then the
     calm (sleeping) one until a reading is under ``quiet`` (0.05: calm threads queue less than spinning
     ones, 0.14-0.45 under load, so one bound would flap). A burst after idle time (no step for 4
-    intervals) starts spinning unless another task is runnable at that moment (/proc/loadavg): three
-    spinning readings under load would cost a 128-token request a quarter of its rate.
+    intervals) starts spinning unless another process's task is runnable at that moment (/proc/loadavg
+    less our own runnable threads): three spinning readings under load would cost a 128-token request a
+    quarter of its rate. A burst that started calm so asks once more at its next step: the task that sent
+    the request (a client process, a server's own thread) is runnable for an instant and gone by then, a
+    competing process is not; waiting for the first reading instead ran 20 ms of a ~55 ms small-model
+    request calm (bench_llm.py small256: two switches per request, measured).
 
 Why three readings and not one: another process's ORT pool spins on ~40 ms after its last run (measured),
 and so does ours after the switch to calm (readings in the ``settle`` time after it are dropped): a short
@@ -63,12 +67,30 @@ class ThreadWait:
         return self._last is not None
 
     def others_running(self, loadavg: str = "/proc/loadavg") -> int | None:
-        """Runnable tasks on the host right now besides the caller (the kernel's instantaneous count)."""
+        """Runnable tasks of other processes on the host right now (the kernel's instantaneous count, less
+        this process's runnable threads: the caller, and e.g. a server thread that just handed it work)."""
         try:
             with open(loadavg, "rb") as f:
-                return max(0, int(f.read().split()[3].split(b"/")[0]) - 1)
+                total = int(f.read().split()[3].split(b"/")[0])
         except (OSError, ValueError, IndexError):
             return None
+        return max(0, total - self._own_running())
+
+    def _own_running(self) -> int:
+        own = 0
+        try:
+            tids = os.listdir(self.task_dir)
+        except OSError:
+            tids = []
+        for tid in tids:
+            try:
+                with open(f"{self.task_dir}/{tid}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # (a thread that ended meanwhile)
+            end = stat.rfind(b")")  # the state follows the command name, which may hold spaces
+            own += stat[end + 2 : end + 3] == b"R"
+        return max(own, 1)  # the caller is running
 
     def waiting(self) -> float | None:
         """waiting / (running + waiting) of the threads alive at both readings; None where nothing ran
@@ -115,6 +137,7 @@ class SpinSwitch:
         self._quiet = self.quiet_windows
         self._next = time.monotonic() + self.interval
         self._settled = 0.0  # readings before this time are dropped (the spinning pool's tail)
+        self._recheck = False  # an idle start went calm for another runnable task: ask again next step
 
     def session(self):
         """The session this step runs on."""
@@ -126,13 +149,19 @@ class SpinSwitch:
             # idle: no reading for 4 intervals and our threads hardly ran meanwhile (a long prefill step
             # is no idle time: its end finds our own pool still spinning)
             idle = self.interval > 0 and gap > 4 * self.interval and self.load.last_run_s < 0.25 * gap
+            self._recheck = False
             if idle:  # no step for a while: a fresh start (the last window told of back then), spinning
                 # unless another task is runnable right now (a competing process; our pools are asleep)
                 want = self.load.available and not self.load.others_running()
                 self.switches += want != self.spinning_now
                 self.spinning_now, self._busy, self._quiet = want, 0, self.quiet_windows
+                self._recheck = not want and self.load.available
             elif now >= self._settled:
                 self._decide(waiting, now)
+        elif self._recheck:  # the step after a calm fresh start: was that task only the request's sender?
+            self._recheck = False
+            if not self.spinning_now and self.load.others_running() == 0:
+                self.spinning_now, self.switches = True, self.switches + 1
         return self.spinning if self.spinning_now else self.calm
 
     def _decide(self, waiting: float | None, now: float = 0.0) -> None:

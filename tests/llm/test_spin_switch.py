@@ -110,6 +110,43 @@ def test_after_idle_time_a_burst_starts_spinning():
     assert sw.session() == "calm"  # a fresh start while another process is runnable: calm at once
 
 
+class _Senders(_Readings):
+    """others_running: one runnable task at the first ask (the request's sender), then ``after``."""
+
+    def __init__(self, values, after):
+        super().__init__(values, running=1)
+        self.after, self.asked = after, 0
+
+    def others_running(self):
+        self.asked += 1
+        return self.running if self.asked == 1 else self.after
+
+
+@pytest.mark.parametrize("after, want", [(0, "spin"), (1, "calm")])
+def test_a_calm_fresh_start_asks_again_at_the_next_step(after, want):
+    """The task runnable when a burst starts may be the request's sender (gone a step later: spin) or a
+    competing process (still there: stay calm); the next step asks again, not the first 20 ms reading."""
+    load = _Senders([0.0], after)
+    sw = SpinSwitch("calm", "spin", interval=0.05, busy_windows=3, settle=0.0, load=load)
+    time.sleep(0.3)  # idle: > 4 intervals
+    assert sw.session() == "calm"  # the fresh start saw a runnable task
+    assert sw.session() == want  # the next step (no reading due yet) asks once more
+    assert sw.session() == want and load.asked == 2  # once only
+    assert sw.switches == 1 + (want == "spin")
+
+
+def test_own_runnable_threads_are_not_other_processes(tmp_path):
+    """/proc/loadavg counts every runnable task on the host; our own runnable threads are taken off."""
+    wait = ThreadWait()
+    host = tmp_path / "loadavg"
+    host.write_text("0.50 0.40 0.30 3/200 12345\n")
+    own = wait._own_running()
+    assert own >= 1
+    assert wait.others_running(str(host)) == max(0, 3 - own)
+    host.write_text("0.50 0.40 0.30 1/200 12345\n")
+    assert wait.others_running(str(host)) == 0
+
+
 def test_a_long_step_is_not_idle_time():
     """A 100 ms prefill step between readings: our threads ran, so the reading decides (no fresh start)."""
     load = _Readings([0.4, 0.4, 0.4, 0.4], running=0)
