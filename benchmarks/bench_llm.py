@@ -305,7 +305,7 @@ def _med(xs: list) -> float | None:
     return statistics.median(xs) if xs else None
 
 
-def base_of(name: str, workers: dict, a, col: list | None = None, part: int | None = None) -> str:
+def base_of(name: str, workers: dict, a, col: dict | None = None, part: int | None = None) -> str:
     """The precast engine an engine's ratios divide by: same precision class; --base's backend, or with
     --base auto the precast backend that did better in this column (``col``: {engine: per-round values};
     TTFT, ``part`` 0, lower is better)."""
@@ -313,13 +313,14 @@ def base_of(name: str, workers: dict, a, col: list | None = None, part: int | No
     ov, ort = f"precast-ov-{cls}", f"precast-{cls}"
     if cls == "bf16":  # only the OpenVINO backend has bf16 compute
         return ov if ov in workers else base_of("ov-fp32-f32", workers, a, col, part)
-    if a.base != "auto" or ov not in workers or ort not in workers:
-        return ov if (a.base == "ov" or (a.base == "auto" and ov in workers)) else ort
-    med = {e: _med(col.get(e, [])) if col is not None else None for e in (ov, ort)}
-    if None in med.values():
-        return ov if med[ov] is not None or med[ort] is None else ort
-    better_ov = med[ov] < med[ort] if part == 0 else med[ov] > med[ort]
-    return ov if better_ov else ort
+    if a.base == "ort" or (a.base == "auto" and ov not in workers):
+        return ort
+    if a.base == "ov" or ort not in workers or col is None:
+        return ov
+    m_ov, m_ort = _med(col.get(ov, [])), _med(col.get(ort, []))
+    if m_ov is None or m_ort is None:
+        return ort if m_ov is None and m_ort is not None else ov
+    return ov if (m_ov < m_ort if part == 0 else m_ov > m_ort) else ort
 
 
 def print_tables(workers: dict, m: dict, agree: dict, notes: dict, a) -> None:
@@ -343,16 +344,16 @@ def print_tables(workers: dict, m: dict, agree: dict, notes: dict, a) -> None:
         if cond == "quiet":
             how = {"auto": "the faster precast backend of its class in that column", "ort": "precast ORT", "ov": "precast OpenVINO"}
             print(f"(x: engine / {how[a.base]}, same round, median (range); TTFT: < 1 = the engine is faster)")
+        values = [{k: _col(rows[row], k, part) for k in workers} for row, part, _ in cols]
         for name in workers:
             line = f"{name:<15}"
-            for row, part, _label in cols:
-                v = _med(_col(rows[row], name, part))
+            for col, (_row, part, _label) in zip(values, cols):
+                v = _med(col[name])
                 line += f"{'-' if v is None else f'{v * 1e3:.1f}' if part == 0 else f'{v:.1f}':>11}"
-            for row, part, _ in cols:
-                col = {k: _col(rows[row], k, part) for k in workers}
+            for col, (_row, part, _label) in zip(values, cols):
                 base = base_of(name, workers, a, col, part)
                 r = round_ratios({k: col[k] for k in (name, base)}, base, name)
-                line += f"{'' if name.startswith('precast-') else summary(r):>20}"
+                line += f"{'' if name == base else summary(r):>20}"
             print(line + f"{agree.get(name, '-'):>7}")
     if a.load:
         print("\nloaded / unloaded rate, same round (1.00 = no loss; TTFT: unloaded / loaded)")

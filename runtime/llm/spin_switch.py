@@ -47,19 +47,27 @@ class ThreadWait:
         self.last_run_s = 0.0  # CPU seconds our threads ran in the last reading's window
         self._last = self._read()
 
-    def _read(self) -> dict[str, tuple[int, int]] | None:
+    def _task_files(self, name: str):
+        """(tid, contents of /proc/self/task/<tid>/<name>) of every thread alive now."""
         try:
             tids = os.listdir(self.task_dir)
         except OSError:
-            return None
-        out = {}
+            return
         for tid in tids:
             try:
-                with open(f"{self.task_dir}/{tid}/schedstat", "rb") as f:
-                    run, wait = f.read().split()[:2]
-                out[tid] = (int(run), int(wait))
-            except (OSError, ValueError):
+                with open(f"{self.task_dir}/{tid}/{name}", "rb") as f:
+                    yield tid, f.read()
+            except OSError:
                 continue  # (a thread that ended meanwhile)
+
+    def _read(self) -> dict[str, tuple[int, int]] | None:
+        out = {}
+        for tid, text in self._task_files("schedstat"):
+            try:
+                run, wait = text.split()[:2]
+                out[tid] = (int(run), int(wait))
+            except ValueError:
+                continue
         return out or None
 
     @property
@@ -77,19 +85,8 @@ class ThreadWait:
         return max(0, total - self._own_running())
 
     def _own_running(self) -> int:
-        own = 0
-        try:
-            tids = os.listdir(self.task_dir)
-        except OSError:
-            tids = []
-        for tid in tids:
-            try:
-                with open(f"{self.task_dir}/{tid}/stat", "rb") as f:
-                    stat = f.read()
-            except OSError:
-                continue  # (a thread that ended meanwhile)
-            end = stat.rfind(b")")  # the state follows the command name, which may hold spaces
-            own += stat[end + 2 : end + 3] == b"R"
+        # the state follows the command name, which may hold spaces: after the last ")"
+        own = sum(stat[stat.rfind(b")") + 2 :][:1] == b"R" for _, stat in self._task_files("stat"))
         return max(own, 1)  # the caller is running
 
     def waiting(self) -> float | None:
@@ -159,8 +156,8 @@ class SpinSwitch:
             elif now >= self._settled:
                 self._decide(waiting, now)
         elif self._recheck:  # the step after a calm fresh start: was that task only the request's sender?
-            self._recheck = False
-            if not self.spinning_now and self.load.others_running() == 0:
+            self._recheck = False  # (set only by a calm fresh start: no reading has changed it since)
+            if self.load.others_running() == 0:
                 self.spinning_now, self.switches = True, self.switches + 1
         return self.spinning if self.spinning_now else self.calm
 
