@@ -342,8 +342,14 @@ def print_tables(workers: dict, m: dict, agree: dict, notes: dict, a) -> None:
         )
         print("\n" + hdr + "\n" + "-" * len(hdr))
         if cond == "quiet":
-            how = {"auto": "the faster precast backend of its class in that column", "ort": "precast ORT", "ov": "precast OpenVINO"}
-            print(f"(x: engine / {how[a.base]}, same round, median (range); TTFT: < 1 = the engine is faster)")
+            how = {
+                "auto": "the faster precast backend of its class in that column",
+                "ort": "precast ORT",
+                "ov": "precast OpenVINO",
+            }
+            print(
+                f"(x: engine / {how[a.base]}, same round, median (range); TTFT: < 1 = the engine is faster)"
+            )
         values = [{k: _col(rows[row], k, part) for k in workers} for row, part, _ in cols]
         for name in workers:
             line = f"{name:<15}"
