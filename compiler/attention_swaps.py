@@ -1,4 +1,5 @@
-"""Families whose attention code bypasses transformers' attention interface: Falcon and BLOOM.
+"""Families whose attention code bypasses transformers' attention interface: Falcon (before transformers
+5.25, which moved it onto the interface: then nothing is swapped) and BLOOM.
 
 Their attention modules compute the attention product themselves instead of calling
 ``ALL_ATTENTION_FUNCTIONS``. ``swap_attention`` replaces each such module's ``forward`` (on the instance) with
@@ -87,6 +88,14 @@ def _bloom_slopes(model: nn.Module, heads: int) -> torch.Tensor:
     return base.build_alibi_tensor(ones, heads, torch.float32)[:, 0, 1].clone()
 
 
+def _bypasses_interface(mod: nn.Module) -> bool:
+    """Whether this attention module computes attention itself (its forward takes bloom's / old falcon's
+    ``alibi`` argument) rather than calling transformers' attention interface, which precast hooks already."""
+    import inspect
+
+    return "alibi" in inspect.signature(type(mod).forward).parameters
+
+
 def swap_attention(hf: nn.Module) -> int:
     """Point Falcon / BLOOM attention modules at precast's paged attention (idempotent) -> how many swapped."""
     model_type = getattr(hf.config, "model_type", None)
@@ -96,6 +105,8 @@ def swap_attention(hf: nn.Module) -> int:
     for mod in hf.modules():
         name = type(mod).__name__
         if name not in ("FalconAttention", "BloomAttention") or hasattr(mod, "_precast_own_forward"):
+            continue
+        if not _bypasses_interface(mod):  # (transformers 5.25 moved Falcon onto the attention interface)
             continue
         mod._precast_own_forward = mod.forward
         if name == "FalconAttention":
