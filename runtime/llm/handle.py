@@ -113,6 +113,20 @@ class RequestHandle:
             except Exception as e:  # the caller's bug: the engine fails this request, the others go on
                 self._fail(f"its on_token callback raised {type(e).__name__}: {e}", e)
 
+    def _push_id(self, token_id: int) -> None:
+        """_push of a token without text (no tokenizer, or detokenize=False), holdback or logprobs: the
+        engine's steady path for plain requests."""
+        if self.t_first_token is None:
+            self.t_first_token = time.perf_counter()
+        r = self.request
+        ev = TokenEvent(token_id, "", len(r.token_ids) - len(r.prompt_ids) - 1, r.finish_reason)
+        self._events.append(ev)
+        if self.on_token is not None:
+            try:
+                self.on_token(ev)
+            except Exception as e:  # the caller's bug: the engine fails this request, the others go on
+                self._fail(f"its on_token callback raised {type(e).__name__}: {e}", e)
+
     def _fail(self, why: str, cause: BaseException) -> None:
         if self.error is None:
             self.error, self._cause = why, cause

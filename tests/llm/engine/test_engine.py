@@ -259,3 +259,123 @@ def test_background_loop_serves_handles():
         assert [h.result().token_ids for h in hs] == [reference_greedy(h.request.prompt_ids, 12) for h in hs]
     finally:
         eng.stop()
+
+
+# -- the steady path of plain requests (Engine._steady_tail) ---------------------------------------------
+def _run_streams(engine, prompts, params_of, on_token=None):
+    """Every request's events (token id, text, index, finish reason) and the engine's counters at the end."""
+    handles = [engine.submit(p, params_of(i), on_token=on_token) for i, p in enumerate(prompts)]
+    engine.run_until_done()
+    events = [[tuple(e) for e in h._events] for h in handles]
+    m = engine.metrics()
+    counts = (m.generation_tokens, m.requests_finished, m.requests_failed, m.requests_cancelled, m.ttft_count)
+    return handles, events, counts
+
+
+def _generic(engine):
+    engine._all_plain = lambda out: False  # every step through _sample / _stream / _emit
+    return engine
+
+
+def _tailed(engine):
+    """Count the steps that take the steady tail (a test of the fast path must see it taken)."""
+    engine.tails, engine.in_tail = 0, False
+    tail = engine._steady_tail
+
+    def counted(out, logits):
+        engine.tails += 1
+        engine.in_tail = True
+        try:
+            return tail(out, logits)
+        finally:
+            engine.in_tail = False
+
+    engine._steady_tail = counted
+    return engine
+
+
+@pytest.mark.parametrize("max_tokens", [1, 2, 13, 25])
+def test_steady_tail_streams_exactly_what_the_general_path_streams(max_tokens):
+    # Mixed batch: plain greedy rows (the tail's), and rows that are not plain (seeded sampling, a
+    # penalty, logprobs) keep the whole batch on the general path while they run; lengths end the rows
+    # at different steps, some inside a block (ending a steady run), some at a block's end.
+    prompts = _prompts(6, seed=5)
+    kinds = [
+        SamplingParams(max_tokens=max_tokens),
+        SamplingParams(max_tokens=max_tokens + 3, temperature=0.8, seed=3),
+        SamplingParams(max_tokens=max_tokens + 5),
+        SamplingParams(max_tokens=max_tokens + 7, logprobs=2),
+        SamplingParams(max_tokens=max_tokens + 30),  # (prompt + 55 stays under the fake's 128 context)
+        SamplingParams(max_tokens=max_tokens + 2, repetition_penalty=1.3),
+    ]
+    fast = _tailed(_engine())
+    hf, ef, cf = _run_streams(fast, prompts, kinds.__getitem__)
+    _, eg, cg = _run_streams(_generic(_engine()), prompts, kinds.__getitem__)
+    assert ef == eg and cf == cg
+    assert hf[0].token_ids == reference_greedy(prompts[0], max_tokens)
+    # the last plain row outlives the others by 23+ tokens: steady steps of plain rows only
+    assert fast.tails > 0
+    assert not fast._handles  # finished requests leave the engine on the tail too
+    _assert_no_leak(fast)
+
+
+def test_steady_tail_is_not_taken_for_text_stop_strings_or_logprobs():
+    tok = CharTokenizer()
+    for params in (
+        SamplingParams(max_tokens=30),  # text
+        SamplingParams(max_tokens=30, stop=("zz",)),
+        SamplingParams(max_tokens=30, detokenize=False, logprobs=1),
+        SamplingParams(max_tokens=30, detokenize=False, temperature=0.5, seed=1),
+    ):
+        eng = _tailed(_engine(tokenizer=tok))
+        eng.generate(["hello there"], params)
+        assert eng.tails == 0, params
+    eng = _tailed(_engine(tokenizer=tok))
+    out = eng.generate(["hello there"], SamplingParams(max_tokens=30, detokenize=False))[0]
+    assert eng.tails > 0 and out.text == "" and out.token_ids == reference_greedy(tok.encode("hello there"), 30)
+
+
+def test_steady_tail_callback_failure_and_cancel_of_another_row():
+    # During steady steps of plain rows: one row's callback raises (that request fails, its blocks are
+    # freed), another's cancels a third request (which then streams nothing more); the rest go on.
+    # (prompt lengths equal modulo the block size 4: the rows leave their blocks together, so runs of
+    # steady steps happen; both events below fall in one, asserted)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20]]
+    results = {}
+    for mode in ("tail", "generic"):
+        eng = _tailed(_engine()) if mode == "tail" else _generic(_engine())
+        params = SamplingParams(max_tokens=40)
+        seen = {i: [] for i in range(4)}
+        ids, where = {}, []
+
+        def cb(i):
+            def on_token(ev):
+                seen[i].append(ev.token_id)
+                if i == 0 and ev.index == 9:
+                    where.append(getattr(eng, "in_tail", None))
+                    raise ValueError("boom")
+                if i == 1 and ev.index == 13:
+                    where.append(getattr(eng, "in_tail", None))
+                    eng.cancel(ids[2])
+
+            return on_token
+
+        hs = []
+        for i, p in enumerate(prompts):
+            hs.append(eng.submit(p, params, on_token=cb(i)))
+            ids[i] = hs[-1].request_id
+        eng.run_until_done()
+        with pytest.raises(LLMRequestError, match="boom"):
+            hs[0].result()
+        with pytest.raises(RequestCancelledError):
+            hs[2].result()
+        # nothing streamed after the failure, or after the cancel (row 2 comes after row 1 in the step's batch)
+        assert len(seen[0]) == 10 and len(seen[2]) == 13
+        for i in (1, 3):
+            assert hs[i].result().token_ids == seen[i] == reference_greedy(prompts[i], 40)
+        m = eng.metrics()
+        results[mode] = (seen, m.requests_failed, m.requests_cancelled, m.requests_finished, m.generation_tokens)
+        assert (m.requests_failed, m.requests_cancelled, m.requests_finished) == (1, 1, 2)
+        _assert_no_leak(eng)
+        assert where == ([True, True] if mode == "tail" else [None, None])
+    assert results["tail"] == results["generic"]
