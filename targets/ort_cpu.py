@@ -72,7 +72,7 @@ class OrtCpu(Target):
     default_pipeline = (
         "infer-shapes,fold-constants,unroll-loops,fold-constants,eliminate-dead-code,"
         "fuse-layernorm,fuse-rmsnorm,fuse-gelu,fuse-attention,fuse-skip-layernorm,"
-        "fuse-matmul-add,"
+        "fuse-matmul-add,pack-matmuls,"
         "eliminate-dead-code"
     )
 
