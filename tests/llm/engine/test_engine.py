@@ -335,47 +335,48 @@ def test_steady_tail_is_not_taken_for_text_stop_strings_or_logprobs():
     assert eng.tails > 0 and out.text == "" and out.token_ids == reference_greedy(tok.encode("hello there"), 30)
 
 
+def _failing_and_cancelling_run(mode: str, prompts):
+    eng = _tailed(_engine()) if mode == "tail" else _generic(_engine())
+    params = SamplingParams(max_tokens=40)
+    seen = {i: [] for i in range(4)}
+    ids, where = {}, []
+
+    def cb(i):
+        def on_token(ev):
+            seen[i].append(ev.token_id)
+            if i == 0 and ev.index == 9:
+                where.append(getattr(eng, "in_tail", None))
+                raise ValueError("boom")
+            if i == 1 and ev.index == 13:
+                where.append(getattr(eng, "in_tail", None))
+                eng.cancel(ids[2])
+
+        return on_token
+
+    hs = []
+    for i, p in enumerate(prompts):
+        hs.append(eng.submit(p, params, on_token=cb(i)))
+        ids[i] = hs[-1].request_id
+    eng.run_until_done()
+    with pytest.raises(LLMRequestError, match="boom"):
+        hs[0].result()
+    with pytest.raises(RequestCancelledError):
+        hs[2].result()
+    # nothing streamed after the failure, or after the cancel (row 2 comes after row 1 in the step's batch)
+    assert len(seen[0]) == 10 and len(seen[2]) == 13
+    for i in (1, 3):
+        assert hs[i].result().token_ids == seen[i] == reference_greedy(prompts[i], 40)
+    m = eng.metrics()
+    assert (m.requests_failed, m.requests_cancelled, m.requests_finished) == (1, 1, 2)
+    _assert_no_leak(eng)
+    assert where == ([True, True] if mode == "tail" else [None, None])
+    return seen, m.requests_failed, m.requests_cancelled, m.requests_finished, m.generation_tokens
+
+
 def test_steady_tail_callback_failure_and_cancel_of_another_row():
     # During steady steps of plain rows: one row's callback raises (that request fails, its blocks are
     # freed), another's cancels a third request (which then streams nothing more); the rest go on.
     # (prompt lengths equal modulo the block size 4: the rows leave their blocks together, so runs of
-    # steady steps happen; both events below fall in one, asserted)
+    # steady steps happen; both events fall in one, asserted)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20]]
-    results = {}
-    for mode in ("tail", "generic"):
-        eng = _tailed(_engine()) if mode == "tail" else _generic(_engine())
-        params = SamplingParams(max_tokens=40)
-        seen = {i: [] for i in range(4)}
-        ids, where = {}, []
-
-        def cb(i):
-            def on_token(ev):
-                seen[i].append(ev.token_id)
-                if i == 0 and ev.index == 9:
-                    where.append(getattr(eng, "in_tail", None))
-                    raise ValueError("boom")
-                if i == 1 and ev.index == 13:
-                    where.append(getattr(eng, "in_tail", None))
-                    eng.cancel(ids[2])
-
-            return on_token
-
-        hs = []
-        for i, p in enumerate(prompts):
-            hs.append(eng.submit(p, params, on_token=cb(i)))
-            ids[i] = hs[-1].request_id
-        eng.run_until_done()
-        with pytest.raises(LLMRequestError, match="boom"):
-            hs[0].result()
-        with pytest.raises(RequestCancelledError):
-            hs[2].result()
-        # nothing streamed after the failure, or after the cancel (row 2 comes after row 1 in the step's batch)
-        assert len(seen[0]) == 10 and len(seen[2]) == 13
-        for i in (1, 3):
-            assert hs[i].result().token_ids == seen[i] == reference_greedy(prompts[i], 40)
-        m = eng.metrics()
-        results[mode] = (seen, m.requests_failed, m.requests_cancelled, m.requests_finished, m.generation_tokens)
-        assert (m.requests_failed, m.requests_cancelled, m.requests_finished) == (1, 1, 2)
-        _assert_no_leak(eng)
-        assert where == ([True, True] if mode == "tail" else [None, None])
-    assert results["tail"] == results["generic"]
+    assert _failing_and_cancelling_run("tail", prompts) == _failing_and_cancelling_run("generic", prompts)
