@@ -19,6 +19,7 @@ sdpa attention disagree for it, so there is no reference to match.
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -91,8 +92,6 @@ def _bloom_slopes(model: nn.Module, heads: int) -> torch.Tensor:
 def _bypasses_interface(mod: nn.Module) -> bool:
     """Whether this attention module computes attention itself (its forward takes bloom's / old falcon's
     ``alibi`` argument) rather than calling transformers' attention interface, which precast hooks already."""
-    import inspect
-
     return "alibi" in inspect.signature(type(mod).forward).parameters
 
 

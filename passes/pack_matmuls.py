@@ -90,7 +90,7 @@ class PackMatMuls(Pass):
         w = ir.Value(
             name=f"{name}/weight",
             shape=ir.Shape(weights.shape),
-            type=ir.TensorType(siblings[0].inputs[1].const_value.dtype),
+            type=ir.TensorType(first.inputs[1].const_value.dtype),
             const_value=ir.tensor(weights, name=f"{name}/weight"),
         )
         graph.register_initializer(w)

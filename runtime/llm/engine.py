@@ -314,18 +314,13 @@ class Engine:
         else:
             sampled = logits[: len(rows)].argmax(axis=1).tolist()
         self.scheduler.update_from_output(out, sampled)
-        c, handles, produced = self.counters, self._handles, 0
+        handles, produced = self._handles, 0
         for req, tok in zip(rows, sampled):
             handle = handles.get(req.request_id)
             if handle is None:  # an earlier row's callback cancelled it
                 continue
             produced += 1
-            c.generation_tokens += 1
-            if handle.t_first_token is None:
-                c.observe_ttft(handle)
-            if req.finished:
-                c.requests_finished += 1
-                self._forget(req.request_id)
+            self._count_token(handle, req)
             handle._push_id(tok)
             if handle.error is not None:  # its on_token callback raised
                 self._fail(req)
@@ -383,19 +378,24 @@ class Engine:
     def _emit(self, handle: RequestHandle, req: Request, tok: int, logits: np.ndarray, row: int) -> None:
         """Stream one sampled token (the scheduler appended it, and finished the request if it ended there)."""
         p = req.params
-        self.counters.generation_tokens += 1
         text = self._visible_text(req) if self.tokenizer is not None and p.detokenize else None
-        if handle.t_first_token is None:
-            self.counters.observe_ttft(handle)
-        if req.finished:
-            self.counters.requests_finished += 1
-            self._forget(req.request_id)
+        self._count_token(handle, req)  # (after the text: a stop string in it finishes the request)
         holdback = max(map(len, p.stop)) - 1 if p.stop else 0
         # (opt-in: costs a softmax)
         lp = None if p.logprobs is None else token_logprobs(logits[row], tok, p.logprobs)
         handle._push(tok, text, holdback, lp)
         if handle.error is not None:  # its on_token callback raised
             self._fail(req)
+
+    def _count_token(self, handle: RequestHandle, req: Request) -> None:
+        """The counters of one streamed token (first token: TTFT); a request it finished leaves the engine."""
+        c = self.counters
+        c.generation_tokens += 1
+        if handle.t_first_token is None:
+            c.observe_ttft(handle)
+        if req.finished:
+            c.requests_finished += 1
+            self._forget(req.request_id)
 
     def _fail(self, req: Request) -> None:
         """Finish a failed request (its handle says why): its blocks are freed, the others go on."""

@@ -106,12 +106,7 @@ class RequestHandle:
         else:
             ev = _LogprobEvent(token_id, delta, index, r.finish_reason)
             ev.logprobs = logprobs
-        self._events.append(ev)
-        if self.on_token is not None:
-            try:
-                self.on_token(ev)
-            except Exception as e:  # the caller's bug: the engine fails this request, the others go on
-                self._fail(f"its on_token callback raised {type(e).__name__}: {e}", e)
+        self._deliver(ev)
 
     def _push_id(self, token_id: int) -> None:
         """_push of a token without text (no tokenizer, or detokenize=False), holdback or logprobs: the
@@ -119,7 +114,10 @@ class RequestHandle:
         if self.t_first_token is None:
             self.t_first_token = time.perf_counter()
         r = self.request
-        ev = TokenEvent(token_id, "", len(r.token_ids) - len(r.prompt_ids) - 1, r.finish_reason)
+        self._deliver(TokenEvent(token_id, "", len(r.token_ids) - len(r.prompt_ids) - 1, r.finish_reason))
+
+    def _deliver(self, ev: TokenEvent) -> None:
+        """Queue one event for the iterator and hand it to the on_token callback."""
         self._events.append(ev)
         if self.on_token is not None:
             try:
