@@ -13,12 +13,13 @@ manager; the engine owns requests' handles, sampling, text and stop strings, and
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import itertools
 import os
 import threading
 import weakref
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.metrics import EngineCounters, EngineMetrics
 from precast.runtime.llm.prompt import prompt_ids
-from precast.runtime.llm.request import Request
+from precast.runtime.llm.request import Request, Status
 from precast.runtime.llm.sampler import SamplingParams, is_int, sample, token_logprobs
 from precast.runtime.llm.scheduler import (
     Scheduler,
@@ -73,6 +74,9 @@ class Engine:
         self._stop = False
         self._cleanup: weakref.finalize | None = None  # removes the temp dir load() unpacked into
         self._plain: SchedulerOutput | None = None  # the steady output whose rows are all plain (_all_plain)
+        # Other threads about to take the lock, or waiting on it for a token (deque append/pop are atomic):
+        # a burst stops at once when one knocks, so a submit, cancel or reader waits one step as before.
+        self._knocks: deque = deque()
 
     @classmethod
     def load(
@@ -174,7 +178,7 @@ class Engine:
         """Queue one request. Bad input raises LLMRequestError naming it; other requests are unaffected."""
         params = SamplingParams() if params is None else params
         ids = self._checked(prompt, params, priority, request_id, on_token)
-        with self._cond:
+        with self._knocking():
             self._rejecting(self._check_id_free, request_id)
             return self._enqueue(ids, params, priority, request_id, on_token)
 
@@ -187,7 +191,7 @@ class Engine:
         try:
             return check(*args)
         except LLMRequestError:
-            with self._cond:
+            with self._knocking():
                 self.counters.requests_rejected += 1
             raise
 
@@ -230,7 +234,7 @@ class Engine:
 
     def cancel(self, request_id: str) -> bool:
         """Cancel a request (its blocks are freed now). False if it had already finished."""
-        with self._cond:
+        with self._knocking():
             handle = self._handles.get(request_id)
             if handle is None or handle.finished:
                 if request_id in self._finished_ids or handle is not None:
@@ -258,7 +262,7 @@ class Engine:
             prompts = [prompts]
         params = SamplingParams() if params is None else params
         checked = [self._checked(p, params, priority, None, None) for p in prompts]
-        with self._cond:
+        with self._knocking():
             handles = [self._enqueue(ids, params, priority, None, None) for ids in checked]
         return [h.result() for h in handles]
 
@@ -272,6 +276,12 @@ class Engine:
     # -- the step loop -------------------------------------------------------------------------
     def step(self) -> int:
         """One scheduler step: schedule -> run -> sample -> update -> stream. Returns the tokens sampled."""
+        return self._step(burst=False)
+
+    def _step(self, burst: bool) -> int:
+        """step(); with ``burst``, a batch-1 steady decode of a plain request goes on to its block's end
+        (_burst) unless another thread knocks. (The loops call this; step() stays one step for callers
+        that interleave their own work.)"""
         with self._cond:
             out = self.scheduler.schedule()
             c = self.counters
@@ -284,6 +294,8 @@ class Engine:
                 logits = self.runner.execute(out)
                 if out.kind is StepKind.STEADY and (out is self._plain or self._all_plain(out)):
                     produced = self._steady_tail(out, logits)
+                    if burst and len(out.rows) == 1 and not self._knocks:
+                        produced += self._burst(out.rows[0])
                 else:
                     sampled = self._sample(out, logits)
                     self.scheduler.update_from_output(out, sampled)
@@ -326,9 +338,55 @@ class Engine:
                 self._fail(req)
         return produced
 
+    def _burst(self, req: Request) -> int:
+        """The steady decode of one plain request (greedy, no text, stop strings or logprobs), token after
+        token to the end of its block, without the step loop around each: no schedule(), no lock round
+        trip or notify, no dispatch on the step's kind. On a small model's ~0.5 ms step that loop is most of
+        the per-step cost outside the kernels (benchmarks/README.md). It does exactly what those steps
+        would: the scheduler's update_from_output for a STEADY row, _steady_tail's counters and event. It
+        stops at the block's end (the next step allocates), when the request finishes, fails or is
+        cancelled from a callback, and as soon as another thread knocks. Returns the tokens produced."""
+        handle = self._handles.get(req.request_id)
+        sched = self.scheduler
+        if handle is None or handle.error is not None or sched._steady_left <= 0:
+            return 0
+        run_one = getattr(self.runner, "single_decoder", None)
+        run_one = run_one() if run_one is not None else None
+        if run_one is None:
+            return 0
+        c, kv, bs = self.counters, sched.kv, sched.kv.block_size
+        tokens, stops, end, knocks = req.token_ids, req.stop_ids, req.end_len, self._knocks
+        produced = 0
+        waiting = sched.waiting  # (a request its own callback submitted: scheduled at the next step)
+        while sched._steady_left > 0 and not knocks and not waiting and req.status is Status.RUNNING:
+            p = req.num_computed
+            tok = int(run_one(tokens[-1], p).argmax())
+            sched.step_count += 1
+            c.steps += 1
+            c.computed_tokens += 1
+            req.num_computed = p = p + 1
+            if p % bs == 0:
+                kv.commit(req.request_id, tokens, p)  # (the block just filled)
+            tokens.append(tok)
+            if tok in stops:
+                sched.finish(req, "stop")
+                sched._end_run()
+            elif len(tokens) >= end:
+                sched.finish(req, "length")
+                sched._end_run()
+            else:
+                sched._steady_left -= 1
+            produced += 1
+            self._count_token(handle, req)
+            handle._push_id(tok)
+            if handle.error is not None:  # its on_token callback raised
+                self._fail(req)
+                break
+        return produced
+
     def run_until_done(self) -> None:
         while self.has_unfinished():
-            self.step()
+            self._step(burst=True)
 
     def _count(self, out: SchedulerOutput) -> None:
         c = self.counters
@@ -437,15 +495,21 @@ class Engine:
     def _wait_for(self, handle: RequestHandle) -> None:
         """Return once the handle has a new event or has finished: step the engine, or wait for the loop."""
         # Under the lock: another thread's step may finish this request between a caller's check and here.
-        with self._cond:
+        with self._knocking():
             if handle._events or handle.finished:
                 return
             if self._thread is not None and self._thread.is_alive():
-                self._cond.wait(timeout=0.5)
+                self._knocks.append(
+                    None
+                )  # (a waiting reader: the loop's steps stay single, each one notifies)
+                try:
+                    self._cond.wait(timeout=0.5)
+                finally:
+                    self._knocks.pop()
                 return
             if not self.scheduler.has_work():
                 raise RuntimeError(f"request '{handle.request_id}' is unfinished but the engine has no work")
-            self.step()
+            self._step(burst=True)
 
     def start(self) -> None:
         """Run the step loop in a background thread (handles then wait instead of stepping)."""
@@ -456,7 +520,7 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        with self._cond:
+        with self._knocking():
             self._stop = True
             self._cond.notify_all()
         if self._thread is not None:
@@ -470,11 +534,24 @@ class Engine:
                     self._cond.wait()
                 if self._stop:
                     return
-            self.step()
+            self._step(burst=True)
+
+    @contextlib.contextmanager
+    def _knocking(self):
+        """The engine's lock, taken by a caller thread: knocking first stops a running burst."""
+        self._knocks.append(None)
+        try:
+            self._cond.acquire()
+        finally:
+            self._knocks.pop()
+        try:
+            yield
+        finally:
+            self._cond.release()
 
     # -- metrics ---------------------------------------------------------------------------------
     def metrics(self) -> EngineMetrics:
-        with self._cond:
+        with self._knocking():
             return self.counters.snapshot(
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting),

@@ -154,6 +154,33 @@ class MappedModelRunner(ModelRunner):
         rows = out.rows
         return self._decode(self._again, [r.token_ids[-1] for r in rows], [r.num_computed for r in rows])
 
+    def single_decoder(self):
+        """For the engine's batch-1 steady burst: ``run(token, position) -> logits row`` of the one row the
+        last decode ran (slot 0, its views mapped through the current block), bound buffers filled in
+        place; None when that run was not a one-row decode in slot 0 or the session has no IO binding.
+        Valid while the row stays inside its mapped blocks (the scheduler's STEADY steps)."""
+        if self._again != [0] or not self._io:
+            return None
+        bound = self._bindings.get((0, 1))
+        if bound is None or bound.inputs is not bound.decode:
+            return None
+        d = bound.decode
+        ids, pos, seqlens, total = d["input_ids"], d["positions"], d["seqlens_k"], d["total_sequence_length"]
+        session = self._active_session()  # (once per burst: the spin switch's pick of this step)
+        sess, io, row = getattr(session, "__dict__", {}).get("_sess"), bound.io, bound.logits[0]
+        if sess is None:
+            return None
+        binding = io._iobinding
+
+        def run(token: int, position: int) -> np.ndarray:
+            ids[0, 0] = token
+            pos[0, 0] = seqlens[0] = position
+            total[()] = position + 1
+            sess.run_with_iobinding(binding, None)
+            return row
+
+        return run
+
     def _mixed(self, out: SchedulerOutput) -> np.ndarray:
         # One call for all rows: decode rows batched in slots 0 .. n-1, each prefill row alone past them
         # (split calls would hand prefill rows the decode rows' slots and remap them every step).

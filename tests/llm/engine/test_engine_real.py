@@ -126,6 +126,73 @@ def test_steady_plans_survive_arrivals_cancels_and_finishes(llama, expected):
     assert kinds["steady"] > 0 and eng.metrics().kv_blocks_used == 0
 
 
+def _ids_run(eng, prompt, params, stepwise: bool, on_token=None):
+    """One request through run_until_done (batch-1 steady bursts) or step() by step() (never a burst); the
+    handle and how many steps ran the model through the runner's execute()."""
+    calls = []
+    real = eng.runner.execute
+    eng.runner.execute = lambda out: (calls.append(out.kind), real(out))[1]
+    try:
+        h = eng.submit(prompt, params, on_token=on_token)
+        if stepwise:
+            while eng.has_unfinished():
+                eng.step()
+        else:
+            eng.run_until_done()
+    finally:
+        del eng.runner.execute
+    return h, len(calls)
+
+
+@pytest.mark.slow
+def test_batch1_steady_burst_equals_single_steps(llama, expected):
+    # A plain batch-1 request decodes to each block's end without the step loop (engine._burst): the same
+    # tokens as HF and as step() by step(), the same counters, a stop token honoured mid-burst, and far
+    # fewer execute() calls (the proof that the burst ran at all).
+    text = TEXTS[0]
+    want = expected[text]
+    for stop_at in (None, 13):  # 13: a stop token id inside a block's run, not at its end
+        params = SamplingParams(
+            max_tokens=NEW,
+            ignore_eos=True,
+            detokenize=False,
+            stop_token_ids=() if stop_at is None else (want[stop_at],),
+        )
+        got = {}
+        for stepwise in (True, False):
+            eng = Engine.load(llama, num_blocks=64)
+            h, calls = _ids_run(eng, text, params, stepwise)
+            m = eng.metrics()
+            got[stepwise] = (h.result().token_ids, h.result().finish_reason, m.generation_tokens, calls)
+            assert m.kv_blocks_used == 0 and m.requests_finished == 1
+        n = NEW if stop_at is None else want.index(want[stop_at]) + 1
+        assert got[True][0] == got[False][0] == want[:n]
+        assert got[True][1] == got[False][1] == ("length" if stop_at is None else "stop")
+        assert got[True][2] == got[False][2] == n
+        assert got[True][3] >= n and got[False][3] <= n // 2, got  # step(): one execute per token
+
+
+@pytest.mark.slow
+def test_batch1_burst_yields_to_an_arrival(llama, expected):
+    # A request submitted from inside the stream (its on_token callback) must be scheduled at the next
+    # step, not after the burst reaches its block's end: its first token comes within 2 tokens of the first
+    # request's, and both still match HF.
+    eng = Engine.load(llama, num_blocks=64)
+    events, later = [], []
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True, detokenize=False)
+
+    def on_token(ev):
+        events.append(("a", ev.index))
+        if ev.index == 3 and not later:
+            later.append(eng.submit(TEXTS[2], params, on_token=lambda e: events.append(("b", e.index))))
+
+    h, _ = _ids_run(eng, TEXTS[0], params, stepwise=False, on_token=on_token)
+    assert h.result().token_ids == expected[TEXTS[0]]
+    assert later[0].result().token_ids == expected[TEXTS[2]]
+    first_b = events.index(("b", 0))
+    assert [e for e in events[:first_b] if e[0] == "a"][-1][1] <= 5, events[:first_b]
+
+
 @pytest.mark.slow
 def test_generate_cli_streams(llama, expected):
     from click.testing import CliRunner
