@@ -332,55 +332,45 @@ class Engine:
             if handle is None:  # an earlier row's callback cancelled it
                 continue
             produced += 1
-            self._count_token(handle, req)
-            handle._push_id(tok)
-            if handle.error is not None:  # its on_token callback raised
-                self._fail(req)
+            self._plain_token(handle, req, tok)
         return produced
+
+    def _plain_token(self, handle: RequestHandle, req: Request, tok: int) -> None:
+        """Stream a plain request's token (the scheduler appended it): counters, then its bare event."""
+        self._count_token(handle, req)
+        handle._push_id(tok)
+        if handle.error is not None:  # its on_token callback raised
+            self._fail(req)
 
     def _burst(self, req: Request) -> int:
         """The steady decode of one plain request (greedy, no text, stop strings or logprobs), token after
         token to the end of its block, without the step loop around each: no schedule(), no lock round
         trip or notify, no dispatch on the step's kind. On a small model's ~0.5 ms step that loop is most of
-        the per-step cost outside the kernels (benchmarks/README.md). It does exactly what those steps
-        would: the scheduler's update_from_output for a STEADY row, _steady_tail's counters and event. It
+        the per-step cost outside the kernels (benchmarks/README.md). Each token goes through the same code
+        those steps would: the scheduler's steady_step (update_from_output's per-row advance), then
+        _plain_token (_steady_tail's counters and event). It
         stops at the block's end (the next step allocates), when the request finishes, fails or is
         cancelled from a callback, and as soon as another thread knocks. Returns the tokens produced."""
         handle = self._handles.get(req.request_id)
         sched = self.scheduler
-        if handle is None or handle.error is not None or sched._steady_left <= 0:
+        if handle is None or handle.error is not None or sched.steady_steps_left() <= 0:
             return 0
-        run_one = getattr(self.runner, "single_decoder", None)
-        run_one = run_one() if run_one is not None else None
+        make = getattr(self.runner, "single_decoder", None)
+        run_one = make() if make is not None else None
         if run_one is None:
             return 0
-        c, kv, bs = self.counters, sched.kv, sched.kv.block_size
-        tokens, stops, end, knocks = req.token_ids, req.stop_ids, req.end_len, self._knocks
+        c, tokens, knocks = self.counters, req.token_ids, self._knocks
         produced = 0
-        waiting = sched.waiting  # (a request its own callback submitted: scheduled at the next step)
-        while sched._steady_left > 0 and not knocks and not waiting and req.status is Status.RUNNING:
-            p = req.num_computed
-            tok = int(run_one(tokens[-1], p).argmax())
-            sched.step_count += 1
+        # (steady_steps_left() turns 0 at the block's end, when the run ends, or when a request waits: one
+        # submitted by this request's own callback is scheduled at the next step)
+        while not knocks and sched.steady_steps_left() > 0 and req.status is Status.RUNNING:
+            tok = int(run_one(tokens[-1], req.num_computed).argmax())
             c.steps += 1
             c.computed_tokens += 1
-            req.num_computed = p = p + 1
-            if p % bs == 0:
-                kv.commit(req.request_id, tokens, p)  # (the block just filled)
-            tokens.append(tok)
-            if tok in stops:
-                sched.finish(req, "stop")
-                sched._end_run()
-            elif len(tokens) >= end:
-                sched.finish(req, "length")
-                sched._end_run()
-            else:
-                sched._steady_left -= 1
+            sched.steady_step(req, tok)
             produced += 1
-            self._count_token(handle, req)
-            handle._push_id(tok)
-            if handle.error is not None:  # its on_token callback raised
-                self._fail(req)
+            self._plain_token(handle, req, tok)
+            if handle.error is not None:
                 break
         return produced
 

@@ -219,26 +219,15 @@ class Scheduler:
         samples nothing, or a request the engine finished meanwhile); finish requests on EOS, a stop token id,
         max_tokens or the context cap, freeing their blocks. Returns the requests finished here."""
         finished: list[Request] = []
-        bs, kv, intact = self.kv.block_size, self.kv, True
+        intact = True
         for req, n, tok in zip(out.rows, out.num_new, sampled):
             if req.status is not Status.RUNNING:
                 intact = False  # cancelled or failed during the step
                 continue
-            req.num_computed += n
-            if n > 1 or req.num_computed % bs == 0:
-                kv.commit(req.request_id, req.token_ids, req.num_computed)  # blocks just filled
             if tok is None:
                 intact = False  # (a prefill chunk: this is no steady decode)
-                continue
-            req.token_ids.append(tok)
-            if tok in req.stop_ids:
-                reason = "stop"
-            elif len(req.token_ids) >= req.end_len:
-                reason = "length"
-            else:
-                continue
-            self.finish(req, reason)
-            finished.append(req)
+            if self._advance(req, n, tok):
+                finished.append(req)
         if finished or not intact or out.kind is StepKind.MIXED or self.waiting:
             self._end_run()
         elif out.kind is StepKind.DECODE:
@@ -246,6 +235,41 @@ class Scheduler:
         else:
             self._steady_left -= 1
         return finished
+
+    def _advance(self, req: Request, n: int, tok: int | None) -> bool:
+        """A running row computed ``n`` tokens and sampled ``tok`` (None: nothing): its blocks just filled are
+        committed, the token appended; True when that finished it (EOS / stop token id, max_tokens, context)."""
+        req.num_computed += n
+        if n > 1 or req.num_computed % self.kv.block_size == 0:
+            self.kv.commit(req.request_id, req.token_ids, req.num_computed)  # blocks just filled
+        if tok is None:
+            return False
+        req.token_ids.append(tok)
+        if tok in req.stop_ids:
+            reason = "stop"
+        elif len(req.token_ids) >= req.end_len:
+            reason = "length"
+        else:
+            return False
+        self.finish(req, reason)
+        return True
+
+    # -- the engine's batch-1 burst --------------------------------------------------------------
+    def steady_steps_left(self) -> int:
+        """STEADY steps the current decode run has left before a row needs a new block (0: no run, or the
+        next schedule() must do more than repeat it, e.g. a request is waiting)."""
+        return self._steady_left if self._run is not None and not self.waiting else 0
+
+    def steady_step(self, req: Request, tok: int) -> bool:
+        """What schedule() -> (the step) -> update_from_output() do for a one-row run's STEADY step, without
+        building or returning its output: the step counted, the row one token further. True when the
+        request finished there (the run ends). Only while steady_steps_left() > 0."""
+        self.step_count += 1
+        if self._advance(req, 1, tok):
+            self._end_run()
+            return True
+        self._steady_left -= 1
+        return False
 
     def _start_run(self, out: SchedulerOutput) -> None:
         """After a decode of every running request: the run goes on; count the next steps that stay in
