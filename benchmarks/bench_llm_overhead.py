@@ -123,9 +123,9 @@ def engine_only_us(batch: int, runs: int = 25) -> float:
         while engine.has_unfinished():
             decoding = all(h.token_ids for h in handles)
             t0 = time.perf_counter()
-            produced = step()
-            if decoding:  # (per step of the batch: a burst's tokens count as its steps)
-                times.extend([(time.perf_counter() - t0) / max(1, produced // batch)] * max(1, produced // batch))
+            steps = max(1, step() // batch)  # (a batch-1 burst runs several steps in one call)
+            if decoding:
+                times.extend([(time.perf_counter() - t0) / steps] * steps)
         best = min(best, statistics.median(times))
     return 1e6 * best
 

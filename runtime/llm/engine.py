@@ -348,9 +348,9 @@ class Engine:
         trip or notify, no dispatch on the step's kind. On a small model's ~0.5 ms step that loop is most of
         the per-step cost outside the kernels (benchmarks/README.md). Each token goes through the same code
         those steps would: the scheduler's steady_step (update_from_output's per-row advance), then
-        _plain_token (_steady_tail's counters and event). It
-        stops at the block's end (the next step allocates), when the request finishes, fails or is
-        cancelled from a callback, and as soon as another thread knocks. Returns the tokens produced."""
+        _plain_token (_steady_tail's counters and event). It stops at the block's end (the next step
+        allocates), when the request finishes, fails or is cancelled from a callback, when a request waits,
+        and as soon as another thread knocks. Returns the tokens produced."""
         handle = self._handles.get(req.request_id)
         sched = self.scheduler
         if handle is None or handle.error is not None or sched.steady_steps_left() <= 0:
@@ -489,9 +489,8 @@ class Engine:
             if handle._events or handle.finished:
                 return
             if self._thread is not None and self._thread.is_alive():
-                self._knocks.append(
-                    None
-                )  # (a waiting reader: the loop's steps stay single, each one notifies)
+                # (a waiting reader knocks: the loop's steps stay single, each one notifies)
+                self._knocks.append(None)
                 try:
                     self._cond.wait(timeout=0.5)
                 finally:

@@ -58,6 +58,21 @@ class _Binding:
             self.io.bind_cpu_input(name, arr)
         self.inputs = arrays
 
+    def fill_one(self, token: int, position: int) -> None:
+        """The one-row decode inputs, in place (S = 1: seqlens_k = past_lens; element writes: a third of the
+        cost of list-to-array slice writes)."""
+        d = self.decode
+        d["input_ids"][0, 0] = token
+        d["positions"][0, 0] = d["seqlens_k"][0] = position
+        d["total_sequence_length"][()] = position + 1
+
+
+def _c_session(session):
+    """ORT's C++ session behind an InferenceSession (None for a wrapper: a stand-in, a timer). ORT's Python
+    run_with_iobinding spends ~6 us a call on WebGPU graph-capture checks, as long as a whole small-model
+    decode step's Python: the runner calls the C++ one directly."""
+    return getattr(session, "__dict__", {}).get("_sess")
+
 
 class MappedModelRunner(ModelRunner):
     """ModelRunner over a MappedKV pool (same step() / execute() contract; ``key_cache[i]`` views [NB, KV, bs, D])."""
@@ -164,18 +179,13 @@ class MappedModelRunner(ModelRunner):
         bound = self._bindings.get((0, 1))
         if bound is None or bound.inputs is not bound.decode:
             return None
-        d = bound.decode
-        ids, pos, seqlens, total = d["input_ids"], d["positions"], d["seqlens_k"], d["total_sequence_length"]
-        session = self._active_session()  # (once per burst: the spin switch's pick of this step)
-        sess, io, row = getattr(session, "__dict__", {}).get("_sess"), bound.io, bound.logits[0]
+        sess = _c_session(self._active_session())  # (once per burst: the spin switch's pick of this step)
         if sess is None:
             return None
-        binding = io._iobinding
+        fill, binding, row = bound.fill_one, bound.io._iobinding, bound.logits[0]
 
         def run(token: int, position: int) -> np.ndarray:
-            ids[0, 0] = token
-            pos[0, 0] = seqlens[0] = position
-            total[()] = position + 1
+            fill(token, position)
             sess.run_with_iobinding(binding, None)
             return row
 
@@ -198,10 +208,8 @@ class MappedModelRunner(ModelRunner):
             d = bound.decode  # the binding's own input buffers, filled in place (bound once)
             if bound.inputs is not d:
                 bound.bind_inputs(d)
-            if n == 1:  # (element writes: a third of the cost of list-to-array slice writes)
-                d["input_ids"][0, 0] = tokens[0]
-                d["positions"][0, 0] = d["seqlens_k"][0] = positions[0]  # S = 1: seqlens_k = past_lens
-                d["total_sequence_length"][()] = positions[0] + 1
+            if n == 1:
+                bound.fill_one(tokens[0], positions[0])
             else:
                 d["input_ids"][:, 0] = tokens
                 d["positions"][:, 0] = positions
@@ -270,13 +278,11 @@ class MappedModelRunner(ModelRunner):
         return bound.logits
 
     def _run_bound(self, io) -> None:
-        # ONNX Runtime's Python run_with_iobinding spends ~6 us a call on WebGPU graph-capture checks (as long
-        # as a whole small-model decode step's Python): run the binding's C++ session directly. A session that
-        # wraps ORT's (a stand-in, a timer) has no own _sess and keeps its run_with_iobinding.
+        # The binding's C++ session directly (_c_session); a wrapper keeps its run_with_iobinding.
         # With a spin switch the binding (made on the calm session) runs on the session it picks: a CPU
         # binding is its names and bound buffers, which both sessions of the one graph take alike.
         session = self._active_session()
-        sess = getattr(session, "__dict__", {}).get("_sess")
+        sess = _c_session(session)
         if sess is not None:
             sess.run_with_iobinding(io._iobinding, None)
         else:

@@ -260,16 +260,15 @@ class Scheduler:
         next schedule() must do more than repeat it, e.g. a request is waiting)."""
         return self._steady_left if self._run is not None and not self.waiting else 0
 
-    def steady_step(self, req: Request, tok: int) -> bool:
+    def steady_step(self, req: Request, tok: int) -> None:
         """What schedule() -> (the step) -> update_from_output() do for a one-row run's STEADY step, without
-        building or returning its output: the step counted, the row one token further. True when the
-        request finished there (the run ends). Only while steady_steps_left() > 0."""
+        building or returning its output: the step counted, the row one token further (a finish ends the
+        run). Only while steady_steps_left() > 0."""
         self.step_count += 1
         if self._advance(req, 1, tok):
             self._end_run()
-            return True
-        self._steady_left -= 1
-        return False
+        else:
+            self._steady_left -= 1
 
     def _start_run(self, out: SchedulerOutput) -> None:
         """After a decode of every running request: the run goes on; count the next steps that stay in
