@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -43,6 +44,9 @@ from precast.runtime.progress import ProgressReporter, reporter
 from precast.runtime.schema import IOSignature
 from precast.runtime.target_blocks import TargetBlock
 from precast.targets.base import Target
+
+if TYPE_CHECKING:
+    from precast.compiler.cache import EntryKey
 
 __all__ = [
     "CompileOptions",
@@ -131,7 +135,7 @@ class _Run:
     plan: CompilePlan
     progress: ProgressReporter
     timings: dict[str, float] = field(default_factory=dict)
-    key: str | None = None
+    key: EntryKey | None = None
     cache_status: str | None = None
 
     def __post_init__(self) -> None:
@@ -149,7 +153,8 @@ class _Run:
             return None
         from precast.compiler import cache
 
-        self.key = cache.cache_key(self.plan.cache_key_parts(source_sha, name))
+        pipelines = {t.name: format_pipeline(t.pipeline) for t in self.plan.targets}
+        self.key = cache.EntryKey.of(self.plan.cache_key_parts(source_sha, name), source_sha, pipelines)
         manifest, self.cache_status = cache.restore(cache_dir, self.key, self.plan.output, self.progress.note)
         return None if manifest is None else self.report(manifest, {}, [])
 
@@ -159,7 +164,9 @@ class _Run:
         from precast.compiler import cache
 
         cache.store(self.plan.opts.cache_dir, self.key, self.plan.output)
-        self.progress.note(f"cache {'store' if self.cache_status == 'miss' else 'rebuilt'} {self.key[:12]}")
+        self.progress.note(
+            f"cache {'store' if self.cache_status == 'miss' else 'rebuilt'} {self.key.digest[:12]}"
+        )
 
     def report(self, manifest: dict, records: dict, warnings: list[str]) -> CompileReport:
         self.timings["total"] = time.perf_counter() - self.t0

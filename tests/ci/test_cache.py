@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from precast.compiler.cache import cache_key, check_artifact_tree, lookup
+from precast.compiler.cache import ARTIFACT_NAME, cache_key, check_artifact_tree
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import load
 from precast.runtime.manifest import BUILD_INFO_NAME, sha256_file
@@ -81,7 +81,7 @@ def test_corrupt_entry_is_detected_and_rebuilt(model_file, tmp_path):
     cache = tmp_path / "cache"
     compile_model(str(model_file), tmp_path / "a", CompileOptions(cache_dir=str(cache)))
     (entry,) = [p for p in cache.iterdir() if p.is_dir()]
-    model = entry / "model.onnx"
+    model = entry / ARTIFACT_NAME / "model.onnx"
     model.write_bytes(model.read_bytes()[:-8] + b"\0" * 8)
     said = []
     result = compile_model(
@@ -90,7 +90,7 @@ def test_corrupt_entry_is_detected_and_rebuilt(model_file, tmp_path):
     assert result.cache.startswith("corrupt") and "model.onnx" in result.cache
     assert any("rebuilding" in m for m in said)
     check_artifact_tree(result.output)
-    assert lookup(cache, entry.name)[1] == "hit"  # the rebuilt entry replaced the corrupt one
+    check_artifact_tree(entry / ARTIFACT_NAME)  # the rebuilt entry replaced the corrupt one
     assert compile_model(str(model_file), tmp_path / "c", CompileOptions(cache_dir=str(cache))).cache == "hit"
 
 

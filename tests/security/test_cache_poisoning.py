@@ -1,0 +1,160 @@
+"""A compile-cache entry is data from whoever can write the cache dir: one that is not provably this compile's
+(another model's entry copied over this key's, a record forged to name this key) is never published."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import precast.compiler.cache as cache_mod
+from precast.compiler.cache import ARTIFACT_NAME, RECORD_NAME
+from precast.compiler.driver import CompileOptions, compile_model
+from precast.runtime import load
+from precast.runtime.errors import ArtifactError
+from precast.runtime.manifest import MANIFEST_NAME, read_manifest, sha256_file
+from tests.ci.cli_helpers import run_cli
+from tests.helpers import ort_run, save, tiny_mlp
+
+
+@pytest.fixture
+def poisoned(tmp_path):
+    """Models A and B compiled into one cache; A's entry replaced, as a whole folder, by B's."""
+    a, b = save(tiny_mlp(seed=0), tmp_path / "a.onnx"), save(tiny_mlp(seed=1), tmp_path / "b.onnx")
+    cache = tmp_path / "cache"
+    built_a = compile_model(str(a), tmp_path / "built-a", CompileOptions(cache_dir=str(cache)))
+    (entry_a,) = _entries(cache)
+    built_b = compile_model(str(b), tmp_path / "built-b", CompileOptions(cache_dir=str(cache)))
+    (entry_b,) = set(_entries(cache)) - {entry_a}
+    record_a = json.loads((entry_a / RECORD_NAME).read_text())
+    shutil.rmtree(entry_a)
+    shutil.copytree(entry_b, entry_a)
+    return {
+        "a": a,
+        "cache": cache,
+        "entry_a": entry_a,
+        "entry_b": entry_b,
+        "record_a": record_a,
+        "sha_a": built_a.manifest["source"]["sha256"],
+        "sha_b": built_b.manifest["source"]["sha256"],
+    }
+
+
+def _entries(cache: Path) -> list[Path]:
+    return [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
+
+
+def _assert_is_model_a(out: Path, sha_a: str, rng) -> None:
+    assert read_manifest(out).source["sha256"] == sha_a
+    feeds = {"x": rng.standard_normal((3, 8), dtype=np.float32)}
+    np.testing.assert_allclose(
+        load(out).run(feeds)["y"], ort_run(tiny_mlp(seed=0), feeds)[0], rtol=1e-5, atol=1e-5
+    )
+
+
+def test_another_models_entry_copied_over_this_key_is_a_miss(poisoned, tmp_path, capsys, rng):
+    p = poisoned
+    assert p["sha_a"] != p["sha_b"]
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "compile", p["a"], "-o", out, "--cache-dir", p["cache"])
+    assert code == 0, err
+    assert f"cache entry {p['entry_a']} is not this compile's" in err and "rebuilding" in err
+    assert "cache hit" not in err and "cache rebuilt" in err
+    _assert_is_model_a(out, p["sha_a"], rng)
+    assert run_cli(capsys, "verify", out)[0] == 0
+    # The entry was overwritten with A's own: the next compile hits, and publishes A
+    again = compile_model(str(p["a"]), tmp_path / "again", CompileOptions(cache_dir=str(p["cache"])))
+    assert again.cache == "hit"
+    _assert_is_model_a(again.output, p["sha_a"], rng)
+
+
+def test_a_record_forged_to_this_key_is_caught_by_the_source_hash(poisoned, tmp_path, rng):
+    # Self-consistent forgery of the record only: A's key and key inputs, B's manifest hash.
+    p = poisoned
+    record = dict(p["record_a"], manifest_sha256=sha256_file(p["entry_a"] / ARTIFACT_NAME / MANIFEST_NAME))
+    (p["entry_a"] / RECORD_NAME).write_text(json.dumps(record))
+    said = []
+    result = compile_model(
+        str(p["a"]), tmp_path / "out", CompileOptions(cache_dir=str(p["cache"])), progress=said.append
+    )
+    assert result.cache.startswith("mismatch") and p["sha_b"][:12] in result.cache
+    assert any(str(p["entry_a"]) in m and "source sha256" in m for m in said)
+    _assert_is_model_a(result.output, p["sha_a"], rng)
+
+
+def test_the_recorded_key_alone_is_not_enough(poisoned, tmp_path, rng):
+    # B's record with only its key edited to A's: its key inputs still name B's source.
+    p = poisoned
+    path = p["entry_a"] / RECORD_NAME
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), key=p["entry_a"].name)))
+    result = compile_model(str(p["a"]), tmp_path / "out", CompileOptions(cache_dir=str(p["cache"])))
+    assert result.cache == "mismatch: its recorded key inputs are not this compile's"
+    _assert_is_model_a(result.output, p["sha_a"], rng)
+
+
+def test_an_entry_of_another_pipeline_forged_to_this_key_is_a_miss(tmp_path):
+    a = save(tiny_mlp(), tmp_path / "a.onnx")
+    cache = tmp_path / "cache"
+    compile_model(str(a), tmp_path / "x", CompileOptions(cache_dir=str(cache)))
+    (default,) = _entries(cache)
+    compile_model(str(a), tmp_path / "y", CompileOptions(cache_dir=str(cache), passes="fold-constants"))
+    (folded,) = set(_entries(cache)) - {default}
+    record = json.loads((default / RECORD_NAME).read_text())
+    record["manifest_sha256"] = sha256_file(folded / ARTIFACT_NAME / MANIFEST_NAME)
+    shutil.rmtree(default)
+    shutil.copytree(folded, default)
+    (default / RECORD_NAME).write_text(json.dumps(record))
+    result = compile_model(str(a), tmp_path / "z", CompileOptions(cache_dir=str(cache)))
+    assert result.cache.startswith("mismatch") and "pipeline 'fold-constants'" in result.cache
+    assert read_manifest(result.output).pipeline != "fold-constants"
+
+
+def test_an_entry_without_a_record_is_a_miss(tmp_path):
+    # An artifact stored directly under the key (as precast stored entries before records): nothing binds it.
+    a = save(tiny_mlp(), tmp_path / "a.onnx")
+    cache = tmp_path / "cache"
+    compile_model(str(a), tmp_path / "x", CompileOptions(cache_dir=str(cache)))
+    (entry,) = _entries(cache)
+    shutil.rmtree(entry)
+    shutil.copytree(tmp_path / "x", entry)
+    result = compile_model(str(a), tmp_path / "y", CompileOptions(cache_dir=str(cache)))
+    assert result.cache.startswith("mismatch") and RECORD_NAME in result.cache
+    assert compile_model(str(a), tmp_path / "z", CompileOptions(cache_dir=str(cache))).cache == "hit"
+
+
+def test_an_entry_swapped_while_it_is_copied_is_not_published(tmp_path, monkeypatch):
+    a, b = save(tiny_mlp(seed=0), tmp_path / "a.onnx"), save(tiny_mlp(seed=1), tmp_path / "b.onnx")
+    cache = tmp_path / "cache"
+    compile_model(str(a), tmp_path / "x", CompileOptions(cache_dir=str(cache)))
+    (entry_a,) = _entries(cache)
+    compile_model(str(b), tmp_path / "y", CompileOptions(cache_dir=str(cache)))
+    (entry_b,) = set(_entries(cache)) - {entry_a}
+    real = cache_mod.copy_entry
+    monkeypatch.setattr(cache_mod, "copy_entry", lambda _entry, dest: real(entry_b / ARTIFACT_NAME, dest))
+    out = tmp_path / "out"
+    with pytest.raises(ArtifactError, match=f"cache entry {entry_a} changed while it was copied"):
+        compile_model(str(a), out, CompileOptions(cache_dir=str(cache)))
+    assert not out.exists()
+
+
+def test_a_multi_target_entry_of_another_model_forged_to_this_key_is_a_miss(tmp_path, rng):
+    a, b = save(tiny_mlp(seed=0), tmp_path / "a.onnx"), save(tiny_mlp(seed=1), tmp_path / "b.onnx")
+    cache = tmp_path / "cache"
+    opts = CompileOptions(cache_dir=str(cache), targets=("ort-cpu", "openvino"))
+    sha_a = compile_model(str(a), tmp_path / "x", opts).manifest["source"]["sha256"]
+    (entry_a,) = _entries(cache)
+    compile_model(str(b), tmp_path / "y", opts)
+    (entry_b,) = set(_entries(cache)) - {entry_a}
+    record = json.loads((entry_a / RECORD_NAME).read_text())
+    record["manifest_sha256"] = sha256_file(entry_b / ARTIFACT_NAME / MANIFEST_NAME)
+    shutil.rmtree(entry_a)
+    shutil.copytree(entry_b, entry_a)
+    (entry_a / RECORD_NAME).write_text(json.dumps(record))
+    result = compile_model(str(a), tmp_path / "out", opts)
+    assert result.cache.startswith("mismatch") and "source sha256" in result.cache
+    for target in ("ort-cpu", "openvino"):
+        _assert_is_model_a(result.output / target, sha_a, rng)
+    assert compile_model(str(a), tmp_path / "again", opts).cache == "hit"
