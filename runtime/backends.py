@@ -147,7 +147,9 @@ def ort_session_options(
     n = threads if threads is not None else stored
     so.intra_op_num_threads = n
     so.inter_op_num_threads = 1
-    so.log_severity_level = 3
+    # fatal only: ORT logs a failed run (a Gather index out of range, ...) as an error of its own before it
+    # raises, and precast reports that exception in one line (level 3 printed both)
+    so.log_severity_level = 4
     if spinning is not None:  # (None: ONNX Runtime's default, spinning)
         for pool in ("intra_op", "inter_op"):
             so.add_session_config_entry(f"session.{pool}.allow_spinning", "1" if spinning else "0")

@@ -22,6 +22,7 @@ from precast.runtime.errors import LLMRequestError
 __all__ = ["SamplingParams", "filtered_probs", "is_int", "sample", "token_logprobs"]
 
 MAX_LOGPROBS = 20  # top alternatives one token may report (OpenAI's top_logprobs cap)
+MAX_TEMPERATURE = 2.0  # OpenAI's range: above it the draw is close to uniform noise
 
 
 @dataclass(frozen=True)
@@ -59,8 +60,10 @@ class SamplingParams:
         """Raise LLMRequestError naming the first bad option."""
         if not is_int(self.max_tokens) or self.max_tokens <= 0:
             raise LLMRequestError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if not _is_real(self.temperature) or not np.isfinite(self.temperature) or self.temperature < 0:
-            raise LLMRequestError(f"temperature must be a number >= 0, got {self.temperature!r}")
+        if not _is_real(self.temperature) or not 0.0 <= self.temperature <= MAX_TEMPERATURE:
+            raise LLMRequestError(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature!r}"
+            )
         if not is_int(self.top_k) or self.top_k < 0:
             raise LLMRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):

@@ -35,34 +35,55 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Protocol
 
-__all__ = ["SpinSwitch", "ThreadWait"]
+__all__ = ["HostLoad", "SpinSwitch", "ThreadFiles", "ThreadWait", "proc_thread_files"]
+
+# name ("schedstat", "stat") -> (tid, that file's contents) of each of our threads alive now
+ThreadFiles = Callable[[str], Iterable[tuple[str, bytes]]]
+
+
+def proc_thread_files(task_dir: str = "/proc/self/task") -> ThreadFiles:
+    """The kernel's per-thread files of this process (tests pass ThreadWait fake ones instead)."""
+
+    def files(name: str) -> Iterator[tuple[str, bytes]]:
+        try:
+            tids = os.listdir(task_dir)
+        except OSError:
+            return
+        for tid in tids:
+            try:
+                with open(f"{task_dir}/{tid}/{name}", "rb") as f:
+                    yield tid, f.read()
+            except OSError:
+                continue  # (a thread that ended meanwhile)
+
+    return files
+
+
+class HostLoad(Protocol):
+    """What SpinSwitch reads: ThreadWait, or a test's scripted readings."""
+
+    available: bool
+    last_run_s: float
+
+    def waiting(self) -> float | None: ...
+
+    def others_running(self) -> int | None: ...
 
 
 class ThreadWait:
     """The share of this process's runnable thread time spent waiting for a CPU since the previous reading."""
 
-    def __init__(self, task_dir: str = "/proc/self/task"):
-        self.task_dir = task_dir
+    def __init__(self, task_dir: str = "/proc/self/task", *, files: ThreadFiles | None = None):
+        self._files = files if files is not None else proc_thread_files(task_dir)
         self.last_run_s = 0.0  # CPU seconds our threads ran in the last reading's window
         self._last = self._read()
 
-    def _task_files(self, name: str):
-        """(tid, contents of /proc/self/task/<tid>/<name>) of every thread alive now."""
-        try:
-            tids = os.listdir(self.task_dir)
-        except OSError:
-            return
-        for tid in tids:
-            try:
-                with open(f"{self.task_dir}/{tid}/{name}", "rb") as f:
-                    yield tid, f.read()
-            except OSError:
-                continue  # (a thread that ended meanwhile)
-
     def _read(self) -> dict[str, tuple[int, int]] | None:
         out = {}
-        for tid, text in self._task_files("schedstat"):
+        for tid, text in self._files("schedstat"):
             try:
                 run, wait = text.split()[:2]
                 out[tid] = (int(run), int(wait))
@@ -86,7 +107,7 @@ class ThreadWait:
 
     def _own_running(self) -> int:
         # the state follows the command name, which may hold spaces: after the last ")"
-        own = sum(stat[stat.rfind(b")") + 2 :][:1] == b"R" for _, stat in self._task_files("stat"))
+        own = sum(stat[stat.rfind(b")") + 2 :][:1] == b"R" for _, stat in self._files("stat"))
         return max(own, 1)  # the caller is running
 
     def waiting(self) -> float | None:
@@ -99,7 +120,7 @@ class ThreadWait:
         run = wait = 0
         for tid, (r, w) in now.items():
             before = last.get(tid)
-            if before is not None:
+            if before is not None and r >= before[0] and w >= before[1]:  # (not a new thread on a reused tid)
                 run += r - before[0]
                 wait += w - before[1]
         total = run + wait
@@ -121,24 +142,27 @@ class SpinSwitch:
         busy_windows: int = 3,
         quiet_windows: int = 1,
         settle: float = 0.05,
-        load: ThreadWait | None = None,
+        load: HostLoad | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ):
         self.calm, self.spinning = calm, spinning
-        self.interval, self.busy, self.quiet, self.settle = float(interval), float(busy), float(quiet), float(settle)
+        self.interval, self.settle = float(interval), float(settle)
+        self.busy, self.quiet = float(busy), float(quiet)
         self.busy_windows, self.quiet_windows = int(busy_windows), int(quiet_windows)
         self.load = load if load is not None else ThreadWait()
+        self.clock = clock
         self.spinning_now = self.load.available  # a quiet start; the readings correct it
         self.switches = 0
         self.last_waiting: float | None = None
         self._busy = 0
         self._quiet = self.quiet_windows
-        self._next = time.monotonic() + self.interval
+        self._next = self.clock() + self.interval
         self._settled = 0.0  # readings before this time are dropped (the spinning pool's tail)
         self._recheck = False  # an idle start went calm for another runnable task: ask again next step
 
     def session(self):
         """The session this step runs on."""
-        now = time.monotonic()
+        now = self.clock()
         if now >= self._next:
             gap = now - self._next + self.interval  # since the last reading
             self._next = now + self.interval

@@ -345,7 +345,9 @@ def test_close_cancel_fails_pending_requests(art2):
         time.sleep(0.005)  # the first request is inside stage 1, the others queued behind it
     closer = threading.Thread(target=pipe.close, kwargs={"cancel": True})
     closer.start()
-    time.sleep(0.05)
+    deadline = time.monotonic() + 30
+    while not pipe.closed and time.monotonic() < deadline:
+        time.sleep(0.005)  # close(cancel) has begun (a fixed sleep may lose that race on a busy host)
     gate.set()
     closer.join(30)
     assert not closer.is_alive() and not stage_threads()
