@@ -7,28 +7,35 @@
     <cache dir>/<key>/artifact/    a whole artifact, exactly as published
 
 An entry is data from whoever can write the cache dir, so it is used only when it is bound to this compile:
-its recorded key and key inputs equal this compile's, its recorded manifest hash is its manifest's, and that
-manifest names this source's sha256, these targets and their canonical pipelines. Anything else is a mismatch
-(another model's entry copied over this key, an entry of an older layout): removed and rebuilt, with a note
-naming it. A writer of the cache dir can still forge all of these for a model of their choosing (nothing in
-them is secret; see SECURITY.md, "The compile cache"): the cache dir must be writable only by trusted builders. Its files are checked by their manifests' sha256s (the entry's, then the published copy's);
-a corrupt entry is removed and rebuilt too, but only when it is still precast's (a real directory holding an
-artifact whose manifest precast reads): anything else under a key's name is refused, never deleted. Parity
-is not re-run on a hit. Writes are atomic (staged sibling dir + rename), so concurrent CI jobs sharing a
-cache never see half an entry; the last writer of identical content wins. Temporary entries of killed jobs
-(``.<key>.tmp-<pid>-...``) are cleaned by the next cached compile.
+its recorded key and key inputs equal this compile's, its recorded manifest hash is its manifest's, that
+manifest names this source's sha256, these targets and their canonical pipelines, and its record carries
+``mac`` = HMAC-SHA256(secret, canonical {key, key inputs, manifest sha256}). Nothing but the MAC is secret: a
+writer of the cache dir can forge everything else for a model of their choosing. The secret is
+``$PRECAST_CACHE_SECRET`` (CI: a repository secret, shared by the jobs that may write entries the others
+trust), else a per-user key file outside the cache dir, ``$XDG_CONFIG_HOME/precast/cache-secret`` (32 random
+bytes, 0600, created on first use; one that is a link, someone else's, or readable by others is refused and
+the cache is not used). Anything else is a mismatch (another model's entry copied over this key, an entry of
+an older layout, an entry signed with another secret): removed and rebuilt, with a note naming it. Its files
+are checked by their manifests' sha256s (the entry's, then the published copy's, whose manifest must be the
+signed one); a corrupt entry is removed and rebuilt too, but only when it is still precast's (a real
+directory holding an artifact whose manifest precast reads): anything else under a key's name is refused,
+never deleted. Parity is not re-run on a hit. Writes are atomic (staged sibling dir + rename), so concurrent
+CI jobs sharing a cache never see half an entry; the last writer of identical content wins. Temporary entries
+of killed jobs (``.<key>.tmp-<pid>-...``) are cleaned by the next cached compile.
 """
 
 from __future__ import annotations
 
 import functools
 import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
 import shutil
 import stat
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -44,13 +51,16 @@ __all__ = [
     "CACHE_ENV",
     "EntryKey",
     "RECORD_NAME",
+    "SECRET_ENV",
     "cache_key",
+    "cache_secret",
     "check_artifact_tree",
     "code_hash",
     "hash_sources",
     "hash_feeds",
     "lookup",
     "restore",
+    "secret_path",
     "store",
 ]
 
@@ -61,6 +71,9 @@ RECORD_NAME = "entry.json"  # inside an entry: what it belongs to
 ARTIFACT_NAME = "artifact"  # inside an entry: the artifact as published
 RECORD_FORMAT = 1
 _RECORD_MAX_BYTES = 1 << 20  # a real record is a few KiB; a bigger one is not precast's
+SECRET_ENV = "PRECAST_CACHE_SECRET"
+_SECRET_BYTES = 32  # a key file's size
+_SECRET_WHERE = f"${SECRET_ENV} or ~/.config/precast/cache-secret"
 
 
 def hash_feeds(feeds: Mapping[str, np.ndarray] | None) -> str | None:
@@ -104,6 +117,103 @@ class _Mismatch(Exception):
     """An entry that is intact but does not provably belong to the key it is stored under."""
 
 
+class _UnsafeKeyFile(Exception):
+    """A key file that others could have written or read: no secret at all is safer."""
+
+
+def secret_path() -> Path:
+    """The per-user key file: ``$XDG_CONFIG_HOME/precast/cache-secret`` (default ``~/.config/...``)."""
+    config = os.environ.get("XDG_CONFIG_HOME", "")  # the XDG spec: an empty or relative one is ignored
+    root = Path(config) if os.path.isabs(config) else Path.home() / ".config"
+    return root / "precast" / "cache-secret"
+
+
+def cache_secret(say: Callable[[str], None] = lambda _m: None) -> bytes | None:
+    """The key that signs cache entries: ``$PRECAST_CACHE_SECRET``, else the per-user key file (created on
+    first use). None, with a note, when the key file cannot be made or is not safely this user's alone: the
+    caller then neither uses nor writes the cache. An empty ``$PRECAST_CACHE_SECRET`` is a UsageError."""
+    value = os.environ.get(SECRET_ENV)
+    if value is not None:
+        if not value.strip():
+            raise UsageError(
+                f"${SECRET_ENV} is set but empty (a CI secret this job does not get?): set it to the secret "
+                f"shared by this cache's builders, or unset it to use the key file {secret_path()}"
+            )
+        return value.encode()
+    path = secret_path()
+    try:
+        try:
+            return _read_key_file(path)
+        except FileNotFoundError:
+            _create_key_file(path)
+            return _read_key_file(path)
+    except _UnsafeKeyFile as e:
+        say(
+            f"cache not used: the key file {path} {e}; it must be a file of yours, mode 0600 (or set ${SECRET_ENV})"
+        )
+    except OSError as e:
+        say(
+            f"cache not used: cannot read or create the key file {path} ({e.strerror or e}); or set ${SECRET_ENV}"
+        )
+    return None
+
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+def _read_key_file(path: Path) -> bytes:
+    if stat.S_ISLNK(os.lstat(path).st_mode):  # FileNotFoundError: not made yet
+        raise _UnsafeKeyFile("is a symlink")
+    # O_NOFOLLOW: swapped for a link since the lstat; O_NONBLOCK: a FIFO does not hang the compile
+    fd = os.open(path, os.O_RDONLY | _NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _UnsafeKeyFile("is not a regular file")
+        if os.name == "posix" and st.st_uid != os.geteuid():
+            raise _UnsafeKeyFile("is not owned by you")
+        if os.name == "posix" and st.st_mode & 0o077:
+            raise _UnsafeKeyFile(f"is group/world readable or writable ({stat.filemode(st.st_mode)})")
+        data = os.read(fd, _SECRET_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) != _SECRET_BYTES:
+        raise _UnsafeKeyFile(f"is not a {_SECRET_BYTES}-byte key")
+    return data
+
+
+def _create_key_file(path: Path) -> None:
+    """32 random bytes, mode 0600, published whole: written to an exclusive temp file, then hard-linked to
+    ``path``, which never replaces a key that a concurrent first compile made (then that one is used)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(_SECRET_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            pass
+    finally:
+        os.unlink(tmp)
+
+
+def _mac(secret: bytes, key: EntryKey, manifest_sha256: str) -> str:
+    """HMAC-SHA256 binding an entry's manifest to its key and key inputs (what entry.json records)."""
+    message = _canonical(
+        {
+            "precast_cache_entry": RECORD_FORMAT,
+            "key": key.digest,
+            "key_parts": json.loads(key.parts),
+            "manifest_sha256": manifest_sha256,
+        }
+    )
+    return hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()
+
+
 # precast's own packages whose code decides an artifact's bytes (the version alone does not move between
 # releases, so a cache would hand out artifacts built by older code).
 _CODE_PACKAGES = ("precast.compiler", "precast.passes", "precast.targets", "precast.runtime")
@@ -129,16 +239,17 @@ def hash_sources(roots) -> str:
 
 
 def restore(
-    cache_dir: str | os.PathLike, key: EntryKey, output: Path, say=lambda _m: None
+    cache_dir: str | os.PathLike, key: EntryKey, output: Path, secret: bytes, say=lambda _m: None
 ) -> tuple[dict | None, str]:
     """On a hit, publish a copy of the entry's artifact at ``output`` (atomically): (manifest, "hit").
 
     Otherwise (None, "miss"), (None, "corrupt: ...") or (None, "mismatch: ...") - the caller builds and stores.
+    ``secret``: cache_secret()'s, which signed the entries this compile may use.
     """
     from precast.compiler.artifact import publish, staging_dir
 
     clean_stale(cache_dir, legacy=_KEY_NAME.match)  # temp entries of killed jobs
-    entry, status = lookup(cache_dir, key)
+    entry, signed_sha, status = _find(cache_dir, key, secret)
     if entry is None:
         if status.startswith("mismatch: "):
             why = status.removeprefix("mismatch: ")
@@ -150,6 +261,8 @@ def restore(
         copy_entry(entry / ARTIFACT_NAME, stage)
         manifest = check_artifact_tree(stage)  # the copy, not only the entry, must be intact ...
         try:  # ... and still this compile's (the entry may have been swapped since the lookup)
+            if sha256_file(stage / MANIFEST_NAME) != signed_sha:
+                raise _Mismatch(f"its {MANIFEST_NAME} is not the signed one")
             _check_manifest(stage, manifest, key)
         except _Mismatch as e:
             raise ArtifactError(f"cache entry {entry} changed while it was copied: {e}") from None
@@ -167,31 +280,43 @@ def check_artifact_tree(root: Path) -> Manifest:
     return manifest
 
 
-def lookup(cache_dir: str | os.PathLike, key: EntryKey) -> tuple[Path | None, str]:
-    """(entry dir, "hit") when an intact entry of this key exists; otherwise (None, "miss"),
-    (None, "corrupt: <why>") or (None, "mismatch: <why>") (an intact entry that is not provably this key's).
+def lookup(cache_dir: str | os.PathLike, key: EntryKey, secret: bytes) -> tuple[Path | None, str]:
+    """(entry dir, "hit") when an intact entry of this key, signed with ``secret``, exists; otherwise
+    (None, "miss"), (None, "corrupt: <why>") or (None, "mismatch: <why>") (an intact entry that is not
+    provably this key's).
 
     A corrupt or mismatched entry is deleted so that the following build replaces it.
     """
+    entry, _sha, status = _find(cache_dir, key, secret)
+    return entry, status
+
+
+def _find(cache_dir: str | os.PathLike, key: EntryKey, secret: bytes) -> tuple[Path | None, str | None, str]:
+    """lookup(), with the manifest sha256 that the entry's MAC vouches for (a hit's copy must have it)."""
     entry = Path(cache_dir) / key.digest
     if not os.path.lexists(entry):
-        return None, "miss"
+        return None, None, "miss"
     _check_removable(entry)
     try:
-        _check_record(entry, key)
+        record, manifest_sha = _check_record(entry, key)
         artifact = entry / ARTIFACT_NAME
         _check_manifest(artifact, check_artifact_tree(artifact), key)
+        # Last, so that an entry of another model or pipeline is named as such; everything above can be forged.
+        mac = str(record.get("mac", "")).encode()  # bytes: compare_digest refuses non-ASCII str
+        if not hmac.compare_digest(mac, _mac(secret, key, manifest_sha).encode()):
+            raise _Mismatch(f"not signed with this cache's secret ({_SECRET_WHERE})")
     except ArtifactError as e:
         _remove(entry)
-        return None, f"corrupt: {e}"
+        return None, None, f"corrupt: {e}"
     except _Mismatch as e:
         _remove(entry)
-        return None, f"mismatch: {e}"
-    return entry, "hit"
+        return None, None, f"mismatch: {e}"
+    return entry, manifest_sha, "hit"
 
 
-def _check_record(entry: Path, key: EntryKey) -> None:
-    """The entry's record names this key, the same key inputs, and the manifest the entry holds."""
+def _check_record(entry: Path, key: EntryKey) -> tuple[dict, str]:
+    """The entry's record names this key, the same key inputs, and the manifest the entry holds:
+    (the record, that manifest's sha256)."""
     path = entry / RECORD_NAME
     try:
         st = os.lstat(path)
@@ -213,8 +338,9 @@ def _check_record(entry: Path, key: EntryKey) -> None:
         manifest_sha = sha256_file(entry / ARTIFACT_NAME / MANIFEST_NAME)
     except OSError:
         manifest_sha = None  # an older layout with a record planted beside it
-    if record.get("manifest_sha256") != manifest_sha:
+    if manifest_sha is None or record.get("manifest_sha256") != manifest_sha:
         raise _Mismatch(f"its {MANIFEST_NAME} is not the one recorded")
+    return record, manifest_sha
 
 
 def _check_manifest(root: Path, manifest: Manifest, key: EntryKey) -> None:
@@ -284,20 +410,22 @@ def copy_entry(artifact: Path, dest: Path) -> None:
     shutil.copytree(artifact, dest, dirs_exist_ok=True, symlinks=True)
 
 
-def store(cache_dir: str | os.PathLike, key: EntryKey, artifact: Path) -> Path:
-    """Copy a published artifact into the cache atomically, with the record that binds it to ``key``;
-    returns the entry's path."""
+def store(cache_dir: str | os.PathLike, key: EntryKey, artifact: Path, secret: bytes) -> Path:
+    """Copy a published artifact into the cache atomically, with the record that binds it to ``key``, signed
+    with ``secret``; returns the entry's path."""
     cache_dir = Path(cache_dir)
     cache_dir.mkdir(parents=True, exist_ok=True)
     entry = cache_dir / key.digest
     tmp = cache_dir / temp_name(key.digest, "tmp")
     try:
         shutil.copytree(artifact, tmp / ARTIFACT_NAME, symlinks=True)
+        manifest_sha = sha256_file(tmp / ARTIFACT_NAME / MANIFEST_NAME)
         record = {
             "format": RECORD_FORMAT,
             "key": key.digest,
             "key_parts": json.loads(key.parts),
-            "manifest_sha256": sha256_file(tmp / ARTIFACT_NAME / MANIFEST_NAME),
+            "manifest_sha256": manifest_sha,
+            "mac": _mac(secret, key, manifest_sha),
         }
         (tmp / RECORD_NAME).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     except BaseException:

@@ -130,16 +130,22 @@ def compile_model(
 
 @dataclass
 class _Run:
-    """One compile's plan, progress, wall times and cache key."""
+    """One compile's plan, progress, wall times, cache key and the secret that signs cache entries."""
 
     plan: CompilePlan
     progress: ProgressReporter
     timings: dict[str, float] = field(default_factory=dict)
     key: EntryKey | None = None
     cache_status: str | None = None
+    # None: no --cache-dir, or no usable secret (noted): the cache is then neither read nor written
+    secret: bytes | None = None
 
     def __post_init__(self) -> None:
         self.t0 = self.mark = time.perf_counter()
+        if self.plan.opts.cache_dir:  # before any work: an empty $PRECAST_CACHE_SECRET is a usage error
+            from precast.compiler import cache
+
+            self.secret = cache.cache_secret(self.progress.note)
 
     def lap(self, name: str) -> None:
         now = time.perf_counter()
@@ -149,21 +155,23 @@ class _Run:
     def restore(self, source_sha: str | None, name: str) -> CompileReport | None:
         """With --cache-dir and a known source hash: the cached artifact at the output, or None (build it)."""
         cache_dir = self.plan.opts.cache_dir
-        if not cache_dir or source_sha is None:
+        if not cache_dir or source_sha is None or self.secret is None:
             return None
         from precast.compiler import cache
 
         pipelines = {t.name: format_pipeline(t.pipeline) for t in self.plan.targets}
         self.key = cache.EntryKey.of(self.plan.cache_key_parts(source_sha, name), source_sha, pipelines)
-        manifest, self.cache_status = cache.restore(cache_dir, self.key, self.plan.output, self.progress.note)
+        manifest, self.cache_status = cache.restore(
+            cache_dir, self.key, self.plan.output, self.secret, self.progress.note
+        )
         return None if manifest is None else self.report(manifest, {}, [])
 
     def store(self, failed: bool) -> None:
-        if self.key is None or failed:  # a partial artifact is not what this key asks for
-            return
+        if self.key is None or self.secret is None or failed:
+            return  # no cache, or a partial artifact: not what this key asks for
         from precast.compiler import cache
 
-        cache.store(self.plan.opts.cache_dir, self.key, self.plan.output)
+        cache.store(self.plan.opts.cache_dir, self.key, self.plan.output, self.secret)
         self.progress.note(
             f"cache {'store' if self.cache_status == 'miss' else 'rebuilt'} {self.key.digest[:12]}"
         )

@@ -11,6 +11,19 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+@pytest.fixture(scope="session")
+def _config_home(tmp_path_factory):
+    return tmp_path_factory.mktemp("xdg-config")
+
+
+@pytest.fixture(autouse=True)
+def _cache_secret_outside_home(_config_home, monkeypatch):
+    """A cached compile signs entries with ~/.config/precast/cache-secret (made on first use): every test,
+    the ones that compile in a subprocess too, gets a temporary config dir so none writes the real one."""
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(_config_home))
+    monkeypatch.delenv("PRECAST_CACHE_SECRET", raising=False)
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

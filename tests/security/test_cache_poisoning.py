@@ -1,17 +1,23 @@
 """A compile-cache entry is data from whoever can write the cache dir: one that is not provably this compile's
-(another model's entry copied over this key's, a record forged to name this key) is never published."""
+(another model's entry copied over this key's, a record forged to name this key, a complete forgery without
+the secret that signs entries) is never published.
+
+tests/conftest.py points $XDG_CONFIG_HOME at a temporary dir: the key file these compiles make is not the
+user's."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 import precast.compiler.cache as cache_mod
-from precast.compiler.cache import ARTIFACT_NAME, RECORD_NAME
+from precast.compiler.cache import ARTIFACT_NAME, RECORD_NAME, EntryKey, cache_secret
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import load
 from precast.runtime.errors import ArtifactError
@@ -38,6 +44,7 @@ def poisoned(tmp_path):
         "entry_a": entry_a,
         "entry_b": entry_b,
         "record_a": record_a,
+        "source_a": built_a.manifest["source"],
         "sha_a": built_a.manifest["source"]["sha256"],
         "sha_b": built_b.manifest["source"]["sha256"],
     }
@@ -158,3 +165,124 @@ def test_a_multi_target_entry_of_another_model_forged_to_this_key_is_a_miss(tmp_
     for target in ("ort-cpu", "openvino"):
         _assert_is_model_a(result.output / target, sha_a, rng)
     assert compile_model(str(a), tmp_path / "again", opts).cache == "hit"
+
+
+# The secret: a complete forgery needs no other knowledge, so only the MAC stops it.
+
+NOT_SIGNED = "not signed with this cache's secret ($PRECAST_CACHE_SECRET or ~/.config/precast/cache-secret)"
+
+
+def _forge_as_a(p: dict, mac: str | None) -> None:
+    """B's entry under A's key, its manifest and record rewritten to claim A and every hash recomputed: all
+    that a writer of the cache dir can do without the secret. ``mac``: what the forger puts in the record."""
+    artifact = p["entry_a"] / ARTIFACT_NAME
+    manifest = json.loads((artifact / MANIFEST_NAME).read_text())
+    manifest["source"] = p["source_a"]
+    (artifact / MANIFEST_NAME).write_text(json.dumps(manifest))
+    record = dict(p["record_a"], manifest_sha256=sha256_file(artifact / MANIFEST_NAME))
+    if mac is None:
+        del record["mac"]
+    elif mac != "a's":
+        record["mac"] = mac
+    (p["entry_a"] / RECORD_NAME).write_text(json.dumps(record))
+
+
+@pytest.mark.parametrize(
+    "mac", ["a's", None, "0" * 64, "\u00e9"], ids=["a-s-mac", "none", "zeros", "non-ascii"]
+)
+def test_a_complete_forgery_without_the_secret_is_a_miss(poisoned, tmp_path, capsys, rng, mac):
+    p = poisoned
+    _forge_as_a(p, mac)
+    out = tmp_path / "out"
+    code, _, err = run_cli(capsys, "compile", p["a"], "-o", out, "--cache-dir", p["cache"])
+    assert code == 0, err
+    assert f"cache entry {p['entry_a']} is not this compile's: {NOT_SIGNED}; rebuilding\n" in err
+    assert "cache hit" not in err and "cache rebuilt" in err
+    _assert_is_model_a(out, p["sha_a"], rng)
+    again = compile_model(str(p["a"]), tmp_path / "again", CompileOptions(cache_dir=str(p["cache"])))
+    assert again.cache == "hit"
+    _assert_is_model_a(again.output, p["sha_a"], rng)
+
+
+def test_the_forgery_passes_every_check_but_the_mac(poisoned, tmp_path, rng):
+    # What the test above relies on: signed with the secret (which the forger lacks), the forgery is a hit.
+    # Whoever holds the secret can make an entry of their choosing; SECURITY.md says so.
+    p = poisoned
+    _forge_as_a(p, mac=None)
+    path = p["entry_a"] / RECORD_NAME
+    record = json.loads(path.read_text())
+    key = EntryKey(record["key"], cache_mod._canonical(record["key_parts"]), p["sha_a"], {})
+    record["mac"] = cache_mod._mac(cache_secret(), key, record["manifest_sha256"])
+    path.write_text(json.dumps(record))
+    result = compile_model(str(p["a"]), tmp_path / "out", CompileOptions(cache_dir=str(p["cache"])))
+    assert result.cache == "hit"
+    with pytest.raises(AssertionError):
+        _assert_is_model_a(result.output, p["sha_a"], rng)  # B's numbers under A's name
+
+
+def test_an_entry_of_another_secret_is_a_miss_and_each_secret_hits_its_own(tmp_path, monkeypatch, rng):
+    a = save(tiny_mlp(), tmp_path / "a.onnx")
+    cache = tmp_path / "cache"
+
+    def compile_with(secret: str, out: str) -> tuple[str, list[str]]:
+        monkeypatch.setenv("PRECAST_CACHE_SECRET", secret)
+        said: list[str] = []
+        result = compile_model(
+            str(a), tmp_path / out, CompileOptions(cache_dir=str(cache)), progress=said.append
+        )
+        _assert_is_model_a(result.output, result.manifest["source"]["sha256"], rng)
+        return result.cache, said
+
+    assert compile_with("s1", "a")[0] == "miss"
+    (entry,) = _entries(cache)
+    assert compile_with("s1", "b")[0] == "hit"
+    status, said = compile_with("s2", "c")
+    assert status == f"mismatch: {NOT_SIGNED}"
+    assert f"cache entry {entry} is not this compile's: {NOT_SIGNED}; rebuilding" in said
+    assert compile_with("s2", "d")[0] == "hit"  # s2 stored its own in place of s1's ...
+    assert compile_with("s1", "e")[0] == f"mismatch: {NOT_SIGNED}"  # ... which s1 does not accept either
+    assert compile_with("s1", "f")[0] == "hit"
+
+
+def test_the_key_file_is_made_0600_and_an_unsafe_one_is_refused(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    key_file = tmp_path / "config" / "precast" / "cache-secret"
+    a, cache = save(tiny_mlp(), tmp_path / "a.onnx"), tmp_path / "cache"
+
+    def compile_cached(out: str) -> str:
+        code, _, err = run_cli(capsys, "compile", a, "-o", tmp_path / out, "--cache-dir", cache)
+        assert code == 0, err
+        return err
+
+    assert "cache store" in compile_cached("a")
+    st = key_file.stat()
+    assert stat.S_IMODE(st.st_mode) == 0o600 and st.st_size == 32 and st.st_uid == os.geteuid()
+    assert not [f for f in key_file.parent.iterdir() if f != key_file]  # no temp file left behind
+    assert "cache hit" in compile_cached("b")
+
+    key_file.chmod(0o640)
+    err = compile_cached("c")
+    (note,) = [line for line in err.splitlines() if "cache-secret" in line]
+    assert note.endswith(
+        f"cache not used: the key file {key_file} is group/world readable or writable (-rw-r-----); "
+        "it must be a file of yours, mode 0600 (or set $PRECAST_CACHE_SECRET)"
+    )
+    assert "cache hit" not in err and "cache store" not in err
+    assert len(_entries(cache)) == 1  # neither read nor written, nor removed
+
+    key_file.chmod(0o600)
+    elsewhere = key_file.with_name("elsewhere")
+    key_file.rename(elsewhere)
+    key_file.symlink_to(elsewhere)
+    err = compile_cached("d")
+    assert f"cache not used: the key file {key_file} is a symlink; it must be" in err
+    assert "cache hit" not in err and "cache store" not in err
+
+
+def test_an_empty_cache_secret_is_a_usage_error(tmp_path, monkeypatch, capsys):
+    a, cache, out = save(tiny_mlp(), tmp_path / "a.onnx"), tmp_path / "cache", tmp_path / "out"
+    monkeypatch.setenv("PRECAST_CACHE_SECRET", "")
+    code, _, err = run_cli(capsys, "compile", a, "-o", out, "--cache-dir", cache)
+    assert code == 1 and len(err.strip().splitlines()) == 1, err
+    assert "$PRECAST_CACHE_SECRET is set but empty" in err
+    assert not out.exists() and not cache.exists()
