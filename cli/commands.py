@@ -9,6 +9,7 @@ import numpy as np
 from rich.markup import escape
 from rich.table import Table
 
+from precast.cli.commands_ci import signature_options
 from precast.cli.commands_compile import print_parity
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
@@ -122,17 +123,16 @@ def _print_stages(block: dict) -> None:
 @cli.command()
 @click.argument("artifact", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option(
-    "--pubkey", type=click.Path(), default=None, help="Packed artifacts: check the Ed25519 signature."
-)
+@signature_options("accept")
 @click.option(
     "--junit", type=click.Path(), default=None, help="Write a JUnit XML report (one testcase per output)."
 )
 @click.option("-q", "--quiet", is_flag=True, help="Print nothing on success (the exit code says it).")
-def verify(artifact, as_json, pubkey, junit, quiet):
+def verify(artifact, as_json, pubkey, expect_name, min_version, junit, quiet):
     """Check integrity (sha256 of every file) and re-run the stored parity feeds.
 
-    ARTIFACT is a directory or a packed file (precast pack); --pubkey also checks a packed file's signature.
+    ARTIFACT is a directory or a packed file (precast pack); --pubkey also checks a packed file's signed
+    statement (signature, expiry, and --expect-name / --min-version when given).
     """
     from precast.runtime.errors import ParityError, PrecastError
     from precast.runtime.verify import verify_artifact
@@ -140,10 +140,13 @@ def verify(artifact, as_json, pubkey, junit, quiet):
     if junit:
         check_output_path(junit, "--junit")
     try:
+        from precast.runtime.signing import signature_policy
+
+        policy = signature_policy(pubkey, expect_name, min_version)
         if Path(artifact).is_file():
             from precast.runtime.archive import unpack_to_temp
 
-            report = verify_artifact(unpack_to_temp(artifact, pubkey=pubkey))
+            report = verify_artifact(unpack_to_temp(artifact, policy=policy))
         elif pubkey:
             raise UsageError(f"--pubkey checks packed artifacts; {artifact} is a directory")
         else:

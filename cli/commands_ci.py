@@ -14,6 +14,30 @@ from precast.cli.main import cli
 from precast.cli.output import THREADS, Progress, check_output_path, emit_json, err_console, out_console
 from precast.runtime.errors import ParityError, UsageError
 
+__all__ = ["signature_options"]
+
+
+def signature_options(what: str):
+    """--pubkey, --expect-name, --min-version: what `unpack`, `verify` and `serve` require of a signed pack."""
+
+    def decorate(f):
+        f = click.option(
+            "--min-version",
+            default=None,
+            help="With --pubkey: refuse a signed version older than this (e.g. 4, 1.2.3).",
+        )(f)
+        f = click.option("--expect-name", default=None, help="With --pubkey: the signed name must be this.")(
+            f
+        )
+        return click.option(
+            "--pubkey",
+            type=click.Path(),
+            default=None,
+            help=f"Ed25519 public key (PEM): {what} only a pack whose signed statement it verifies (unexpired).",
+        )(f)
+
+    return decorate
+
 
 @cli.command()
 @click.argument("model")
@@ -85,27 +109,68 @@ def bisect(
     "-o", "--output", required=True, type=click.Path(), help="Packed file to write, e.g. model.precast."
 )
 @click.option(
-    "--sign-key", type=click.Path(), default=None, help="Ed25519 private key (PEM) to sign manifest.json."
+    "--sign-key",
+    type=click.Path(),
+    default=None,
+    help="Ed25519 private key (PEM): sign a statement of the name, version, manifest sha256 and expiry.",
+)
+@click.option("--name", default=None, help="Signed name (default: the artifact folder's name).")
+@click.option(
+    "--version",
+    "version",
+    default=None,
+    help="Signed version, dotted integers (4, 1.2.3); required with --sign-key.",
+)
+@click.option(
+    "--expires",
+    default=None,
+    help="Signed expiry: a date (2026-01-31, UTC), a time with a zone, or a span (36h, 90d, 2w).",
 )
 @click.option(
     "--with-build-info", is_flag=True, help="Also ship build-info.json (wall times; breaks byte-identity)."
 )
 @click.option("--json", "as_json", is_flag=True)
 @click.option("-q", "--quiet", is_flag=True)
-def pack(artifact, output, sign_key, with_build_info, as_json, quiet):
+def pack(artifact, output, sign_key, name, version, expires, with_build_info, as_json, quiet):
     """Pack an artifact directory into one deterministic tar file (checked first; optionally signed)."""
     import tarfile
 
     from precast.compiler.pack import pack_artifact
+    from precast.runtime.signing import check_name, parse_expiry, version_key
 
+    if sign_key is None:
+        given = [o for o, v in (("--name", name), ("--version", version), ("--expires", expires)) if v]
+        if given:
+            raise UsageError(f"{', '.join(given)}: parts of the signed statement; give --sign-key too")
+    elif version is None:
+        raise UsageError(
+            "--sign-key needs --version V: a verifier's --min-version refuses older signed packs"
+        )
+    else:
+        version_key(version, "--version")
+        if name is not None:
+            check_name(name, "--name")
+    expiry = parse_expiry(expires) if expires else None
     check_output_path(output, "-o")
     if Path(output).is_file() and not tarfile.is_tarfile(output):
         raise UsageError(f"-o {output}: exists and is not a packed artifact; refusing to overwrite it")
-    info = pack_artifact(artifact, output, sign_key=sign_key, build_info=with_build_info)
+    info = pack_artifact(
+        artifact,
+        output,
+        sign_key=sign_key,
+        name=name,
+        version=version or "0",
+        expires=expiry,
+        build_info=with_build_info,
+    )
     if as_json:
         emit_json(info)
     elif not quiet:
-        signed = ", signed" if info["signed"] else ""
+        st = info["statement"]
+        signed = ""
+        if st is not None:
+            until = f", expires {st['not_after']}" if "not_after" in st else ""
+            signed = f", signed as '{escape(st['name'])}' version {st['version']}{until}"
         err_console.print(
             f"[green]packed[/green] {escape(str(output))}: {info['files']} files, {info['bytes']} bytes{signed}, "
             f"sha256 {info['sha256']}"
@@ -117,21 +182,22 @@ def pack(artifact, output, sign_key, with_build_info, as_json, quiet):
 @click.option(
     "-o", "--output", required=True, type=click.Path(), help="Directory to unpack into (new or empty)."
 )
-@click.option(
-    "--pubkey", type=click.Path(), default=None, help="Ed25519 public key (PEM): require a valid signature."
-)
+@signature_options("unpack")
 @click.option("-q", "--quiet", is_flag=True)
-def unpack(packed, output, pubkey, quiet):
+def unpack(packed, output, pubkey, expect_name, min_version, quiet):
     """Unpack a packed artifact safely: no links/devices/unlisted files/size bombs; every sha256 checked."""
-    from precast.runtime.archive import unpack_artifact
+    from precast.runtime.archive import unpack_checked
+    from precast.runtime.signing import signature_policy
 
+    policy = signature_policy(pubkey, expect_name, min_version)
     check_output_path(output, "-o", directory=True)
-    manifest = unpack_artifact(packed, output, pubkey=pubkey)
+    done = unpack_checked(packed, output, policy=policy)
     if not quiet:
-        sig = ", signature ok" if pubkey else ""
+        st = done.statement
+        sig = f", signed '{escape(st.name)}' version {st.version} ok" if st is not None else ""
         err_console.print(
             f"[green]unpacked[/green] {escape(str(packed))} -> {escape(str(output))}: "
-            f"{len(manifest.files)} files verified{sig}"
+            f"{len(done.manifest.files)} files verified{sig}"
         )
 
 

@@ -1,12 +1,13 @@
 """Reading packed artifacts (``.precast``: one tar file) safely, with the standard library only.
 
-A packed artifact is a tar of regular files: ``manifest.json`` first, then ``manifest.sig`` when signed,
-then the other files in sorted order (zeroed mtimes/owners; see compiler/pack.py). The reader trusts
-nothing in the archive: it rejects absolute paths, ``..``, links, device files, directories,
-sparse members, duplicate names, members not listed in the manifest and size bombs (bounded member
-count, total size and total/archive size ratio); it checks the signature (when given a public key)
-and the sha256 of every file while writing it into a private staging dir, re-checks the result, and
-only then renames it into place. Nothing is ever written outside that staging dir.
+A packed artifact is a tar of regular files: ``manifest.json`` first, then ``statement.json`` and
+``statement.sig`` when signed (runtime/signing.py), then the other files in sorted order (zeroed
+mtimes/owners; see compiler/pack.py). The reader trusts nothing in the archive: it rejects absolute paths,
+``..``, links, device files, directories, sparse members, duplicate names, members not listed in the
+manifest and size bombs (bounded member count, total size and total/archive size ratio); it checks the
+signed statement (when given a SignaturePolicy: signature, manifest sha256, name, least version, expiry)
+before anything else is written, and the sha256 of every file while writing it into a private staging dir,
+re-checks the result, and only then renames it into place. Nothing is ever written outside that staging dir.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import tarfile
 import tempfile
 import zlib
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
-from precast.runtime.errors import ArtifactError, IntegrityError, first_line
+from precast.runtime.errors import ArtifactError, IntegrityError, UsageError, first_line
 from precast.runtime.manifest import (
     BUILD_INFO_NAME,
     MANIFEST_NAME,
@@ -31,21 +33,47 @@ from precast.runtime.manifest import (
     parse_json,
     read_manifest,
 )
-from precast.runtime.signing import SIGNATURE_NAME, verify_bytes
+from precast.runtime.signing import (
+    LEGACY_SIGNATURE_NAME,
+    MAX_STATEMENT_BYTES,
+    STATEMENT_NAME,
+    STATEMENT_SIG_NAME,
+    SignatureError,
+    SignaturePolicy,
+    Statement,
+    signature_policy,
+    verify_statement,
+)
 from precast.runtime.staging import clean_stale, temp_name
 
 __all__ = [
     "ArchiveError",
     "Limits",
+    "Unpacked",
     "read_packed_manifest",
     "remove_temp",
     "unpack_artifact",
+    "unpack_checked",
     "unpack_to_temp",
 ]
+
+# Members outside the manifest's hashes: the signature's (never written out). manifest.sig is format v1's,
+# still unpacked without a key, refused with one (_check_signature).
+_SIGNATURE_MEMBERS = (STATEMENT_NAME, STATEMENT_SIG_NAME, LEGACY_SIGNATURE_NAME)
 
 
 class ArchiveError(ArtifactError):
     """A packed artifact is unreadable or holds something it must not (link, device, unlisted file...)."""
+
+
+@dataclass(frozen=True)
+class Unpacked:
+    """What an unpack produced: the artifact dir, its manifest, and the signed statement it was checked
+    against (None when no signature was required)."""
+
+    path: Path
+    manifest: Manifest
+    statement: Statement | None = None
 
 
 @dataclass(frozen=True)
@@ -233,15 +261,70 @@ def _plan(tf, members, stage: Path, where: str, written: set[str]) -> tuple[dict
     return expected, optional
 
 
+def _check_signature(
+    tf, members, manifest_bytes: bytes, policy: SignaturePolicy, where: str, now
+) -> Statement:
+    if STATEMENT_NAME not in members:
+        if LEGACY_SIGNATURE_NAME in members:
+            raise SignatureError(
+                f"{where}: signature format v1 ({LEGACY_SIGNATURE_NAME}: manifest only, no name, version or "
+                "expiry) is no longer accepted: re-sign it with `precast pack --sign-key KEY --version V` "
+                "(format v2)"
+            )
+        raise SignatureError(f"{where}: not signed (no {STATEMENT_NAME}), but --pubkey was given")
+    if STATEMENT_SIG_NAME not in members:
+        raise SignatureError(f"{where}: {STATEMENT_NAME} has no signature ({STATEMENT_SIG_NAME} is missing)")
+    statement = _read_member(tf, members[STATEMENT_NAME], where, MAX_STATEMENT_BYTES)
+    sig = _read_member(tf, members[STATEMENT_SIG_NAME], where, 1024)
+    return verify_statement(statement, sig, manifest_bytes, policy, where, now)
+
+
+def _policy(pubkey, policy: SignaturePolicy | None) -> SignaturePolicy | None:
+    if pubkey is not None and policy is not None:
+        raise UsageError("give pubkey or policy, not both (a SignaturePolicy names its public key)")
+    return policy if policy is not None else signature_policy(pubkey)
+
+
 def unpack_artifact(
     archive: str | os.PathLike,
     dest: str | os.PathLike,
     *,
     pubkey: str | os.PathLike | None = None,
+    policy: SignaturePolicy | None = None,
+    now: datetime | None = None,
     limits: Limits = Limits(),
-) -> dict:
-    """Unpack a packed artifact into ``dest`` (which must not exist, or be empty); return its manifest."""
-    archive, dest = Path(archive), Path(dest)
+) -> Manifest:
+    """Unpack a packed artifact into ``dest`` (which must not exist, or be empty); return its manifest.
+
+    ``pubkey`` requires a valid signature; ``policy`` also a name and a least version (see unpack_checked)."""
+    return unpack_checked(archive, dest, policy=_policy(pubkey, policy), now=now, limits=limits).manifest
+
+
+def unpack_checked(
+    archive: str | os.PathLike,
+    dest: str | os.PathLike | None = None,
+    *,
+    policy: SignaturePolicy | None = None,
+    now: datetime | None = None,
+    limits: Limits = Limits(),
+) -> Unpacked:
+    """Unpack ``archive`` into ``dest`` (new or empty; None: a private temp dir that ``remove_temp`` or the
+    process's exit removes). With ``policy``, the signed statement must be valid for its public key, name
+    these manifest bytes and meet the policy (name, least version, not expired at ``now``: default the
+    wall clock), or nothing is unpacked (SignatureError, exit 3)."""
+    if dest is None:
+        tmp = tempfile.mkdtemp(prefix="precast-")
+        _TEMP_DIRS.append(tmp)
+        try:
+            return _unpack(Path(archive), Path(tmp) / "artifact", policy, now, limits)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _TEMP_DIRS.remove(tmp)
+            raise
+    return _unpack(Path(archive), Path(dest), policy, now, limits)
+
+
+def _unpack(archive: Path, dest: Path, policy: SignaturePolicy | None, now, limits: Limits) -> Unpacked:
     where = str(archive)
     if not archive.is_file():
         raise ArtifactError(f"packed artifact not found: {archive}")
@@ -261,22 +344,14 @@ def unpack_artifact(
         with tf:
             members = _scan(tf, where, archive.stat().st_size, limits)
             manifest_bytes = _read_member(tf, members[MANIFEST_NAME], where, limits.max_manifest_bytes)
-            if pubkey is not None:
-                if SIGNATURE_NAME not in members:
-                    from precast.runtime.signing import SignatureError
-
-                    raise SignatureError(f"{where}: not signed (no {SIGNATURE_NAME}), but --pubkey was given")
-                sig = _read_member(tf, members[SIGNATURE_NAME], where, 1024)
-                verify_bytes(manifest_bytes, sig, pubkey, where)
+            statement = None
+            if policy is not None:
+                statement = _check_signature(tf, members, manifest_bytes, policy, where, now)
             (stage / MANIFEST_NAME).write_bytes(manifest_bytes)
-            written = {MANIFEST_NAME, SIGNATURE_NAME}
+            written = {MANIFEST_NAME, *_SIGNATURE_MEMBERS}
             expected, optional = _plan(tf, members, stage, where, written)
             for name in members:
-                if (
-                    name not in expected
-                    and name not in optional
-                    and name not in (MANIFEST_NAME, SIGNATURE_NAME)
-                ):
+                if name not in expected and name not in optional and name not in written:
                     raise ArchiveError(f"{where}: member {name!r} is not listed in the manifest")
             missing = sorted(set(expected) - set(members))
             if missing:
@@ -297,7 +372,7 @@ def unpack_artifact(
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         raise
-    return manifest
+    return Unpacked(dest, manifest, statement)
 
 
 def _check_json(path: Path, where: str, name: str) -> None:
@@ -318,10 +393,16 @@ def _check_tree(root: Path, where: str) -> Manifest:
     return manifest
 
 
-def read_packed_manifest(archive: str | os.PathLike, *, pubkey: str | os.PathLike | None = None) -> dict:
+def read_packed_manifest(
+    archive: str | os.PathLike,
+    *,
+    pubkey: str | os.PathLike | None = None,
+    policy: SignaturePolicy | None = None,
+    now: datetime | None = None,
+) -> Manifest:
     """Unpack into a private temp dir (full checks), return the manifest, and clean up."""
     with tempfile.TemporaryDirectory(prefix="precast-verify-") as tmp:
-        return unpack_artifact(archive, Path(tmp) / "artifact", pubkey=pubkey)
+        return unpack_artifact(archive, Path(tmp) / "artifact", pubkey=pubkey, policy=policy, now=now)
 
 
 _TEMP_DIRS: list[str] = []
@@ -334,18 +415,15 @@ def _remove_all_temp() -> None:
     _TEMP_DIRS.clear()
 
 
-def unpack_to_temp(archive: str | os.PathLike, *, pubkey: str | os.PathLike | None = None) -> Path:
+def unpack_to_temp(
+    archive: str | os.PathLike,
+    *,
+    pubkey: str | os.PathLike | None = None,
+    policy: SignaturePolicy | None = None,
+    now: datetime | None = None,
+) -> Path:
     """Unpack into a fresh private temp dir (removed when the process exits); return the artifact dir."""
-    tmp = tempfile.mkdtemp(prefix="precast-")
-    _TEMP_DIRS.append(tmp)
-    dest = Path(tmp) / "artifact"
-    try:
-        unpack_artifact(archive, dest, pubkey=pubkey)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        _TEMP_DIRS.remove(tmp)
-        raise
-    return dest
+    return unpack_checked(archive, policy=_policy(pubkey, policy), now=now).path
 
 
 def remove_temp(artifact: str | os.PathLike) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,6 +14,7 @@ import numpy as np
 from precast.runtime.backends import Session, check_target_name, check_threads, create_session
 from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError, UsageError, first_line
 from precast.runtime.feeds import check_feeds
+from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.manifest import Manifest, TensorSpec, check_integrity, read_manifest
 from precast.runtime.target_blocks import TargetBlock
 
@@ -106,12 +108,17 @@ def load(
     verify: bool = True,
     prefer: str | None = None,
     pubkey: str | os.PathLike | None = None,
+    expect_name: str | None = None,
+    min_version: str | None = None,
+    now: datetime | None = None,
     spinning: bool | None = None,
 ) -> Model:
     """Load an artifact directory: schema check, sha256 of every file, then a backend session.
 
     ``path`` may also be a packed artifact (``precast pack``): it is unpacked safely, every checksum
-    (and, with ``pubkey``, the manifest's Ed25519 signature) checked, into a private temp dir.
+    checked, into a private temp dir. ``pubkey`` requires its signed statement (runtime/signing.py): a valid
+    Ed25519 signature, not expired at ``now`` (default: the wall clock), named ``expect_name`` and at least
+    ``min_version`` when given; anything else is a SignatureError (exit 3).
 
     A multi-target artifact loads the best target this host can run (``prefer`` puts one first);
     ``model.skipped`` says why each better one was passed over.
@@ -124,11 +131,14 @@ def load(
         raise UsageError(f"spinning must be True, False or None, got {spinning!r}")
     if prefer is not None:  # a typo: exit 4 with the close match, not "no target ... in this artifact"
         check_target_name(prefer)
+    from precast.runtime.signing import signature_policy
+
+    policy = signature_policy(pubkey, expect_name, min_version)  # requirements without a key: UsageError
     root = Path(path)
     if root.is_file():  # unpacked into a temp dir the Model owns (close() removes it)
         from precast.runtime.archive import remove_temp, unpack_to_temp
 
-        root = unpack_to_temp(root, pubkey=pubkey)
+        root = unpack_to_temp(root, policy=policy, now=now)
         try:
             model = load(root, threads=threads, verify=verify, prefer=prefer, spinning=spinning)
         except BaseException:
@@ -155,8 +165,31 @@ def load(
         session = open_staged(root, manifest.target, manifest.stages, threads=threads)
     else:
         session = create_session(root, manifest.target, threads=threads, spinning=spinning)
+        if manifest.llm is not None:
+            _check_llm_matches(root, session, manifest.llm)
     _check_io_matches(root, session, inputs, outputs)
     return Model(root, manifest, session, inputs, outputs)
+
+
+def _check_llm_matches(root: Path, session, spec: LLMSpec) -> None:
+    """A causal LM's ``llm`` block against the step graph it describes (names, layers, KV dims, vocab): an
+    edited block is refused (exit 3) by every command that loads the artifact, not by the engine's first step
+    (staged artifacts: runtime/llm/staged_runner.py checks each stage)."""
+    from precast.runtime.openvino_backend import OpenVINOSession
+
+    if isinstance(session, OpenVINOSession):
+        from precast.runtime.llm.ov_runner import check_compiled_matches_spec
+
+        if spec.kv_layout != "ov-paged":
+            raise ArtifactError(
+                f"{root}/manifest.json: llm block: kv_layout {spec.kv_layout!r} does not fit an OpenVINO "
+                "step graph (ov-paged)"
+            )
+        check_compiled_matches_spec(session._compiled, spec, root)
+    elif hasattr(session, "get_inputs"):  # ONNX Runtime (TensorRT keeps its own checks)
+        from precast.runtime.llm.model_runner import check_graph_matches_spec
+
+        check_graph_matches_spec(session, spec, root)
 
 
 def _check_io_matches(root: Path, session, inputs: list[TensorSpec], outputs: list[TensorSpec]) -> None:

@@ -145,8 +145,11 @@ def test_garbage_and_truncated_files(built, tmp_path):
 
 def test_signature_roundtrip_and_rejections(built, keys, tmp_path):
     signed = tmp_path / "signed.precast"
-    pack_artifact(built["art"], signed, sign_key=keys / "k.pem")
-    assert [m.name for m, _ in members_of(signed)][:2] == ["manifest.json", "manifest.sig"]
+    pack_artifact(built["art"], signed, sign_key=keys / "k.pem", version="1")
+    names = [m.name for m, _ in members_of(signed)]
+    assert names[:3] == ["manifest.json", "statement.json", "statement.sig"] and names[3:] == sorted(
+        names[3:]
+    )
     unpack_artifact(signed, tmp_path / "ok", pubkey=keys / "k.pub")
     load(signed, pubkey=keys / "k.pub")
     with pytest.raises(SignatureError, match="does not match"):
@@ -168,7 +171,11 @@ def test_signature_roundtrip_and_rejections(built, keys, tmp_path):
 def test_cli_pack_verify_unpack(built, keys, tmp_path, capsys):
     out = tmp_path / "m.precast"
     code, _, err = run_cli(capsys, "pack", built["art"], "-o", out, "--sign-key", keys / "k.pem")
-    assert code == 0 and "signed" in err
+    assert code == 1 and "--sign-key needs --version" in err and not out.exists()
+    code, _, err = run_cli(
+        capsys, "pack", built["art"], "-o", out, "--sign-key", keys / "k.pem", "--version", "2"
+    )
+    assert code == 0 and "signed as 'art' version 2" in err
     code, stdout, err = run_cli(capsys, "verify", out, "--pubkey", keys / "k.pub", "-q")
     assert (code, stdout, err) == (0, "", "")
     code, _, err = run_cli(capsys, "verify", out, "--pubkey", keys / "other.pub")
