@@ -20,6 +20,7 @@ from precast.compiler.torch_export import dynamo_export
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
 from precast.runtime.llm.mapped_kv import page_block_size
 from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, gqa_lengths
+from precast.runtime.llm_spec import LIMITS
 from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = [
@@ -155,7 +156,9 @@ def _max_positions(config: dict) -> int:
                 config.get("original_max_position_embeddings") or TOP_LEVEL_ORIGINAL[config["model_type"]]
             )
         ctx = min(ctx, int(original or ctx))
-    return ctx
+    # The runtime refuses a larger context (LLMSpec LIMITS): serving more than 2^20 positions is not a
+    # CPU engine's job, and an artifact claiming it cannot be told from a hostile one.
+    return min(ctx, LIMITS["max_context"])
 
 
 def _windowed(config: dict) -> bool:

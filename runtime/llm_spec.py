@@ -11,12 +11,29 @@ from precast.runtime.schema import Record
 if TYPE_CHECKING:
     from precast.runtime.manifest import Manifest
 
-__all__ = ["LLMSpec", "KV_LAYOUTS"]
+__all__ = ["LLMSpec", "KV_LAYOUTS", "LIMITS", "DEFAULT_POOL_BYTES"]
 
 # "ov-paged": OpenVINO's PagedAttention reads and writes the pool itself (runtime/llm/ov_runner.py): no KV outputs.
 KV_LAYOUTS = ("paged", "mapped", "ov-paged")
 _INT32_MAX = 2**31 - 1
 _SIZES = ("layers", "heads", "kv_heads", "head_size", "hidden", "vocab", "max_context", "block_size")
+# The most each size may be (the block is untrusted data; every model precast compiles is far inside these).
+# What the runtime sizes from them: the mapped layout reserves slots x max_context rows of address space per
+# layer and a [slots, max_context / block_size] table; a runner's logits buffer is [rows, vocab].
+LIMITS = {
+    "layers": 1024,
+    "heads": 1024,
+    "kv_heads": 1024,
+    "head_size": 1024,
+    "hidden": 1 << 17,
+    "vocab": 1 << 22,
+    "max_context": 1 << 20,
+    "block_size": 4096,
+}
+# The KV pool when the caller sizes none (Engine.load / the runners' num_blocks=None; `precast serve` without
+# --num-blocks or --kv-cache-memory): 4 full-context requests, but at most this many bytes of float32 K/V.
+DEFAULT_POOL_REQUESTS = 4
+DEFAULT_POOL_BYTES = 4 << 30
 
 
 @dataclass(frozen=True)
@@ -69,6 +86,17 @@ class LLMSpec(Record):
         for name, value in [*((n, getattr(self, n)) for n in _SIZES), *ids.items()]:
             if abs(value) > _INT32_MAX:
                 raise ArtifactError(f"{where}: {name} must be at most {_INT32_MAX}, got {value}")
+        for name, limit in LIMITS.items():  # (the runners size memory from these: absurd ones were an OOM)
+            if getattr(self, name) > limit:
+                raise ArtifactError(f"{where}: {name} must be at most {limit}, got {getattr(self, name)}")
+        if self.kv_heads > self.heads:
+            raise ArtifactError(f"{where}: kv_heads ({self.kv_heads}) must be at most heads ({self.heads})")
+        for name in ("pad_id", "bos_id"):  # token ids the runners feed the graph
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab:
+                raise ArtifactError(
+                    f"{where}: {name} must be a token id in [0, vocab={self.vocab}), got {value}"
+                )
         outputs = 0 if self.kv_layout == "ov-paged" else self.layers
         if (
             self.kv_layout not in KV_LAYOUTS
@@ -80,5 +108,25 @@ class LLMSpec(Record):
                 f"input names and {outputs} of KV output names"
             )
 
+    def check_logits_shape(self, shape, where: str) -> None:
+        """The step graph's logits shape (ints static, anything else dynamic): its last dim, where the graph
+        fixes it, must be ``vocab`` (the runners size their logits buffers and check token ids by it)."""
+        dim = shape[-1] if shape else None
+        if isinstance(dim, int) and not isinstance(dim, bool) and dim != self.vocab:
+            dims = ", ".join("?" if d is None else str(d) for d in shape)
+            raise ArtifactError(
+                f"{where} does not match the model: vocab={self.vocab}, but the step graph's logits are "
+                f"[{dims}]"
+            )
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
+
+    def default_num_blocks(self) -> int:
+        """The KV pool's blocks when the caller sizes none: DEFAULT_POOL_REQUESTS full-context requests,
+        capped at DEFAULT_POOL_BYTES of float32 K/V (at least one block). A pool smaller than the context
+        still serves shorter requests (the engine caps each request at the pool); size it with num_blocks,
+        or `precast serve --num-blocks` / `--kv-cache-memory`."""
+        block_bytes = self.layers * 2 * self.kv_heads * self.block_size * self.head_size * 4
+        wanted = DEFAULT_POOL_REQUESTS * self.blocks_for(self.max_context)
+        return max(1, min(wanted, DEFAULT_POOL_BYTES // block_bytes))

@@ -80,8 +80,13 @@ def artifact_path(root: str | os.PathLike, rel: object, what: str) -> Path:
     p = Path(rel)
     if p.is_absolute() or rel.startswith(("/", "\\")) or ".." in Path(rel.replace("\\", "/")).parts:
         raise ArtifactError(f"artifact {root}: manifest '{what}' = {rel!r} points outside the artifact")
-    base = Path(root).resolve()
-    full = (base / p).resolve()
+    try:
+        base = Path(root).resolve()
+        full = (base / p).resolve()
+    except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13)
+        raise ArtifactError(
+            f"artifact {root}: manifest '{what}' = {rel!r} cannot be resolved ({e})"
+        ) from None
     if full != base and base not in full.parents:
         raise ArtifactError(
             f"artifact {root}: manifest '{what}' = {rel!r} resolves outside the artifact (a symlink?)"
@@ -168,6 +173,8 @@ class Manifest(Record):
             raise ArtifactError(f"{where}: a multi-target manifest needs 'targets'")
         if self.parity is not None:
             _check_parity(self.parity, where)
+        if self.llm is not None:
+            _check_llm_against_io(self.llm, self.io, where)
 
     def named_paths(self):
         """(what, relative path) for every path the manifest names, whatever its kind."""
@@ -182,6 +189,31 @@ class Manifest(Record):
                 yield f"parity.{key}.{name}", rel
         for name, d in self.target_dirs().items():
             yield f"targets.{name}.dir", d
+
+
+def _check_llm_against_io(llm: LLMSpec, io: IOSignature, where: str) -> None:
+    """The llm block's sizes against the manifest's own ``io`` (the step graph's shapes as compiled), where
+    those are static: one edited without the other is refused without opening the model. (load() compares
+    the block with the graph itself: runtime/model.py.)"""
+    specs = {t.name: t for t in (*io.inputs, *io.outputs)}
+    logits = specs.get("logits")
+    if logits is not None and logits.shape and isinstance(logits.shape[-1], int):
+        if logits.shape[-1] != llm.vocab:
+            raise ArtifactError(
+                f"{where}: llm block does not match 'io': 'logits' is {logits.shape_str()}, the block says "
+                f"vocab={llm.vocab}"
+            )
+    for name in (n for pair in llm.kv_inputs for n in pair):  # [rows or blocks, KV heads, rows, head size]
+        kv = specs.get(name)
+        if kv is None or kv.shape is None or len(kv.shape) != 4:
+            continue
+        for axis, key in ((1, "kv_heads"), (3, "head_size")):
+            dim = kv.shape[axis]
+            if isinstance(dim, int) and dim != getattr(llm, key):
+                raise ArtifactError(
+                    f"{where}: llm block does not match 'io': {name!r} is {kv.shape_str()}, the block says "
+                    f"{key}={getattr(llm, key)}"
+                )
 
 
 def _check_parity(parity: dict, where: str) -> None:
@@ -229,7 +261,35 @@ def read_manifest(artifact_dir: str | os.PathLike) -> Manifest:
             artifact_path(root, rel, what)
     except ArtifactError as e:
         raise ArtifactError(f"{mpath}: {e.message.removeprefix(f'artifact {root}: ')}") from None
+    if manifest.is_multi_target:
+        _check_index_targets(root, mpath, manifest)
     return manifest
+
+
+def _check_index_targets(root: Path, mpath: Path, index: Manifest) -> None:
+    """An index lists single-target artifacts, each in a sub-folder. A target folder that is the index's own
+    (``dir: "."``) or holds another index would send every reader round in circles (a RecursionError) or
+    down a chain the readers do not follow: refused here, where every command reads the index."""
+    base = root.resolve()
+    for name, rel in index.target_dirs().items():
+        sub = root / rel
+        if sub.resolve() == base:
+            raise ArtifactError(
+                f"{mpath}: 'targets.{name}.dir' = {rel!r} is the index's own folder "
+                "(a target lives in a sub-folder)"
+            )
+        sub_manifest = sub / MANIFEST_NAME
+        if not sub_manifest.is_file():
+            continue  # reported by whoever opens that target (artifact not found)
+        try:
+            data = parse_json(sub_manifest.read_bytes(), f"{sub_manifest}: manifest")
+        except ArtifactError:
+            continue  # a malformed sub-manifest is reported by whoever opens that target
+        if isinstance(data, dict) and data.get("kind") == MULTI_TARGET:
+            raise ArtifactError(
+                f"{mpath}: 'targets.{name}.dir' = {rel!r} holds another multi-target index "
+                "(an index lists single-target artifacts)"
+            )
 
 
 def check_integrity(artifact_dir: str | os.PathLike, manifest: Manifest) -> None:

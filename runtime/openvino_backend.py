@@ -14,6 +14,7 @@ import numpy as np
 
 from precast.runtime.backends import register_backend
 from precast.runtime.errors import ArtifactError, TargetUnavailableError, first_line
+from precast.runtime.llm_spec import LIMITS
 from precast.runtime.manifest import model_path
 from precast.runtime.target_blocks import OpenVINOBlock
 
@@ -95,9 +96,13 @@ def _checked_config(root: Path, config: object) -> dict[str, str]:
 PA_RT_INFO = "precast_paged_attention"  # compiler/ov_decoder.py writes it
 
 
-def restore_paged_attention_info(model) -> int:
+def restore_paged_attention_info(model, where: str = "OpenVINO IR") -> int:
     """The CPU plugin needs each PagedAttention node's head counts in its rt_info, which the IR does not
-    keep per node: precast's causal-lm IR stores them once in the model's rt_info -> nodes updated."""
+    keep per node: precast's causal-lm IR stores them once in the model's rt_info -> nodes updated.
+
+    The IR is untrusted: the plugin sizes the KV pool from these numbers, so they must be in LIMITS and
+    multiply to the width of every node's key and value inputs (num_kv_heads x head_size) where the graph
+    fixes it. ``where``: the IR file, named by the errors."""
     nodes = [op for op in model.get_ordered_ops() if op.get_type_name() == "PagedAttentionExtension"]
     if not nodes or not model.has_rt_info([PA_RT_INFO, "num_kv_heads"]):
         return 0
@@ -105,7 +110,21 @@ def restore_paged_attention_info(model) -> int:
         kv = int(model.get_rt_info([PA_RT_INFO, "num_kv_heads"]).astype(str))
         head = int(model.get_rt_info([PA_RT_INFO, "head_size"]).astype(str))
     except (RuntimeError, ValueError) as e:
-        raise ArtifactError(f"OpenVINO IR: bad {PA_RT_INFO} rt_info ({first_line(e)})") from e
+        raise ArtifactError(f"{where}: bad {PA_RT_INFO} rt_info ({first_line(e)})") from e
+    for key, value in (("num_kv_heads", kv), ("head_size", head)):
+        limit = LIMITS["kv_heads" if key == "num_kv_heads" else "head_size"]
+        if not 1 <= value <= limit:
+            raise ArtifactError(f"{where}: rt_info '{PA_RT_INFO}.{key}' must be in [1, {limit}], got {value}")
+    for node in nodes:
+        for port, what in ((1, "key"), (2, "value")):  # [tokens, num_kv_heads * head_size]
+            shape = node.input_value(port).get_partial_shape()
+            width = shape[shape.rank.get_length() - 1] if shape.rank.is_static else None
+            if width is not None and width.is_static and width.get_length() != kv * head:
+                raise ArtifactError(
+                    f"{where}: rt_info '{PA_RT_INFO}.num_kv_heads' x '{PA_RT_INFO}.head_size' = {kv} x "
+                    f"{head} does not match the graph: PagedAttention node {node.get_friendly_name()!r} "
+                    f"takes {what}s of {shape}"
+                )
     for node in nodes:
         rt = node.get_rt_info()
         rt["num_k_heads"] = rt["num_v_heads"] = kv
@@ -139,8 +158,10 @@ def create_openvino_session(root: Path, target: OpenVINOBlock, threads: int | No
         # core when it loads; read_model of an IR holding them fails before that.
         core.get_property(device, "FULL_DEVICE_NAME")
         model = core.read_model(str(xml))
-        restore_paged_attention_info(model)
+        restore_paged_attention_info(model, str(xml))
         compiled = core.compile_model(model, device, config)
+    except ArtifactError:
+        raise
     except Exception as e:
         raise ArtifactError(
             f"artifact {root}: OpenVINO cannot compile {xml.name} for {device}: {first_line(e)}"

@@ -146,6 +146,12 @@ class Engine:
             tokenizer = (
                 TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
             )
+            # (a tokenizer id past the vocab would index past the logits, and past the embedding)
+            if tokenizer is not None and tokenizer.vocab_size > llm.vocab:
+                raise ArtifactError(
+                    f"{root}/manifest.json: llm block: vocab={llm.vocab} is smaller than the tokenizer's "
+                    f"{tokenizer.vocab_size} tokens ({tok_file})"
+                )
             engine = cls(runner, tokenizer, config=config, enable_prefix_caching=enable_prefix_caching)
         except BaseException:
             if unpacked is not None:

@@ -73,12 +73,12 @@ class ModelRunner(StepRunner):
     ) -> ModelRunner:
         """Load (integrity-checked) an artifact compiled with ``--task causal-lm``.
 
-        ``num_blocks`` defaults to enough blocks for 4 full-context requests. ``spinning``: whether ONNX
-        Runtime's idle threads spin-wait between runs. True is fastest on a quiet host (decode b1 1.3-1.5x
-        on bench_llm.py's models) and slowest on a shared one (a spinning thread burns the time slices
-        other processes and the step's own threads need: 1.6x slower with one core busy); False is the
-        reverse. "auto" (the default) holds both sessions and runs each step on the one the host's load
-        calls for (spin_switch.py), for artifacts up to AUTO_SPIN_MAX_BYTES (else False).
+        ``num_blocks`` defaults to LLMSpec.default_num_blocks() (4 full-context requests, at most 4 GiB of
+        K/V). ``spinning``: whether ONNX Runtime's idle threads spin-wait between runs. True is fastest on a
+        quiet host (decode b1 1.3-1.5x on bench_llm.py's models) and slowest on a shared one (a spinning
+        thread burns the time slices other processes and the step's own threads need: 1.6x slower with one
+        core busy); False is the reverse. "auto" (the default) holds both sessions and runs each step on the
+        one the host's load calls for (spin_switch.py), for artifacts up to AUTO_SPIN_MAX_BYTES (else False).
         """
         from precast.runtime.backends import create_session
         from precast.runtime.model import load
@@ -90,7 +90,7 @@ class ModelRunner(StepRunner):
         spec = LLMSpec.from_manifest(model.manifest, str(path))
         check_graph_matches_spec(model._session, spec, path)
         if num_blocks is None:
-            num_blocks = 4 * spec.blocks_for(spec.max_context)
+            num_blocks = spec.default_num_blocks()
         root = Path(model.path)
         runner = cls(model._session, spec, num_blocks, root)
         if auto and hasattr(model._session, "run_with_iobinding") and _weights_bytes(root) <= AUTO_SPIN_MAX_BYTES:
@@ -230,8 +230,10 @@ def check_graph_matches_spec(session, spec: LLMSpec, path) -> None:
     """The manifest's llm block is untrusted: its KV names, layout and sizes must be the graph's, or the
     runner would fail inside ONNX Runtime (an internal error) instead of refusing the artifact (exit 3)."""
     ins = {i.name: i.shape for i in session.get_inputs()}
-    outs = {o.name for o in session.get_outputs()}
+    outs = {o.name: o.shape for o in session.get_outputs()}
     where = f"{path}/manifest.json: llm block"
+    if spec.kv_layout not in _LAYOUT_INPUTS:
+        raise ArtifactError(f"{where}: kv_layout {spec.kv_layout!r} needs an OpenVINO artifact")
     for name in (*_LAYOUT_INPUTS[spec.kv_layout], *(n for pair in spec.kv_inputs for n in pair)):
         if name not in ins:
             raise ArtifactError(
@@ -243,6 +245,14 @@ def check_graph_matches_spec(session, spec: LLMSpec, path) -> None:
             raise ArtifactError(
                 f"{where} does not match the model: {name!r} is not an output of the step graph"
             )
+    fed = {*_LAYOUT_INPUTS[spec.kv_layout], *(n for pair in spec.kv_inputs for n in pair)}
+    extra = sorted(set(ins) - fed)
+    if extra:  # (the first step would fail inside ONNX Runtime on the missing feed)
+        raise ArtifactError(
+            f"{where} does not match the model: the step graph's input {extra[0]!r} is not among the "
+            f"block's kv_inputs (layers={spec.layers})"
+        )
+    spec.check_logits_shape(outs["logits"], where)
     for pair in spec.kv_inputs:
         for name in pair:
             dims = ins[name]

@@ -33,8 +33,9 @@ class ContractStep:
 
         core = ov.Core()
         core.get_property("CPU", "FULL_DEVICE_NAME")  # registers PagedAttentionExtension for read_model
-        model = core.read_model(str(Path(root) / block.model_file))
-        restore_paged_attention_info(model)
+        xml = Path(root) / block.model_file
+        model = core.read_model(str(xml))
+        restore_paged_attention_info(model, str(xml))
         config = _checked_config(Path(root), block.config)
         self.bf16 = config.get("INFERENCE_PRECISION_HINT") == "bf16" and "BF16" in core.get_property(
             "CPU", "OPTIMIZATION_CAPABILITIES"
@@ -43,7 +44,7 @@ class ContractStep:
         if threads:
             config["INFERENCE_NUM_THREADS"] = str(threads)
         self.compiled = core.compile_model(model, "CPU", config)
-        self.spec = spec
+        self.spec, self.root = spec, Path(root)
 
     def __call__(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         spec = self.spec
@@ -63,7 +64,7 @@ class ContractStep:
         for n in per_row:
             tables.append(list(range(start, start + n)))
             start += n
-        runner = OVStepRunner(self.compiled, spec, max(start, 1))
+        runner = OVStepRunner(self.compiled, spec, max(start, 1), self.root)
         pools = (runner.key_cache, runner.value_cache)
         if self.bf16:  # (ov.Tensor.data shows bf16 as float16: the bits are bf16's)
             pools = tuple([p.view(np.uint16) for p in kind] for kind in pools)

@@ -105,8 +105,9 @@ class OVStepRunner(StepRunner):
         spinning: bool | str = "auto",
     ) -> OVStepRunner:
         """Load (integrity-checked) an ``--target openvino --task causal-lm`` artifact. ``threads``:
-        OpenVINO's INFERENCE_NUM_THREADS. ``num_blocks`` defaults to 4 full-context requests. ``spinning``
-        is ModelRunner's (ONNX Runtime's idle threads) and has no counterpart here (accepted, unused)."""
+        OpenVINO's INFERENCE_NUM_THREADS. ``num_blocks`` defaults to LLMSpec.default_num_blocks().
+        ``spinning`` is ModelRunner's (ONNX Runtime's idle threads) and has no counterpart here (accepted,
+        unused)."""
         del spinning
         from precast.runtime.model import load
 
@@ -116,7 +117,7 @@ class OVStepRunner(StepRunner):
         if compiled is None or spec.kv_layout != "ov-paged":
             raise ArtifactError(f"{path}: kv_layout 'ov-paged' needs an OpenVINO artifact")
         if num_blocks is None:
-            num_blocks = 4 * spec.blocks_for(spec.max_context)
+            num_blocks = spec.default_num_blocks()
         return cls(compiled, spec, num_blocks, Path(model.path))
 
     @property
@@ -210,18 +211,39 @@ def check_compiled_matches_spec(compiled, spec: LLMSpec, path) -> None:
     pool's KV-head and block dims the block's, or the first step would fail inside OpenVINO."""
     where = f"{path}/manifest.json: llm block"
     names = {n for port in compiled.inputs for n in port.get_names()}
-    for name in (*OV_STEP_INPUTS, *(n for pair in spec.kv_inputs for n in pair)):
+    fed = (*OV_STEP_INPUTS, *(n for pair in spec.kv_inputs for n in pair))
+    for name in fed:
         if name not in names:
             raise ArtifactError(
                 f"{where} does not match the model: {name!r} is not an input of the step graph"
             )
+    extra = sorted(port.get_any_name() for port in compiled.inputs if not port.get_names() & set(fed))
+    if extra:  # (the first step would fail inside OpenVINO on the missing tensor)
+        raise ArtifactError(
+            f"{where} does not match the model: the step graph's input {extra[0]!r} is not among the "
+            f"block's kv_inputs (layers={spec.layers})"
+        )
     if "logits" not in {n for port in compiled.outputs for n in port.get_names()}:
         raise ArtifactError(f"{where} does not match the model: 'logits' is not an output of the step graph")
-    for _, v_name in spec.kv_inputs:  # values: [NB, KV, block, D(+ scales)] in every precision
+    logits = compiled.output("logits").get_partial_shape()
+    spec.check_logits_shape([d.get_length() if d.is_static else None for d in logits], where)
+    for k_name, v_name in spec.kv_inputs:
+        # values: [NB, KV, block, D(+ scales)], keys: [NB, KV, block(+ scales), D] in every precision
         dims = compiled.input(v_name).get_partial_shape()
-        got = (dims[1].get_length(), dims[2].get_length()) if dims.rank.get_length() == 4 else None
+        got = (dims[1].get_length(), dims[2].get_length()) if _static(dims, 1, 2) else None
         if got != (spec.kv_heads, spec.block_size):
             raise ArtifactError(
                 f"{where} does not match the model: {v_name!r} is {dims} once compiled, the block says "
                 f"kv_heads={spec.kv_heads}, block_size={spec.block_size}"
             )
+        dims = compiled.input(k_name).get_partial_shape()
+        if not _static(dims, 3) or dims[3].get_length() != spec.head_size:
+            raise ArtifactError(
+                f"{where} does not match the model: {k_name!r} is {dims} once compiled, the block says "
+                f"head_size={spec.head_size}"
+            )
+
+
+def _static(dims, *axes: int) -> bool:
+    """A rank-4 shape whose ``axes`` are static (a compiled pool's KV-head, block and head dims are)."""
+    return dims.rank.is_static and dims.rank.get_length() == 4 and all(dims[a].is_static for a in axes)

@@ -187,7 +187,7 @@ class StagedRunner(StageWorkersOwner, MappedModelRunner):
         ]
         check_stages_match_spec(sessions, entries, spec, root)
         if num_blocks is None:
-            num_blocks = 4 * spec.blocks_for(spec.max_context)
+            num_blocks = spec.default_num_blocks()
         if spec.kv_layout == "paged":  # the graph gathers the pools itself: ModelRunner's pools and scatter
             from precast.runtime.llm.staged_paged_runner import StagedPagedRunner
 
@@ -319,3 +319,5 @@ def check_stages_match_spec(sessions, stages: list[StageEntry], spec: LLMSpec, p
         if ("logits" in outs) != (k == len(stages) - 1):
             raise ArtifactError(f"{where}: only the last stage produces 'logits' (stage {k} does not fit)")
         produced |= set(outs)
+    logits = {o.name: o.shape for o in sessions[-1].get_outputs()}["logits"]
+    spec.check_logits_shape(logits, f"{path}/manifest.json: llm block")
