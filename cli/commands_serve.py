@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from precast.cli.commands_ci import signature_options
 from precast.cli.main import cli
 from precast.cli.output import THREADS
 from precast.runtime.llm.scheduler import SchedulerConfig
@@ -135,6 +136,27 @@ def _name(ctx, param, value):
     help="Most characters one request hands the tokenizer (embeddings inputs, or a prompt).",
 )
 @click.option(
+    "--text-timeout",
+    default=ServerConfig.text_timeout,
+    show_default=True,
+    type=_Seconds(0.001),
+    help="Seconds the artifact's chat template and tokenizer may run on one request (504 past it).",
+)
+@click.option(
+    "--text-memory",
+    default=ServerConfig.text_memory,
+    show_default=True,
+    type=MEMORY_SIZE,
+    help="Memory the chat template and tokenizer may use on one request, e.g. 128MiB (400 past it).",
+)
+@click.option(
+    "--text-workers",
+    default=ServerConfig.text_workers,
+    show_default=True,
+    type=click.IntRange(1),
+    help="Requests whose text is rendered and tokenized at once (each in its own process).",
+)
+@click.option(
     "--max-connections",
     default=ServerConfig.max_connections,
     show_default=True,
@@ -142,6 +164,7 @@ def _name(ctx, param, value):
     help="Open connections and requests at once (503 beyond them).",
 )
 @click.option("--no-verify", is_flag=True, help="Skip re-running the stored parity feeds on load/reload.")
+@signature_options("serve (at start and on every reload)")
 @click.option("--num-blocks", default=None, type=click.IntRange(1), help="LLM: KV cache blocks in the pool.")
 @click.option(
     "--kv-cache-memory",

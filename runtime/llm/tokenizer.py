@@ -2,12 +2,31 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Sequence
+from pathlib import Path
 
 from precast.runtime.errors import ArtifactError, first_line
 
-__all__ = ["TextTokenizer"]
+__all__ = ["MAX_PIECE_CHARS", "MAX_DECODER_STEPS", "TextTokenizer", "check_decode_bounded"]
+
+# Decoding runs in the engine's step loop for every generated token (the server's incremental text). Its cost
+# must be bounded by the artifact's shape, not chosen by it: fixed-string decoders only, few of them, and
+# pieces of bounded length (a 100 MB piece would make each token's text 100 MB).
+MAX_PIECE_CHARS = 4096
+MAX_DECODER_STEPS = 32
+_DECODERS = {
+    "ByteLevel",
+    "ByteFallback",
+    "Fuse",
+    "Strip",
+    "Metaspace",
+    "WordPiece",
+    "BPEDecoder",
+    "CTC",
+    "Replace",
+}
 
 
 class TextTokenizer:
@@ -23,9 +42,11 @@ class TextTokenizer:
         except ImportError as e:  # pragma: no cover - tokenizers is a runtime dependency of LLM artifacts
             raise ArtifactError("LLM artifacts need the 'tokenizers' package: pip install tokenizers") from e
         try:
-            return cls(Tokenizer.from_file(str(path)))
+            tok = Tokenizer.from_file(str(path))
         except Exception as e:
             raise ArtifactError(f"cannot read tokenizer {path}: {first_line(e)}") from e
+        check_decode_bounded(path)
+        return cls(tok)
 
     @property
     def vocab_size(self) -> int:
@@ -79,3 +100,59 @@ def _byte_level_table() -> dict[str, int]:
                 extra += 1
         _BYTE_LEVEL = chars
     return _BYTE_LEVEL
+
+
+def check_decode_bounded(path: str | os.PathLike) -> None:
+    """ArtifactError naming the field unless decoding with the tokenizer at ``path`` is linear in its pieces:
+    the decoder chain uses only fixed-string decoders (no regex: a backtracking pattern would run on every
+    generated token, inside the engine's step loop), at most MAX_DECODER_STEPS of them, and every vocabulary
+    piece and added token is at most MAX_PIECE_CHARS characters. Encoding (normalizer, pre-tokenizer regexes)
+    is not checked here: the server runs it in a sandbox process with a deadline (runtime/server/text_sandbox.py)."""
+    where = Path(path).name
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"cannot read tokenizer {path}: {first_line(e)}") from e
+    if not isinstance(data, dict):
+        raise ArtifactError(f"tokenizer {where}: not a JSON object")
+    steps = [0]
+
+    def walk(dec, field: str) -> None:
+        if dec is None:
+            return
+        if not isinstance(dec, dict):
+            raise ArtifactError(f"tokenizer {where}: '{field}' must be an object")
+        kind = dec.get("type")
+        if kind == "Sequence":
+            subs = dec.get("decoders")
+            if not isinstance(subs, list):
+                raise ArtifactError(f"tokenizer {where}: '{field}.decoders' must be a list")
+            for i, sub in enumerate(subs):
+                walk(sub, f"{field}.decoders[{i}]")
+            return
+        steps[0] += 1
+        if steps[0] > MAX_DECODER_STEPS:
+            raise ArtifactError(f"tokenizer {where}: '{field}': more than {MAX_DECODER_STEPS} decoder steps")
+        if kind not in _DECODERS:
+            raise ArtifactError(f"tokenizer {where}: '{field}.type' {kind!r} is not a decoder precast runs")
+        pattern = dec.get("pattern")
+        if kind == "Replace" and not (isinstance(pattern, dict) and set(pattern) == {"String"}):
+            raise ArtifactError(
+                f"tokenizer {where}: '{field}.pattern' must be a fixed string (a regex would run on every "
+                "generated token)"
+            )
+
+    walk(data.get("decoder"), "decoder")
+    model = data.get("model") if isinstance(data.get("model"), dict) else {}
+    vocab = model.get("vocab")
+    pieces = (
+        vocab.keys() if isinstance(vocab, dict) else (v[0] for v in vocab or () if isinstance(v, list) and v)
+    )
+    added = (t.get("content") for t in data.get("added_tokens") or () if isinstance(t, dict))
+    for field, items in (("model.vocab", pieces), ("added_tokens", added)):
+        for piece in items:
+            if isinstance(piece, str) and len(piece) > MAX_PIECE_CHARS:
+                raise ArtifactError(
+                    f"tokenizer {where}: '{field}' has a piece of {len(piece)} characters (at most "
+                    f"{MAX_PIECE_CHARS}: each generated token's text is decoded in the engine's step loop)"
+                )

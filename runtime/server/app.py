@@ -42,7 +42,12 @@ class ServerState:
         self.config = config
         self.metrics = ServerMetrics()
         self.host = host or ModelHost(
-            config.artifact, threads=config.threads, verify=config.verify, llm_options=config.llm
+            config.artifact,
+            threads=config.threads,
+            verify=config.verify,
+            llm_options=config.llm,
+            text_limits=config.text_limits,
+            policy=config.signature_policy,
         )
         self.batcher = Batcher(
             self._lease_model,

@@ -18,6 +18,10 @@ max_text_chars            262144    400: characters one request hands the tokeni
 max_stop_strings          16        400: 'stop' strings in one completion request
 max_stop_chars            256       400: characters in one 'stop' string
 header_timeout            10 s      connection closed: request line + headers not complete by then
+text_timeout              2 s       504: the artifact's chat template + tokenizer on one request ran longer
+                                    (per 64 Ki characters of the request's text: long prompts take longer)
+text_memory               128 MiB   400: ... needed more memory than this (each call is its own process)
+text_workers              64        such calls at once; more wait in order within their request's deadline
 ========================  ========  =======================================================================
 
 HTTP headers are bounded by h11 (16 KiB), JSON nesting by the parser (about 1000 levels).
@@ -29,6 +33,10 @@ import ipaddress
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from precast.runtime.signing import SignaturePolicy
 
 __all__ = ["ADMIN_TOKEN_ENV", "API_KEY_ENV", "LLM_OPTIONS", "ServerConfig", "is_loopback"]
 
@@ -68,6 +76,10 @@ class ServerConfig:
     instances: int = 1  # batcher worker threads (model calls in parallel)
     drain_timeout: float = 30.0  # graceful shutdown: seconds to finish in-flight requests
     verify: bool = True  # re-run stored parity feeds on load and reload
+    # A packed artifact's signed statement, checked at start and on every reload (runtime/signing.py):
+    pubkey: Path | None = None  # Ed25519 public key (PEM); None: no signature required
+    expect_name: str | None = None  # the signed name must be this
+    min_version: str | None = None  # the signed version must be at least this
     log_level: str = "info"
     llm: dict = field(default_factory=dict)  # options handed to the LLM engine (num_blocks, max_tokens, ...)
     # Per-request limits (see the table above).
@@ -80,6 +92,10 @@ class ServerConfig:
     max_stop_strings: int = 16
     max_stop_chars: int = 256
     header_timeout: float = 10.0  # seconds a request may take to send its request line and headers
+    # The artifact's chat template and tokenizer, per request (text_sandbox.py: a process per call).
+    text_timeout: float = 2.0  # seconds one request's render + tokenization may run (504 past it)
+    text_memory: int = 128 * MiB  # memory one such call may use (a 400 past it)
+    text_workers: int = 64  # such calls at once (more wait, within their request's deadline)
 
     def __post_init__(self) -> None:
         from precast.runtime.errors import UsageError
@@ -103,6 +119,7 @@ class ServerConfig:
             raise UsageError(
                 "--api-key must not be empty (an empty key would let anyone in); omit it for open endpoints"
             )
+        self._check_signature_options()
         if self.max_inflight_bytes is None and isinstance(self.max_request_bytes, int):
             self.max_inflight_bytes = 8 * self.max_request_bytes
         for name in _COUNTS:
@@ -117,11 +134,31 @@ class ServerConfig:
             raise UsageError(
                 f"header_timeout must be a positive number of seconds, got {self.header_timeout!r}"
             )
+        self.text_limits  # noqa: B018  (checks the three text_* fields: one line naming a bad one)
         if self.max_inflight_bytes < self.max_request_bytes:
             raise UsageError(
                 f"max_inflight_bytes ({self.max_inflight_bytes}) must be at least "
                 f"max_request_bytes ({self.max_request_bytes})"
             )
+
+    def _check_signature_options(self) -> None:
+        from precast.runtime.errors import UsageError
+
+        if self.pubkey is not None:
+            self.pubkey = Path(self.pubkey)
+            if self.artifact.is_dir():
+                raise UsageError(
+                    f"--pubkey checks packed artifacts; {self.artifact} is a directory, which carries no "
+                    "signature: serve the file `precast pack --sign-key` wrote"
+                )
+        _ = self.signature_policy  # --expect-name / --min-version: well-formed, and only with a key
+
+    @property
+    def signature_policy(self) -> SignaturePolicy | None:
+        """The SignaturePolicy a served pack must meet at start and on every reload (None: unsigned is fine)."""
+        from precast.runtime.signing import signature_policy
+
+        return signature_policy(self.pubkey, self.expect_name, self.min_version)
 
     @classmethod
     def from_options(cls, artifact, **options) -> ServerConfig:
@@ -135,6 +172,12 @@ class ServerConfig:
         if "num_blocks" in llm and "kv_cache_memory" in llm:
             raise UsageError("--kv-cache-memory and --num-blocks both size the KV pool: give one of them")
         return cls(artifact, llm=llm, **options)
+
+    @property
+    def text_limits(self):
+        from precast.runtime.server.text_sandbox import TextLimits
+
+        return TextLimits(self.text_timeout, self.text_memory, self.text_workers)
 
     @property
     def name(self) -> str:

@@ -19,6 +19,7 @@ __all__ = [
     "check_dimensions",
     "check_embedding_work",
     "encoder_spec",
+    "feeds_for",
     "mean_pool_normalize",
     "parse_inputs",
     "tokenize",
@@ -36,6 +37,31 @@ class EncoderSpec:
     pad_id: int
     static: bool = False  # the model has a fixed sequence length: pad every request to max_length
     dim: int | None = None  # embedding size, when the hidden state's last axis is static
+    text: object | None = None  # text_sandbox.TextSandbox running the tokenizer for requests (start_text)
+
+    def start_text(self, path: str, limits=None) -> EncoderSpec:
+        """Requests tokenize in a TextSandbox (the tokenizer's regexes are the artifact's code: a process
+        per call, with a deadline and a memory limit), not in the server's threads."""
+        from precast.runtime.server.text_sandbox import TextLimits, TextSandbox
+
+        what = "the artifact's tokenizer"
+        self.text = TextSandbox(
+            template=None, tokenizer=path, limits=limits or TextLimits(), plain_tokenizer=True, what=what
+        ).start()
+        return self
+
+    def close(self) -> None:
+        if self.text is not None:
+            self.text.close()
+
+    async def tokenize(self, texts: list[str], timeout: float) -> tuple[dict[str, np.ndarray], int]:
+        """``tokenize`` below, the tokenizer run in the sandbox within ``timeout`` s."""
+        from starlette.concurrency import run_in_threadpool
+
+        encs = await self.text.acall(
+            "encode", {"texts": texts, "type_ids": True}, timeout, sum(map(len, texts))
+        )
+        return await run_in_threadpool(feeds_for, self, [(ids, types) for ids, types in encs])
 
 
 def encoder_spec(model) -> EncoderSpec | None:
@@ -86,23 +112,31 @@ def encoder_spec(model) -> EncoderSpec | None:
 
 
 def tokenize(spec: EncoderSpec, texts: list[str]) -> tuple[dict[str, np.ndarray], int]:
-    """Feeds for one request (right-padded to its longest text) and its token count.
+    """Feeds for one request (right-padded to its longest text) and its token count, tokenized in this process
+    (the server uses ``EncoderSpec.tokenize``: the same in a sandbox process).
 
     encode_batch, not encode: it releases the GIL while it works (encode holds it, measured: a 6 MB text
-    froze every other thread for 1.7 s), so long texts do not stall the event loop or the model. The _fast
-    variant (tokenizers >= 0.20) skips the character offsets, which are not used."""
+    froze every other thread for 1.7 s). The _fast variant (tokenizers >= 0.20) skips the character offsets,
+    which are not used."""
     encs = getattr(spec.tokenizer, "encode_batch_fast", spec.tokenizer.encode_batch)(texts)
-    length = max(min(len(e.ids), spec.max_length) for e in encs)
+    return feeds_for(spec, [(e.ids, e.type_ids) for e in encs])
+
+
+def feeds_for(
+    spec: EncoderSpec, encs: list[tuple[list[int], list[int]]]
+) -> tuple[dict[str, np.ndarray], int]:
+    """Each text's (ids, type ids) -> the model's feeds, right-padded to the longest (cut at max_length)."""
+    length = max(min(len(ids), spec.max_length) for ids, _ in encs)
     if spec.static:
         length = spec.max_length
     ids = np.full((len(encs), length), spec.pad_id, dtype=np.int64)
     mask = np.zeros((len(encs), length), dtype=np.int64)
     types = np.zeros((len(encs), length), dtype=np.int64)
-    for i, e in enumerate(encs):
-        n = min(len(e.ids), spec.max_length)
-        ids[i, :n] = e.ids[:n]
+    for i, (e_ids, e_types) in enumerate(encs):
+        n = min(len(e_ids), spec.max_length)
+        ids[i, :n] = e_ids[:n]
         mask[i, :n] = 1
-        types[i, :n] = e.type_ids[:n]
+        types[i, :n] = e_types[:n]
     feeds = {"input_ids": ids, "attention_mask": mask}
     if spec.has_token_types:
         feeds["token_type_ids"] = types

@@ -9,6 +9,11 @@ unpacked into, so a server reloading a packed artifact holds one copy, not one p
 A reload must keep the served API: an artifact of another kind (LLM / embeddings / tensor) or with
 other inputs is refused (ReloadKindError, HTTP 409), since the routes and clients were set up for the
 first one.
+
+With a SignaturePolicy (``precast serve --pubkey``), every load, the first and each reload, must be a pack
+whose signed statement meets it (runtime/signing.py); a directory is refused (it carries no signature). A
+reload must also keep the signed name and not go back to an older signed version than the one served (a
+replayed older pack); start a new server to roll back.
 """
 
 from __future__ import annotations
@@ -19,14 +24,18 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, PrecastError
+from precast.runtime.errors import ArtifactError, PrecastError, UsageError
 from precast.runtime.manifest import read_manifest
 from precast.runtime.server.pipelined import pipelined_if_staged
 
-__all__ = ["ModelHost", "ReloadBusyError", "ReloadError", "ReloadKindError", "Served"]
+if TYPE_CHECKING:
+    from precast.runtime.signing import SignaturePolicy
+
+__all__ = ["ModelHost", "ReloadBusyError", "ReloadError", "ReloadKindError", "Served", "signed_change"]
 
 _ENDPOINTS = {
     "llm": "/v1/completions and /v1/chat/completions",
@@ -57,6 +66,7 @@ class Served:
     llm: object | None = None  # llm_service.LLMService
     loaded_at: float = field(default_factory=time.time)
     unpacked: Path | None = None  # the temp dir a packed artifact was unpacked into: close() removes it
+    statement: object | None = None  # signing.Statement the pack was checked against (serve --pubkey)
     users: int = 0  # leases held (batches running on this model)
     retired: bool = False  # swapped out: closed by its last lease
     closed: bool = False
@@ -84,6 +94,8 @@ class Served:
                 self.llm.close(drain)
             elif hasattr(self.model, "close"):
                 self.model.close()
+            if self.encoder is not None:
+                self.encoder.close()
         finally:
             if self.unpacked is not None:
                 from precast.runtime.archive import remove_temp
@@ -117,6 +129,20 @@ def api_change(old: Served, new: Served) -> str | None:
     return None
 
 
+def signed_change(old: Served, new: Served) -> str | None:
+    """Why a swap from ``old`` to ``new`` would give up the served signed identity (rollback), or None."""
+    if old.statement is None or new.statement is None:
+        return None
+    from precast.runtime.signing import version_key
+
+    was, now = old.statement, new.statement
+    if now.name != was.name:
+        return f"it is signed as '{now.name}', the served model as '{was.name}'"
+    if version_key(now.version) < version_key(was.version):
+        return f"its signed version {now.version} is older than the served signed version {was.version}"
+    return None
+
+
 class ModelHost:
     def __init__(
         self,
@@ -125,10 +151,14 @@ class ModelHost:
         threads: int | None = None,
         verify: bool = True,
         llm_options: dict | None = None,
+        text_limits=None,
+        policy: SignaturePolicy | None = None,
     ):
         self.threads = threads
         self.verify = verify
+        self.policy = policy  # what every pack loaded must meet, at start and on reload (serve --pubkey)
         self.llm_options = llm_options or {}
+        self.text_limits = text_limits  # text_sandbox.TextLimits for the artifact's template and tokenizer
         self._reload_lock = threading.Lock()
         self._lock = threading.Lock()  # guards users / retired of every Served, and _retiring
         self._retiring: list[Served] = []  # swapped out, not closed yet
@@ -138,17 +168,23 @@ class ModelHost:
     # -- loading -----------------------------------------------------------------------------------
     def _load(self, path: Path, version: int) -> Served:
         if not path.is_file():
+            if self.policy is not None:
+                raise UsageError(
+                    f"{path}: --pubkey serves packed artifacts only; a directory carries no signature"
+                )
             return self._load_dir(path, path, version)
-        # A packed artifact: unpacked once (every checksum checked) into a temp dir this Served owns.
-        from precast.runtime.archive import remove_temp, unpack_to_temp
+        # A packed artifact: unpacked once (every checksum, and the signed statement, checked) into a temp dir
+        # this Served owns.
+        from precast.runtime.archive import remove_temp, unpack_checked
 
-        root = unpack_to_temp(path)
+        unpacked = unpack_checked(path, policy=self.policy)
         try:
-            served = self._load_dir(root, path, version)
+            served = self._load_dir(unpacked.path, path, version)
         except BaseException:
-            remove_temp(root)
+            remove_temp(unpacked.path)
             raise
-        served.unpacked = root
+        served.unpacked = unpacked.path
+        served.statement = unpacked.statement
         return served
 
     def _load_dir(self, root: Path, path: Path, version: int) -> Served:
@@ -163,8 +199,6 @@ class ModelHost:
                 root, manifest = sub, read_manifest(sub)
         is_llm = manifest is not None and manifest.llm is not None
         if self.llm_options and not is_llm:
-            from precast.runtime.errors import UsageError
-
             raise UsageError(
                 f"{path}: LLM options ({', '.join(sorted(self.llm_options))}) given, but it is not an LLM artifact"
             )
@@ -178,16 +212,18 @@ class ModelHost:
         if is_llm:
             from precast.runtime.server.llm_service import LLMService
 
-            llm = LLMService.from_artifact(root, **self.llm_options)
+            llm = LLMService.from_artifact(root, text_limits=self.text_limits, **self.llm_options)
             return Served(llm.model_view(), path, version, _digest(root), llm=llm)
         staged = manifest is not None and manifest.stages is not None
         model = load(root, threads=(self.threads or 1) if staged else self.threads)  # staged: per stage
         try:
             model = pipelined_if_staged(model)
             _warm_up(model)
-            from precast.runtime.server.embeddings import encoder_spec
+            from precast.runtime.server.embeddings import TOKENIZER_FILE, encoder_spec
 
             encoder = encoder_spec(model)
+            if encoder is not None:
+                encoder.start_text(str(Path(root) / TOKENIZER_FILE), self.text_limits)
         except BaseException:
             model.close()
             raise
@@ -226,13 +262,13 @@ class ModelHost:
                 raise ReloadError(
                     f"reload from {target} failed, still serving version {old.version}: {why}"
                 ) from e
-            problem = api_change(old, new)
+            api = api_change(old, new)
+            problem = api or signed_change(old, new)
             if problem is not None:
                 new.close()
                 self.last_reload = {"ok": False, "path": str(target), "error": problem}
-                raise ReloadKindError(
-                    f"reload from {target} refused, still serving version {old.version}: {problem}"
-                )
+                refused = ReloadKindError if api is not None else ReloadError
+                raise refused(f"reload from {target} refused, still serving version {old.version}: {problem}")
             with self._lock:
                 self.current = new  # the swap: one reference assignment, under the lease lock
                 old.retired = True

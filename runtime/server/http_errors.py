@@ -5,6 +5,7 @@ Routes and serving code raise; they never build error responses themselves:
     HTTPError(status, message)   -> that status (404 unknown model, 499 client gone, 500 NaN output, ...)
     QueueFullError               -> 429 with Retry-After
     TimeoutError                 -> 504 "request timed out after N s"
+    TextTimeout                  -> 504 naming the chat template / tokenizer's limit
     PrecastError (any other)     -> 400 with the one-line message (and ``param`` when it names one)
 
 The body's shape follows the route: OpenAI's ``{"error": {message, type, param, code}}`` under /v1/,
@@ -18,6 +19,7 @@ from fastapi.responses import JSONResponse
 from precast.runtime.errors import PrecastError
 from precast.runtime.server.batcher import QueueFullError
 from precast.runtime.server.bodies import openai_error, v2_error
+from precast.runtime.server.text_sandbox import TextTimeout
 
 __all__ = ["HTTPError", "error_response", "install_error_handlers"]
 
@@ -65,6 +67,8 @@ def install_error_handlers(app, request_timeout: float) -> None:
         if isinstance(e, QueueFullError):
             headers = {"Retry-After": str(int(e.retry_after))}
             return error_response(path, 429, str(e), "rate_limit_error", headers=headers)
+        if isinstance(e, TextTimeout):  # the artifact's template or tokenizer: say which limit
+            return error_response(path, 504, str(e), "timeout")
         if isinstance(e, TimeoutError):
             return error_response(path, 504, f"request timed out after {request_timeout:g} s", "timeout")
         return error_response(path, 400, str(e), param=getattr(e, "param", None))  # a PrecastError

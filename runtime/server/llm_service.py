@@ -1,9 +1,12 @@
 """One LLM artifact behind the server: the engine's background loop, async token streams, chat templates.
 
 Chat prompts use the artifact's ``tokenizer/tokenizer_config.json`` ``chat_template`` (Jinja, rendered
-with ``jinja2`` as Hugging Face does) when it has one; otherwise this documented default (ChatML):
+with ``jinja2``'s sandbox as Hugging Face does) when it has one; otherwise this documented default (ChatML):
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n
+
+The template and the tokenizer are the artifact's code: requests render and tokenize in a TextSandbox
+(text_sandbox.py: a process per call, with a deadline and a memory limit), never in the server's threads.
 
 Priorities: ``high`` / ``normal`` / ``low`` (or an integer, lower = more urgent) map to the engine's
 priority classes 0 / 1 / 2; the engine ages waiting requests so low priority still progresses.
@@ -21,6 +24,7 @@ from pathlib import Path
 from precast.runtime.errors import LLMRequestError
 from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.manifest import Manifest, artifact_path, read_manifest
+from precast.runtime.server.text_sandbox import TextLimits, TextSandbox
 
 __all__ = ["CHAT_ROLES", "DEFAULT_CHAT_TEMPLATE", "PRIORITIES", "LLMService", "TokenStream", "parse_priority"]
 
@@ -70,7 +74,17 @@ class _ModelView:
 
 
 class LLMService:
-    def __init__(self, engine, path: Path, manifest: Manifest, max_active: int = 256):
+    def __init__(
+        self,
+        engine,
+        path: Path,
+        manifest: Manifest,
+        max_active: int = 256,
+        text_limits: TextLimits | None = None,
+        text: TextSandbox | None = None,
+    ):
+        """``text``: what renders and tokenizes prompts (default: a TextSandbox over the artifact's template
+        and tokenizer; tests hand in one over a fake engine's tokenizer)."""
         self.engine = engine
         self.path = path
         self.manifest = manifest
@@ -79,8 +93,18 @@ class LLMService:
         self.metrics = None
         self._exported: dict[str, int] = {}  # engine counter values already added to Prometheus
         self.retired = False
-        self._template = _load_template(path, manifest.files)
-        engine.start()
+        if text is None:
+            text = TextSandbox(
+                template=template_source(path, manifest.files),
+                tokenizer=_tokenizer_file(path, manifest),
+                limits=text_limits or TextLimits(),
+            ).start()
+        self.text = text
+        try:
+            engine.start()
+        except BaseException:
+            self.text.close()
+            raise
 
     @classmethod
     def from_artifact(
@@ -92,6 +116,7 @@ class LLMService:
         max_num_seqs: int | None = None,
         max_num_batched_tokens: int | None = None,
         kv_cache_memory: int | None = None,
+        text_limits: TextLimits | None = None,
         **_ignored,
     ) -> LLMService:
         """``kv_cache_memory`` (bytes) sizes the KV pool instead of ``num_blocks``; the two scheduler
@@ -101,7 +126,9 @@ class LLMService:
         options = _engine_options(path, num_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_memory)
         engine = Engine.load(path, **options)
         try:
-            service = cls(engine, Path(path), read_manifest(path), max_active=max_active)
+            service = cls(
+                engine, Path(path), read_manifest(path), max_active=max_active, text_limits=text_limits
+            )
             service.warm_up()
         except BaseException:
             engine.close()  # a failed (re)load leaves no engine thread behind
@@ -157,6 +184,7 @@ class LLMService:
         deadline = time.monotonic() + drain
         while self.engine.has_unfinished() and time.monotonic() < deadline:
             time.sleep(0.05)
+        self.text.close()
         self.engine.close()
 
     def healthy(self) -> bool:
@@ -164,8 +192,9 @@ class LLMService:
         return not self.retired and self.engine.is_running()
 
     # -- prompts ---------------------------------------------------------------------------------
-    def chat_prompt(self, messages: object, max_chars: int | None = None) -> str:
-        """The prompt the chat template renders; ``max_chars`` bounds the messages' text before rendering."""
+    def clean_messages(self, messages: object, max_chars: int | None = None) -> list[dict]:
+        """The chat messages as the template sees them (role and text), or LLMRequestError naming the fault;
+        ``max_chars`` bounds their text before anything renders it."""
         if not isinstance(messages, list) or not messages:
             raise LLMRequestError("'messages' must be a non-empty list")
         clean = []
@@ -191,12 +220,27 @@ class LLMService:
                 f"'messages' hold {chars} characters; this server tokenizes at most {max_chars} per request "
                 "(--max-text-chars)"
             )
-        try:
-            return self._template.render(
-                messages=clean, add_generation_prompt=True, bos_token="", eos_token=""
-            )
-        except Exception as e:
-            raise LLMRequestError(f"chat template failed: {e}") from e
+        return clean
+
+    async def chat_ids(self, messages: list[dict], max_chars: int | None, timeout: float) -> list[int]:
+        """The token ids of the prompt the chat template renders (both in the sandbox, within ``timeout``)."""
+        chars = sum(len(m["content"]) for m in messages)
+        out = await self.text.acall("chat", {"messages": messages, "max_chars": max_chars}, timeout, chars)
+        if "ids" not in out:
+            raise LLMRequestError("this artifact has no tokenizer: chat needs one")
+        return out["ids"]
+
+    async def encode(self, texts: list[str], timeout: float) -> list[list[int]]:
+        """Token ids of each text (the artifact's tokenizer, in the sandbox, within ``timeout``)."""
+        return await self.text.acall("encode", {"texts": texts}, timeout, sum(map(len, texts)))
+
+    def chat_prompt(
+        self, messages: object, max_chars: int | None = None, timeout: float | None = None
+    ) -> str:
+        """The prompt text the chat template renders (blocking; for tools and tests, not the request path)."""
+        clean = self.clean_messages(messages, max_chars)
+        out = self.text.call("chat", {"messages": clean, "max_chars": max_chars, "encode": False}, timeout)
+        return out.result()["text"]
 
     # -- generation ------------------------------------------------------------------------------
     async def start(self, prompt, params, priority: int, request_id: str) -> TokenStream:
@@ -304,41 +348,24 @@ def _engine_options(path, num_blocks, max_num_seqs, max_num_batched_tokens, kv_c
 _MAPPED_SLOTS = 64  # MappedModelRunner's request slots (its default; Engine.load does not change it)
 
 
-def _load_template(path: Path, files: Mapping[str, str]):
-    """The artifact's chat template, if ``files`` (the manifest's hashes) lists it; else the default."""
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        jinja2 = None
-    source = DEFAULT_CHAT_TEMPLATE
+def template_source(path: Path, files: Mapping[str, str]) -> str | None:
+    """The artifact's chat template, if ``files`` (the manifest's hashes) lists its file; None: the default."""
     rel = "tokenizer/tokenizer_config.json"
-    cfg = artifact_path(path, rel, "chat template")  # inside the artifact, after symlinks
     if rel not in files:  # an unhashed file must not decide what is served
-        cfg = None
-    if cfg is not None and cfg.is_file():
-        try:
-            tmpl = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
-        except (ValueError, UnicodeDecodeError):
-            tmpl = None
-        if isinstance(tmpl, str) and tmpl.strip():
-            source = tmpl
-    if jinja2 is None:
-        if source != DEFAULT_CHAT_TEMPLATE:
-            raise LLMRequestError("this artifact's chat template needs jinja2: pip install jinja2")
-        return _PlainTemplate()
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-    env.globals["raise_exception"] = _raise
-    return env.from_string(source)
+        return None
+    cfg = artifact_path(path, rel, "chat template")  # inside the artifact, after symlinks
+    if not cfg.is_file():
+        return None
+    try:
+        tmpl = json.loads(cfg.read_text(encoding="utf-8")).get("chat_template")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        return None
+    return tmpl if isinstance(tmpl, str) and tmpl.strip() else None
 
 
-def _raise(message: str):
-    raise LLMRequestError(message)
-
-
-class _PlainTemplate:
-    """DEFAULT_CHAT_TEMPLATE without jinja2."""
-
-    def render(self, messages, add_generation_prompt=True, **_):
-        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+def _tokenizer_file(path: Path, manifest: Manifest) -> str | None:
+    rel = manifest.llm.tokenizer if manifest.llm is not None else None
+    if not rel or rel not in manifest.files:
+        return None
+    full = artifact_path(path, rel, "llm.tokenizer")
+    return str(full) if full.is_file() else None

@@ -20,7 +20,16 @@ from dataclasses import dataclass
 
 from precast.runtime.errors import LLMRequestError
 
-__all__ = ["MAX_CHOICES", "MAX_N", "MAX_PROMPTS", "ParamError", "Prepared", "prepare", "sampling_params"]
+__all__ = [
+    "MAX_CHOICES",
+    "MAX_N",
+    "MAX_PROMPTS",
+    "ParamError",
+    "Prepared",
+    "parse",
+    "prepare",
+    "sampling_params",
+]
 
 MAX_N = 8  # choices per prompt
 MAX_PROMPTS = 32  # prompts in one /v1/completions request
@@ -247,10 +256,22 @@ def _completion_prompts(prompt, max_context: int) -> list:
     return prompts
 
 
-def prepare(svc, body: dict, chat: bool, header_priority, config) -> Prepared:
-    """Everything one request is checked for, and its prompts tokenized (a worker thread: off the event loop,
-    outside the engine lock). LLMRequestError / ParamError name what is wrong."""
-    from precast.runtime.llm.prompt import prompt_ids
+@dataclass
+class _Parsed:
+    """A request checked, its prompts not yet tokenized: chat ``messages``, or ``prompts`` (text or ids)."""
+
+    params: object
+    n: int
+    priority: int
+    stream: bool
+    include_usage: bool
+    messages: list[dict] | None
+    prompts: list | None
+
+
+def parse(svc, body: dict, chat: bool, header_priority, config) -> _Parsed:
+    """Everything one request is checked for before its text is tokenized (a worker thread: off the event loop).
+    LLMRequestError / ParamError name what is wrong."""
     from precast.runtime.server.llm_service import parse_priority
 
     refuse_unsupported(body, chat)
@@ -258,9 +279,10 @@ def prepare(svc, body: dict, chat: bool, header_priority, config) -> Prepared:
     params = sampling_params(body, config.max_stop_strings, config.max_stop_chars, chat)
     stream, include_usage = _stream_options(body)
     priority = parse_priority(body.get("priority", header_priority))
-    prompts = [svc.chat_prompt(body.get("messages"), config.max_text_chars)] if chat else None
-    if prompts is None:
-        prompts = _completion_prompts(body.get("prompt"), svc.max_context)
+    if chat:
+        messages = svc.clean_messages(body.get("messages"), config.max_text_chars)
+        return _Parsed(params, n, priority, stream, include_usage, messages, None)
+    prompts = _completion_prompts(body.get("prompt"), svc.max_context)
     if len(prompts) * n > MAX_CHOICES:
         raise ParamError(
             f"{len(prompts)} prompts x n={n} make {len(prompts) * n} completions; this server runs at most "
@@ -269,17 +291,40 @@ def prepare(svc, body: dict, chat: bool, header_priority, config) -> Prepared:
         )
     chars = sum(len(p) for p in prompts if isinstance(p, str))
     if chars > config.max_text_chars:  # tokenizing costs time and memory
-        what = "the rendered chat prompt" if chat else "'prompt'"
         raise ParamError(
-            f"{what} has {chars} characters; this server tokenizes at most {config.max_text_chars} "
+            f"'prompt' has {chars} characters; this server tokenizes at most {config.max_text_chars} "
             "per request (--max-text-chars)",
-            None if chat else "prompt",
+            "prompt",
         )
+    return _Parsed(params, n, priority, stream, include_usage, None, prompts)
+
+
+async def prepare(svc, body: dict, chat: bool, header_priority, config, timeout: float) -> Prepared:
+    """A request checked and its prompts tokenized. The chat template and the tokenizer run in the service's
+    TextSandbox within ``timeout`` s (the request's time left): no server thread waits on them."""
+    from starlette.concurrency import run_in_threadpool
+
+    parsed = await run_in_threadpool(parse, svc, body, chat, header_priority, config)
+    if parsed.messages is not None:
+        prompts = [await svc.chat_ids(parsed.messages, config.max_text_chars, timeout)]
+    else:
+        prompts = parsed.prompts
+        texts = [p for p in prompts if isinstance(p, str)]
+        if texts:
+            encoded = iter(await svc.encode(texts, timeout))
+            prompts = [next(encoded) if isinstance(p, str) else p for p in prompts]
+    return await run_in_threadpool(_checked, svc, body, parsed, prompts)
+
+
+def _checked(svc, body: dict, parsed: _Parsed, prompts: list[list[int]]) -> Prepared:
+    """The prompts' ids checked against the model (vocabulary, context, KV pool), max_tokens fitted."""
+    from precast.runtime.llm.prompt import prompt_ids
+
     engine = svc.engine
     ids = [
         prompt_ids(
             p,
-            engine.tokenizer,
+            None,
             vocab=engine.vocab,
             max_context=engine.max_context,
             num_blocks=engine.pool.num_blocks,
@@ -287,8 +332,10 @@ def prepare(svc, body: dict, chat: bool, header_priority, config) -> Prepared:
         )
         for p in prompts
     ]
-    params = _fit_max_tokens(body, params, ids, engine)
-    return Prepared(ids, params, n, priority, stream, include_usage, params.logprobs)
+    params = _fit_max_tokens(body, parsed.params, ids, engine)
+    return Prepared(
+        ids, params, parsed.n, parsed.priority, parsed.stream, parsed.include_usage, params.logprobs
+    )
 
 
 def _fit_max_tokens(body: dict, params, ids: list[list[int]], engine):

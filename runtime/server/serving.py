@@ -18,7 +18,6 @@ from precast.runtime.server.embeddings import (
     check_embedding_work,
     mean_pool_normalize,
     parse_inputs,
-    tokenize,
 )
 from precast.runtime.server.http_errors import HTTPError
 from precast.runtime.server.kserve import decode_request, encode_response, model_metadata, requested_outputs
@@ -114,7 +113,7 @@ async def create_embeddings(state, request):
         )
     texts = parse_inputs(body, config.max_embedding_inputs, config.max_text_chars)
     check_dimensions(body, spec.dim)
-    feeds, n_tokens = await run_in_threadpool(tokenize, spec, texts)  # GIL released: see tokenize
+    feeds, n_tokens = await spec.tokenize(texts, config.request_timeout)  # in the sandbox, off the loop
     check_embedding_work(feeds, config.max_embedding_tokens)
     pad = None if spec.static else {"input_ids": spec.pad_id, "attention_mask": 0, "token_type_ids": 0}
     outputs = await state.batcher.submit(feeds, pad=pad, timeout=config.request_timeout)

@@ -10,8 +10,10 @@ OpenAI reports). Token strings are each token decoded alone; one that is part of
 by its bytes ('bytes:\\xe2\\x80', OpenAI's habit); ``bytes`` are the token's bytes.
 
 Everything a request is checked for happens before a response starts (a 400, never a cut stream), and
-off the event loop: the chat template, the prompt's checks and its tokenization run in a worker thread,
-outside the engine's lock, so one large prompt does not stall the other requests.
+off the event loop and outside the engine's lock: the request's checks in a worker thread, the chat template and
+the tokenization in the model's TextSandbox (a process per call, with the request's deadline and a memory limit,
+stopped when the client goes away), so neither a large prompt nor an artifact's slow template stalls the other
+requests.
 
 ``CompletionServing`` holds the flow (prepare -> start one stream per choice -> stream or collect);
 ``ChatServing`` changes only the wire shapes (ids, object names, deltas, messages, logprobs).
@@ -19,13 +21,13 @@ outside the engine's lock, so one large prompt does not stall the other requests
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 import uuid
 from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
-from starlette.concurrency import run_in_threadpool
 
 from precast.runtime.errors import LLMRequestError
 from precast.runtime.server.http_errors import HTTPError
@@ -84,18 +86,37 @@ class CompletionServing:
         svc = state.host.current.llm
         if svc is None:
             raise HTTPError(400, f"model '{state.name}' is not an LLM; use /v2/models/{state.name}/infer")
+        deadline = time.monotonic() + state.config.request_timeout
         body, _ = await read_openai_request(request, state, error_cls=LLMRequestError)
-        req = await run_in_threadpool(
-            prepare, svc, body, self.chat, request.headers.get("x-priority"), state.config
-        )
+        req = await self._prepare(svc, body, request, deadline)
         run = await self._start(svc, req)
         if req.stream:
             return StreamingResponse(
-                self._events(run),
+                self._events(run, deadline),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Request-Id": run.rid},
             )
-        return await self._collect(run, request)
+        return await self._collect(run, request, deadline)
+
+    async def _prepare(self, svc, body: dict, request, deadline: float) -> Prepared:
+        """The request checked and tokenized; a client that goes away meanwhile stops its text work."""
+        work = asyncio.ensure_future(
+            prepare(
+                svc,
+                body,
+                self.chat,
+                request.headers.get("x-priority"),
+                self.state.config,
+                max(0.0, deadline - time.monotonic()),
+            )
+        )
+        while True:
+            done, _ = await asyncio.wait({work}, timeout=0.25)
+            if done:
+                return work.result()
+            if await request.is_disconnected():
+                work.cancel()
+                raise HTTPError(499, "client disconnected")
 
     async def _start(self, svc, req: Prepared) -> _Run:
         rid = f"{self.id_prefix}-{uuid.uuid4().hex[:24]}"
@@ -125,9 +146,8 @@ class CompletionServing:
             **extra,
         }
 
-    async def _events(self, run: _Run):
+    async def _events(self, run: _Run, deadline: float):
         timeout = self.state.config.request_timeout
-        deadline = time.monotonic() + timeout
         try:
             for chunk in self.opening_chunks(run):
                 yield _sse(chunk)
@@ -153,10 +173,8 @@ class CompletionServing:
         finally:
             run.choices.close()
 
-    async def _collect(self, run: _Run, request) -> dict:
+    async def _collect(self, run: _Run, request, deadline: float) -> dict:
         """Non-streaming: collect, but watch for the client going away and for the timeout."""
-        timeout = self.state.config.request_timeout
-        deadline = time.monotonic() + timeout
         n = len(run.logprobs)
         texts: list[list[str]] = [[] for _ in range(n)]
         finish: list[str | None] = [None] * n

@@ -295,16 +295,12 @@ def test_a_symlinked_folder_anywhere_in_the_artifact_is_refused(artifact, tmp_pa
 
 def test_unlisted_chat_template_is_not_used(tmp_path):
     """Even without integrity checks (verify=False), the served chat template must be a hashed file inside."""
-    from precast.runtime.server.llm_service import DEFAULT_CHAT_TEMPLATE, _load_template
+    from precast.runtime.server.llm_service import template_source
 
     (tmp_path / "tokenizer").mkdir()
     (tmp_path / "tokenizer" / "tokenizer_config.json").write_text('{"chat_template": "EVIL {{ messages }}"}')
-    unlisted = _load_template(tmp_path, {})
-    listed = _load_template(tmp_path, {"tokenizer/tokenizer_config.json": "x"})
-    msgs = [{"role": "user", "content": "hi"}]
-    assert "EVIL" not in unlisted.render(messages=msgs, add_generation_prompt=True)
-    assert "EVIL" in listed.render(messages=msgs, add_generation_prompt=True)
-    assert DEFAULT_CHAT_TEMPLATE
+    assert template_source(tmp_path, {}) is None  # the default ChatML
+    assert "EVIL" in template_source(tmp_path, {"tokenizer/tokenizer_config.json": "x"})
 
 
 @pytest.mark.parametrize(

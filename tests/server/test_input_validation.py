@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from precast.runtime.server import ServerConfig
-from tests.fake_llm import fake_engine
+from tests.fake_llm import InProcessText, fake_engine
 
 fastapi_testclient = pytest.importorskip("fastapi.testclient")
 
@@ -32,9 +32,14 @@ def llm_client(tmp_path):
     from precast.runtime.server.llm_service import LLMService
 
     config = ServerConfig(tmp_path, model_name="tiny")
+    engine = fake_engine(max_context=128)
     state = ServerState(
         config,
-        host=_Host(LLMService(fake_engine(max_context=128), tmp_path, SimpleNamespace(llm=None, files={}))),
+        host=_Host(
+            LLMService(
+                engine, tmp_path, SimpleNamespace(llm=None, files={}), text=InProcessText(engine.tokenizer)
+            )
+        ),
     )
     with fastapi_testclient.TestClient(create_app(config, state), raise_server_exceptions=False) as c:
         yield c

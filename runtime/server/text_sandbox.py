@@ -1,0 +1,282 @@
+"""The server's side of text_worker.py: an artifact's chat template and tokenizer, run where they can be stopped.
+
+``TextSandbox.start()`` launches the zygote (``python -m precast.runtime.server.text_worker``, in its own
+process group) with the template and tokenizer; ``call(op, args, timeout)`` returns a Future, resolved by one
+reader thread; ``await acall(...)`` is the same for the event loop (cancelling it kills the call's child).
+No call holds a thread of the server while it runs. ``close()`` kills the zygote's process group, its
+children included; a zygote that died (killed, crashed) is started again at the next call.
+
+Errors: a wrong input (the template raised, the rendered prompt is too long) is LLMRequestError (a 400);
+a call past its deadline is TextTimeout (a 504); a call that blew its memory or CPU limit is TextFailed (a
+400 naming the limit: the artifact's code cannot handle this input within the server's bounds).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from precast.runtime.errors import ArtifactError, LLMRequestError, PrecastError
+from precast.runtime.server.text_worker import read_frame, write_frame
+
+__all__ = ["TextFailed", "TextLimits", "TextSandbox", "TextTimeout"]
+
+MiB = 1 << 20
+CHARS_PER_BUDGET = 1 << 16  # a call may run the limits' timeout per started 64 Ki characters of its input
+BYTES_PER_CHAR = 128  # ... and use the limits' memory + this per character (tokenizing takes ~50-100 B/char)
+
+
+@dataclass(frozen=True)
+class TextLimits:
+    """What one call may cost (`precast serve --text-timeout/--text-memory/--text-workers`)."""
+
+    timeout: float = (
+        2.0  # seconds one call (render + tokenize) may run, at most; the request's own deadline too
+    )
+    memory: int = 128 * MiB  # address space one call may add to the worker's (+ 128 B per input character)
+    workers: int = 64  # calls running at once (more wait in order, within their deadline)
+
+    def __post_init__(self) -> None:
+        from precast.runtime.errors import UsageError
+
+        if (
+            isinstance(self.timeout, bool)
+            or not isinstance(self.timeout, (int, float))
+            or not self.timeout > 0
+        ):
+            raise UsageError(f"text_timeout must be a positive number of seconds, got {self.timeout!r}")
+        for name in ("memory", "workers"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise UsageError(f"text_{name} must be a positive integer, got {v!r}")
+        if self.memory < 16 * MiB:
+            raise UsageError(f"text_memory must be at least 16 MiB, got {self.memory} bytes")
+
+
+class TextTimeout(PrecastError):
+    """The chat template or tokenizer ran past its deadline."""
+
+
+class TextFailed(LLMRequestError):
+    """The chat template or tokenizer went over its memory or CPU limit on this input."""
+
+
+class TextSandbox:
+    def __init__(
+        self,
+        *,
+        template: str | None,
+        tokenizer: str | None,
+        limits: TextLimits = TextLimits(),
+        plain_tokenizer: bool = False,
+        what: str = "the artifact's chat template or tokenizer",
+    ):
+        self.template = template
+        self.tokenizer = tokenizer
+        self.limits = limits
+        self.plain_tokenizer = plain_tokenizer
+        self.what = what
+        self._ids = itertools.count()
+        self._pending: dict[int, Future] = {}
+        self._lock = threading.Lock()  # the zygote's stdin, _pending, _proc
+        self._proc: subprocess.Popen | None = None
+        self._closed = False
+
+    # -- life ---------------------------------------------------------------------------------------------
+    def start(self, timeout: float = 60.0) -> TextSandbox:
+        """Launch the zygote and wait for it to load the template and tokenizer (ArtifactError if it cannot)."""
+        with self._lock:
+            self._launch(timeout)
+        return self
+
+    def _launch(self, timeout: float) -> None:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1"}
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "precast.runtime.server.text_worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,  # its own process group: close() kills it and every child at once
+            env=env,
+        )
+        init = {
+            "template": self.template,
+            "tokenizer": self.tokenizer,
+            "plain": self.plain_tokenizer,
+            "memory": self.limits.memory,
+            "max_live": self.limits.workers,
+        }
+        ready: dict = {}
+
+        def handshake():
+            try:
+                write_frame(proc.stdin.fileno(), init)
+                ready.update(read_frame(proc.stdout.fileno()) or {})
+            except (OSError, ValueError):
+                pass
+
+        t = threading.Thread(target=handshake, daemon=True)
+        t.start()
+        t.join(timeout)
+        if not ready.get("ready"):
+            _kill_group(proc)
+            why = ready.get("error") or (
+                f"did not load within {timeout:g} s" if t.is_alive() else "its worker process exited"
+            )
+            raise ArtifactError(f"{self.what}: {why}")
+        self._proc = proc
+        threading.Thread(target=self._read, args=(proc,), name="precast-text-reader", daemon=True).start()
+
+    def close(self) -> None:
+        """Kill the zygote and its children (idempotent); pending calls fail."""
+        with self._lock:
+            self._closed = True
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            _kill_group(proc)
+        self._fail_all("the server is shutting down")
+
+    @property
+    def running(self) -> bool:
+        """Calls in flight (sent, not answered)."""
+        return len(self._pending)
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._proc is None else self._proc.pid
+
+    def _ensure(self) -> None:
+        with self._lock:
+            if not self._closed and (self._proc is None or self._proc.poll() is not None):
+                self._launch(60.0)
+
+    # -- calls --------------------------------------------------------------------------------------------
+    def call(self, op: str, args: dict, timeout: float | None = None, chars: int = 0) -> Future:
+        """Run ``op`` (``chat`` or ``encode``, see text_worker): answered within ``timeout`` s (the request's
+        time left; waiting for a free worker included), running at most the limits' timeout per started
+        CHARS_PER_BUDGET characters of input (``chars``: tokenizing a long prompt takes longer), with the limits'
+        memory + BYTES_PER_CHAR per character. The Future holds
+        the result, or raises LLMRequestError / TextTimeout / TextFailed."""
+        budget = self.limits.timeout * max(1, -(-chars // CHARS_PER_BUDGET))
+        memory = self.limits.memory + BYTES_PER_CHAR * chars
+        expires = budget if timeout is None else max(0.0, timeout)
+        fut: Future = Future()
+        with self._lock:
+            if self._closed:
+                raise TextFailed("the server is shutting down")
+            if self._proc is None or self._proc.poll() is not None:
+                self._launch(60.0)
+            cid = next(self._ids)
+            fut.call_id = cid  # type: ignore[attr-defined]
+            fut.budget = budget  # type: ignore[attr-defined]
+            fut.proc = self._proc  # type: ignore[attr-defined]  (the zygote that owes the answer)
+            self._pending[cid] = fut
+            try:
+                write_frame(
+                    self._proc.stdin.fileno(),
+                    {
+                        "id": cid,
+                        "op": op,
+                        "args": args,
+                        "timeout": budget,
+                        "expires": expires,
+                        "memory": memory,
+                    },
+                )
+            except OSError:
+                self._pending.pop(cid, None)
+                raise TextFailed(f"{self.what}: its worker process exited") from None
+        return fut
+
+    async def acall(self, op: str, args: dict, timeout: float | None = None, chars: int = 0):
+        if self._proc is None or self._proc.poll() is not None:  # (re)start it off the event loop
+            await asyncio.to_thread(self._ensure)
+        fut = self.call(op, args, timeout, chars)
+        try:
+            return await asyncio.wrap_future(fut)
+        except asyncio.CancelledError:
+            self.cancel(fut)
+            raise
+
+    def cancel(self, fut: Future) -> None:
+        """Stop the call's child now (the client went away)."""
+        cid = getattr(fut, "call_id", None)
+        with self._lock:
+            if cid not in self._pending or self._proc is None:
+                return
+            try:
+                write_frame(self._proc.stdin.fileno(), {"cancel": cid})
+            except OSError:
+                pass
+
+    # -- the reader thread ---------------------------------------------------------------------------------
+    def _read(self, proc: subprocess.Popen) -> None:
+        fd = proc.stdout.fileno()
+        while True:
+            try:
+                msg = read_frame(fd)
+            except (OSError, ValueError):
+                msg = None
+            if msg is None:
+                break
+            fut = self._pending.pop(msg.get("id"), None)
+            if fut is None or fut.done():
+                continue
+            if "ok" in msg:
+                fut.set_result(msg["ok"])
+            else:
+                fut.set_exception(self._error(msg, fut))
+        with self._lock:
+            if self._proc is proc:
+                self._proc = None
+        proc.wait()
+        self._fail_all(f"{self.what}: its worker process exited", proc)
+
+    def _error(self, msg: dict, fut: Future) -> Exception:
+        kind, line = msg.get("error"), msg.get("message", "")
+        if kind == "request":
+            return LLMRequestError(line)
+        if kind == "timeout":
+            return TextTimeout(
+                f"{self.what} did not finish this request within its time (--text-timeout {fut.budget:g} s, "
+                "or the request's own deadline)"
+            )
+        if kind == "cancelled":
+            return TextFailed("cancelled")
+        limit = f"--text-memory {self.limits.memory // MiB} MiB"
+        if kind == "memory":
+            return TextFailed(f"{self.what} ran out of its memory ({limit}) on this request")
+        return TextFailed(f"{self.what} {line} on this request ({limit})")
+
+    def _fail_all(self, why: str, proc: subprocess.Popen | None = None) -> None:
+        """Fail the pending calls (of zygote ``proc`` only, when given: a relaunched one has its own)."""
+        with self._lock:
+            gone = [c for c, f in self._pending.items() if proc is None or getattr(f, "proc", None) is proc]
+            futs = [self._pending.pop(c) for c in gone]
+        for fut in futs:
+            if not fut.done():
+                fut.set_exception(TextFailed(why))
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    for f in (proc.stdin, proc.stdout):
+        try:
+            if f is not None:
+                f.close()
+        except OSError:
+            pass
+    try:
+        proc.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        pass

@@ -1,0 +1,384 @@
+"""The process that runs an artifact's text code (chat template, tokenizer) for the server: one fork per call.
+
+An artifact's chat template (Jinja) and tokenizer (``tokenizer.json``: normalizer and pre-tokenizer regexes)
+are code its author chose. Run in the server's threads, a template with a nested loop or a pre-tokenizer
+regex that backtracks holds a shared thread (and the GIL) for as long as it likes, and a template that
+doubles a string takes the server's memory. Threads cannot be stopped; processes can. So this process (the
+*zygote*) loads the template and the tokenizer once, and forks a child for each call:
+
+- the child runs at the lowest CPU priority (``nice`` 19: the engine and the event loop come first), first in
+  line for the kernel's OOM killer (``oom_score_adj`` 1000), under an
+  address-space limit (``RLIMIT_AS`` = the zygote's size + the call's memory budget) and a CPU-time limit, with
+  stdin, stdout and stderr on /dev/null (a Rust panic prints nothing), and writes one result frame to its pipe;
+- the zygote kills a child at its deadline (or when the server cancels the call) and answers ``timeout``;
+  a child that dies without a result (a memory limit, a crash) is answered ``failed``;
+- at most ``max_live`` children run at once; more calls wait in order, each still bound by its deadline.
+
+Protocol (stdin -> zygote -> stdout): frames of a 4-byte big-endian length and a JSON object. First
+``{"template": str | null (null: ChatML), "tokenizer": path | null, "memory": bytes, "max_live": n}``, answered
+``{"ready": true}`` or ``{"error": "..."}``. Then calls ``{"id", "op", "args", "timeout", "expires", "memory"}`` and cancels
+``{"cancel": id}`` (``timeout``: seconds the call may run; ``expires``: seconds it may take in all,
+waiting included; ``memory``: bytes it may add to the zygote's address space); each call is answered once: ``{"id", "ok": result}`` or ``{"id", "error": kind,
+"message": line}`` with kind ``request`` (the input is wrong: a 400), ``timeout`` or ``failed``.
+The zygote exits when its stdin closes, and kills its children first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import selectors
+import signal
+import struct
+import sys
+import time
+from collections import deque
+
+__all__ = ["read_frame", "write_frame", "frame"]
+
+_HEADER = struct.Struct(">I")
+MAX_FRAME = 256 << 20  # a frame longer than this is a protocol error (the server's bodies are far smaller)
+
+
+def frame(obj) -> bytes:
+    data = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8", "surrogatepass")
+    return _HEADER.pack(len(data)) + data
+
+
+def write_frame(fd: int, obj) -> None:
+    view = memoryview(frame(obj))
+    while view:
+        n = os.write(fd, view)
+        view = view[n:]
+
+
+def _read_exact(fd: int, n: int) -> bytes | None:
+    parts, left = [], n
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        parts.append(chunk)
+        left -= len(chunk)
+    return b"".join(parts)
+
+
+def read_frame(fd: int):
+    """The next frame's object, or None at end of file."""
+    head = _read_exact(fd, _HEADER.size)
+    if head is None:
+        return None
+    (n,) = _HEADER.unpack(head)
+    if n > MAX_FRAME:
+        raise ValueError(f"frame of {n} bytes")
+    data = _read_exact(fd, n)
+    if data is None:
+        return None
+    return json.loads(data.decode("utf-8", "surrogatepass"))
+
+
+class _Frames:
+    """Frames out of a byte stream read in chunks (a non-blocking fd)."""
+
+    def __init__(self):
+        self.buf = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        self.buf += data
+        out = []
+        while len(self.buf) >= _HEADER.size:
+            (n,) = _HEADER.unpack_from(self.buf)
+            if n > MAX_FRAME:
+                raise ValueError(f"frame of {n} bytes")
+            if len(self.buf) < _HEADER.size + n:
+                break
+            out.append(
+                json.loads(bytes(self.buf[_HEADER.size : _HEADER.size + n]).decode("utf-8", "surrogatepass"))
+            )
+            del self.buf[: _HEADER.size + n]
+        return out
+
+
+# -- what a child runs -------------------------------------------------------------------------------------
+class _RequestError(Exception):
+    """The caller's input is wrong (a 400), e.g. the template raised, or the prompt is too long."""
+
+
+class _ChatML:
+    """llm_service.DEFAULT_CHAT_TEMPLATE in plain Python (no jinja2 needed for artifacts without a template)."""
+
+    def render(self, messages, add_generation_prompt=True, **_):
+        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _load(init: dict):
+    template = _ChatML()
+    if init.get("template") is not None:
+        try:
+            import jinja2
+        except ImportError:
+            raise ValueError("its chat template needs jinja2: pip install jinja2") from None
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise _RequestError(str(message))
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        try:
+            template = env.from_string(init["template"])
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template does not compile: {_line(e)}") from None
+    tokenizer = None
+    if init.get("tokenizer") is not None:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(init["tokenizer"])
+        if init.get("plain"):  # the embeddings server pads and truncates itself
+            tokenizer.no_padding()
+            tokenizer.no_truncation()
+    return template, tokenizer
+
+
+def _line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
+
+
+def _encode(tokenizer, texts: list[str], special: bool) -> list:
+    batch = getattr(tokenizer, "encode_batch_fast", tokenizer.encode_batch)
+    try:
+        return batch(texts, add_special_tokens=special)
+    except MemoryError:
+        raise
+    except BaseException as e:  # noqa: BLE001  (a regex engine's panic is a BaseException)
+        raise _RequestError(f"the artifact's tokenizer failed on this input: {_line(e)}") from None
+
+
+def _run(template, tokenizer, op: str, args: dict):
+    if op == "chat":
+        try:
+            text = template.render(
+                messages=args["messages"], add_generation_prompt=True, bos_token="", eos_token=""
+            )
+        except _RequestError:
+            raise
+        except MemoryError:
+            raise
+        except Exception as e:
+            raise _RequestError(f"chat template failed: {_line(e)}") from None
+        limit = args.get("max_chars")
+        if limit is not None and len(text) > limit:
+            raise _RequestError(
+                f"the rendered chat prompt has {len(text)} characters; this server tokenizes at most {limit} "
+                "per request (--max-text-chars)"
+            )
+        if tokenizer is None or not args.get("encode", True):
+            return {"text": text}
+        return {"chars": len(text), "ids": list(_encode(tokenizer, [text], True)[0].ids)}
+    if op == "encode":
+        if tokenizer is None:
+            raise _RequestError("this artifact has no tokenizer: pass token ids, not text")
+        encs = _encode(tokenizer, args["texts"], bool(args.get("special", True)))
+        if args.get("type_ids"):
+            return [[list(e.ids), list(e.type_ids)] for e in encs]
+        return [list(e.ids) for e in encs]
+    raise _RequestError(f"unknown op {op!r}")
+
+
+def _child(template, tokenizer, call: dict, fd: int, address_space: int) -> None:
+    """In the forked child: limits, the call, one frame to ``fd``, exit. Never returns."""
+    code = 0
+    try:
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for std in (0, 1, 2):
+            os.dup2(devnull, std)
+        os.nice(19)
+        try:  # under memory pressure the kernel's OOM killer takes a sandbox child before the server
+            with open("/proc/self/oom_score_adj", "w") as f:
+                f.write("1000")
+        except OSError:
+            pass
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
+        cpu = int(call.get("timeout", 60)) + 2
+        resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu + 1))
+        try:
+            result = {"ok": _run(template, tokenizer, call["op"], call.get("args") or {})}
+        except _RequestError as e:
+            result = {"error": "request", "message": _line(e)}
+        except MemoryError:
+            result = {"error": "memory", "message": "out of its memory limit"}
+        except BaseException as e:  # noqa: BLE001  (a tokenizers panic is a BaseException)
+            result = {"error": "request", "message": f"{type(e).__name__}: {_line(e)}"}
+        try:
+            write_frame(fd, result)
+        except MemoryError:
+            write_frame(fd, {"error": "memory", "message": "out of its memory limit"})
+    except BaseException:  # noqa: BLE001
+        code = 1
+    finally:
+        os._exit(code)
+
+
+# -- the zygote ------------------------------------------------------------------------------------------
+class _Live:
+    __slots__ = ("id", "pid", "fd", "deadline", "frames", "answered")
+
+    def __init__(self, id_, pid, fd, deadline):
+        self.id, self.pid, self.fd, self.deadline = id_, pid, fd, deadline
+        self.frames = _Frames()
+        self.answered = False
+
+
+def _vm_size() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):
+        return 1 << 30
+
+
+def serve(stdin: int = 0, stdout: int = 1) -> int:
+    init = read_frame(stdin)
+    if init is None:
+        return 0
+    try:
+        template, tokenizer = _load(init)
+    except Exception as e:  # noqa: BLE001  (reported to the server, which names the artifact file)
+        write_frame(stdout, {"error": _line(e)})
+        return 1
+    base = _vm_size()
+    default_memory = int(init.get("memory", 128 << 20))
+    max_live = max(1, int(init.get("max_live", 32)))
+    write_frame(stdout, {"ready": True, "base": base})
+
+    sel = selectors.DefaultSelector()
+    os.set_blocking(stdin, False)
+    sel.register(stdin, selectors.EVENT_READ, None)
+    incoming = _Frames()
+    waiting: deque[tuple[dict, float]] = deque()
+    live: dict[int, _Live] = {}  # fd -> child
+
+    def answer(id_, obj) -> None:
+        write_frame(stdout, {"id": id_, **obj})
+
+    def start(call: dict, deadline: float) -> None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            _child(template, tokenizer, call, w, base + int(call.get("memory", default_memory)))
+        os.close(w)
+        os.set_blocking(r, False)
+        live[r] = _Live(call["id"], pid, r, deadline)
+        sel.register(r, selectors.EVENT_READ, r)
+
+    dying: set[int] = set()  # killed children not waited for yet (a busy nice-19 child takes a while to exit)
+
+    def reap(child: _Live, why: dict | None) -> None:
+        """Stop following a child: answer ``why`` if it did not answer; kill it if it runs. Never blocks on a
+        running child: the killed ones are collected later (collect)."""
+        sel.unregister(child.fd)
+        os.close(child.fd)
+        del live[child.fd]
+        if why is not None or child.answered:
+            try:
+                os.kill(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            dying.add(child.pid)
+        else:  # its pipe closed without an answer: it has exited (a memory limit, a crash)
+            _, status = os.waitpid(child.pid, 0)
+            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+            why = {
+                "error": "failed",
+                "message": (
+                    f"was killed by signal {sig} (over its memory or CPU limit)"
+                    if sig
+                    else "ended without an answer (over its memory limit)"
+                ),
+            }
+        if not child.answered:
+            answer(child.id, why)
+
+    def collect() -> None:
+        for pid in list(dying):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                dying.discard(pid)
+
+    timeout_answer = {"error": "timeout", "message": "ran past its deadline"}
+    cancelled = {"error": "cancelled", "message": "cancelled"}
+    try:
+        while True:
+            now = time.monotonic()
+            for child in [c for c in live.values() if c.deadline <= now]:
+                reap(child, timeout_answer)
+            while waiting and waiting[0][1] <= now:
+                call, _ = waiting.popleft()
+                answer(call["id"], timeout_answer)
+            while waiting and len(live) < max_live:
+                call, expires = waiting.popleft()  # (the reaping above took time: read the clock again)
+                start(call, min(expires, time.monotonic() + float(call.get("timeout", 60))))
+            collect()
+            nxt = min([c.deadline for c in live.values()] + [d for _, d in waiting], default=None)
+            if dying:
+                nxt = min(nxt, time.monotonic() + 0.05) if nxt is not None else time.monotonic() + 0.05
+            events = sel.select(None if nxt is None else max(0.0, nxt - time.monotonic()))
+            for key, _ in events:
+                if key.data is None:  # the server
+                    data = os.read(stdin, 1 << 20)
+                    if not data:
+                        return 0
+                    for msg in incoming.feed(data):
+                        if "cancel" in msg:
+                            gone = msg["cancel"]
+                            for child in [c for c in live.values() if c.id == gone]:
+                                reap(child, cancelled)
+                            for item in [w for w in waiting if w[0]["id"] == gone]:
+                                waiting.remove(item)
+                                answer(gone, cancelled)
+                        else:  # the whole call must end within "expires" s; its run within "timeout" s
+                            expires = time.monotonic() + float(msg.get("expires", msg.get("timeout", 60)))
+                            waiting.append((msg, expires))
+                    continue
+                child = live.get(key.data)
+                if child is None:
+                    continue
+                try:
+                    data = os.read(child.fd, 1 << 20)
+                except BlockingIOError:
+                    continue
+                if data:
+                    for result in child.frames.feed(data):
+                        if not child.answered:
+                            child.answered = True
+                            answer(child.id, result)
+                    continue
+                reap(child, None)
+    finally:
+        for pid in [c.pid for c in live.values()] + list(dying):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def main() -> int:
+    # The zygote forks; tokenizers' thread pool must not exist before a fork (and one call uses one core).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    os.environ["RAYON_NUM_THREADS"] = "1"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's Ctrl-C reaches the whole group: it ends us
+    try:
+        return serve()
+    except (BrokenPipeError, ConnectionResetError):
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
