@@ -46,6 +46,9 @@ __all__ = ["Engine"]
 Prompt = str | Sequence[int]
 
 
+_MAX_UNCOMMITTED = 16  # tokens of a trailing unfinished character held back before they are committed anyway
+
+
 class Engine:
     def __init__(
         self,
@@ -464,9 +467,12 @@ class Engine:
 
     def _visible_text(self, req: Request) -> str:
         """The output text so far, cut at the first stop string (which finishes the request)."""
+        searched = len(req.detok[0])  # committed before this token: searched by the earlier steps
         text = self._detokenize(req)
         if req.params.stop:
-            hits = [i for i in (text.find(s) for s in req.params.stop) if i >= 0]
+            hits = [
+                i for i in (text.find(s, max(0, searched - len(s) + 1)) for s in req.params.stop) if i >= 0
+            ]
             if hits:
                 text = text[: min(hits)]
                 self.scheduler.finish(req, "stop")
@@ -475,13 +481,14 @@ class Engine:
     def _detokenize(self, req: Request) -> str:
         """The output decoded so far, incrementally (as vLLM and TGI do): decode the tokens since the last
         complete piece together with the piece before them (so leading-space rules see their context) and
-        append the difference; a trailing unfinished UTF-8 sequence is shown but not committed. Two decodes
-        of a few tokens per step instead of the whole output."""
+        append the difference; a trailing unfinished UTF-8 sequence is shown but not committed (for at most
+        _MAX_UNCOMMITTED tokens: tokens that never complete a character would make every step decode a longer
+        window). Two decodes of a few tokens per step instead of the whole output."""
         text, prefix, read = req.detok
         base = len(req.prompt_ids)
         before = self.tokenizer.decode(req.token_ids[base + prefix : base + read])
         now = self.tokenizer.decode(req.token_ids[base + prefix :])
-        if now.endswith("\ufffd"):
+        if now.endswith("\ufffd") and len(req.token_ids) - base - prefix < _MAX_UNCOMMITTED:
             return text + now[len(before) :]
         text += now[len(before) :]
         req.detok = (text, read, len(req.token_ids) - base)

@@ -9,13 +9,15 @@ from pathlib import Path
 
 from precast.runtime.errors import ArtifactError, first_line
 
-__all__ = ["MAX_PIECE_CHARS", "MAX_DECODER_STEPS", "TextTokenizer", "check_decode_bounded"]
+__all__ = ["MAX_DECODER_STEPS", "MAX_PIECE_CHARS", "TextTokenizer", "check_decode_bounded"]
 
 # Decoding runs in the engine's step loop for every generated token (the server's incremental text). Its cost
 # must be bounded by the artifact's shape, not chosen by it: fixed-string decoders only, few of them, and
 # pieces of bounded length (a 100 MB piece would make each token's text 100 MB).
-MAX_PIECE_CHARS = 4096
+MAX_PIECE_CHARS = 1024
 MAX_DECODER_STEPS = 32
+MAX_REPLACE_CHARS = 16  # a decoder's Replace content (real ones: "▁" -> " ")
+MAX_DECODE_GROWTH = 4  # the most the decoder chain's replacements may multiply a text by
 _DECODERS = {
     "ByteLevel",
     "ByteFallback",
@@ -105,7 +107,8 @@ def _byte_level_table() -> dict[str, int]:
 def check_decode_bounded(path: str | os.PathLike) -> None:
     """ArtifactError naming the field unless decoding with the tokenizer at ``path`` is linear in its pieces:
     the decoder chain uses only fixed-string decoders (no regex: a backtracking pattern would run on every
-    generated token, inside the engine's step loop), at most MAX_DECODER_STEPS of them, and every vocabulary
+    generated token, inside the engine's step loop), at most MAX_DECODER_STEPS of them, whose replacements grow
+    a text at most MAX_DECODE_GROWTH-fold (a chain of "e" -> 1000 x "e" was 10^12 characters), and every vocabulary
     piece and added token is at most MAX_PIECE_CHARS characters. Encoding (normalizer, pre-tokenizer regexes)
     is not checked here: the server runs it in a sandbox process with a deadline (runtime/server/text_sandbox.py)."""
     where = Path(path).name
@@ -116,6 +119,7 @@ def check_decode_bounded(path: str | os.PathLike) -> None:
     if not isinstance(data, dict):
         raise ArtifactError(f"tokenizer {where}: not a JSON object")
     steps = [0]
+    growth = [1.0]
 
     def walk(dec, field: str) -> None:
         if dec is None:
@@ -136,11 +140,29 @@ def check_decode_bounded(path: str | os.PathLike) -> None:
         if kind not in _DECODERS:
             raise ArtifactError(f"tokenizer {where}: '{field}.type' {kind!r} is not a decoder precast runs")
         pattern = dec.get("pattern")
-        if kind == "Replace" and not (isinstance(pattern, dict) and set(pattern) == {"String"}):
-            raise ArtifactError(
-                f"tokenizer {where}: '{field}.pattern' must be a fixed string (a regex would run on every "
-                "generated token)"
-            )
+        if kind == "Replace":
+            if not (isinstance(pattern, dict) and set(pattern) == {"String"}):
+                raise ArtifactError(
+                    f"tokenizer {where}: '{field}.pattern' must be a fixed string (a regex would run on every "
+                    "generated token)"
+                )
+            old, new = pattern["String"], dec.get("content")
+            if (
+                not isinstance(old, str)
+                or not old
+                or not isinstance(new, str)
+                or len(new) > MAX_REPLACE_CHARS
+            ):
+                raise ArtifactError(
+                    f"tokenizer {where}: '{field}' must replace a non-empty string by at most "
+                    f"{MAX_REPLACE_CHARS} characters"
+                )
+            growth[0] *= max(1.0, len(new) / len(old))  # each step can multiply the text by this
+            if growth[0] > MAX_DECODE_GROWTH:
+                raise ArtifactError(
+                    f"tokenizer {where}: '{field}': the decoder's replacements can grow a token's text "
+                    f"{growth[0]:g}-fold (at most {MAX_DECODE_GROWTH})"
+                )
 
     walk(data.get("decoder"), "decoder")
     model = data.get("model") if isinstance(data.get("model"), dict) else {}

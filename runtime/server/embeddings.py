@@ -87,7 +87,12 @@ def encoder_spec(model) -> EncoderSpec | None:
         raise ArtifactError(
             "serving embeddings needs the 'tokenizers' package: pip install tokenizers"
         ) from e
-    tok = Tokenizer.from_file(str(path))
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # a malformed file is the artifact's fault: exit 3 naming it
+        from precast.runtime.errors import first_line
+
+        raise ArtifactError(f"cannot read tokenizer {path}: {first_line(e)}") from e
     max_length = 512
     cfg = path.parent / "tokenizer_config.json"
     if cfg.is_file():

@@ -6,6 +6,7 @@ Routes and serving code raise; they never build error responses themselves:
     QueueFullError               -> 429 with Retry-After
     TimeoutError                 -> 504 "request timed out after N s"
     TextTimeout                  -> 504 naming the chat template / tokenizer's limit
+    TextUnavailable              -> 503 + Retry-After (the text sandbox's worker is restarting, or stopping)
     PrecastError (any other)     -> 400 with the one-line message (and ``param`` when it names one)
 
 The body's shape follows the route: OpenAI's ``{"error": {message, type, param, code}}`` under /v1/,
@@ -19,7 +20,7 @@ from fastapi.responses import JSONResponse
 from precast.runtime.errors import PrecastError
 from precast.runtime.server.batcher import QueueFullError
 from precast.runtime.server.bodies import openai_error, v2_error
-from precast.runtime.server.text_sandbox import TextTimeout
+from precast.runtime.server.text_sandbox import TextTimeout, TextUnavailable
 
 __all__ = ["HTTPError", "error_response", "install_error_handlers"]
 
@@ -69,6 +70,8 @@ def install_error_handlers(app, request_timeout: float) -> None:
             return error_response(path, 429, str(e), "rate_limit_error", headers=headers)
         if isinstance(e, TextTimeout):  # the artifact's template or tokenizer: say which limit
             return error_response(path, 504, str(e), "timeout")
+        if isinstance(e, TextUnavailable):
+            return error_response(path, 503, str(e), headers={"Retry-After": "1"})
         if isinstance(e, TimeoutError):
             return error_response(path, 504, f"request timed out after {request_timeout:g} s", "timeout")
         return error_response(path, 400, str(e), param=getattr(e, "param", None))  # a PrecastError

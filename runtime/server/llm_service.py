@@ -182,7 +182,8 @@ class LLMService:
         (its loop stops; a temp dir it unpacked is removed). Idempotent."""
         self.retired = True
         deadline = time.monotonic() + drain
-        while self.engine.has_unfinished() and time.monotonic() < deadline:
+        # (requests still rendering or tokenizing are not in the engine yet: wait for them too)
+        while (self.engine.has_unfinished() or self.text.running) and time.monotonic() < deadline:
             time.sleep(0.05)
         self.text.close()
         self.engine.close()

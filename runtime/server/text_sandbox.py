@@ -8,7 +8,8 @@ children included; a zygote that died (killed, crashed) is started again at the 
 
 Errors: a wrong input (the template raised, the rendered prompt is too long) is LLMRequestError (a 400);
 a call past its deadline is TextTimeout (a 504); a call that blew its memory or CPU limit is TextFailed (a
-400 naming the limit: the artifact's code cannot handle this input within the server's bounds).
+400 naming the limit: the artifact's code cannot handle this input within the server's bounds); a worker that
+died (killed, out of memory) or a server that is stopping is TextUnavailable (a 503: retry).
 """
 
 from __future__ import annotations
@@ -20,13 +21,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
 from precast.runtime.errors import ArtifactError, LLMRequestError, PrecastError
 from precast.runtime.server.text_worker import read_frame, write_frame
 
-__all__ = ["TextFailed", "TextLimits", "TextSandbox", "TextTimeout"]
+__all__ = ["TextFailed", "TextLimits", "TextSandbox", "TextTimeout", "TextUnavailable"]
 
 MiB = 1 << 20
 CHARS_PER_BUDGET = 1 << 16  # a call may run the limits' timeout per started 64 Ki characters of its input
@@ -56,12 +58,21 @@ class TextLimits:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise UsageError(f"text_{name} must be a positive integer, got {v!r}")
-        if self.memory < 16 * MiB:
-            raise UsageError(f"text_memory must be at least 16 MiB, got {self.memory} bytes")
+        if self.memory < 16 * MiB or self.memory > 1 << 40:
+            raise UsageError(f"text_memory must be 16 MiB to 1 TiB, got {self.memory} bytes")
+        if self.timeout > 3600:
+            raise UsageError(f"text_timeout must be at most 3600 s, got {self.timeout!r}")
+        if self.workers > 4096:
+            raise UsageError(f"text_workers must be at most 4096, got {self.workers!r}")
 
 
 class TextTimeout(PrecastError):
     """The chat template or tokenizer ran past its deadline."""
+
+
+class TextUnavailable(PrecastError):
+    """The sandbox cannot take the call now (its worker died and is restarting, or the server is stopping): a
+    503, the client may retry."""
 
 
 class TextFailed(LLMRequestError):
@@ -88,6 +99,7 @@ class TextSandbox:
         self._lock = threading.Lock()  # the zygote's stdin, _pending, _proc
         self._proc: subprocess.Popen | None = None
         self._closed = False
+        self._launching: Future | None = None
 
     # -- life ---------------------------------------------------------------------------------------------
     def start(self, timeout: float = 60.0) -> TextSandbox:
@@ -141,7 +153,7 @@ class TextSandbox:
             proc, self._proc = self._proc, None
         if proc is not None:
             _kill_group(proc)
-        self._fail_all("the server is shutting down")
+        self._fail_all("the server is shutting down")  # (TextUnavailable: a 503)
 
     @property
     def running(self) -> bool:
@@ -152,10 +164,29 @@ class TextSandbox:
     def pid(self) -> int | None:
         return None if self._proc is None else self._proc.pid
 
-    def _ensure(self) -> None:
+    def _relaunch(self) -> Future:
+        """A Future of the zygote's restart, started once in a background thread however many calls wait."""
         with self._lock:
-            if not self._closed and (self._proc is None or self._proc.poll() is not None):
-                self._launch(60.0)
+            if self._launching is None:
+                fut: Future = Future()
+                self._launching = fut
+
+                def run():
+                    try:
+                        with self._lock:
+                            if self._closed:
+                                raise TextUnavailable("the server is shutting down")
+                            if self._proc is None or self._proc.poll() is not None:
+                                self._launch(60.0)
+                        fut.set_result(None)
+                    except BaseException as e:  # noqa: BLE001  (handed to every waiter)
+                        fut.set_exception(e)
+                    finally:
+                        with self._lock:
+                            self._launching = None
+
+                threading.Thread(target=run, name="precast-text-launch", daemon=True).start()
+            return self._launching
 
     # -- calls --------------------------------------------------------------------------------------------
     def call(self, op: str, args: dict, timeout: float | None = None, chars: int = 0) -> Future:
@@ -170,7 +201,7 @@ class TextSandbox:
         fut: Future = Future()
         with self._lock:
             if self._closed:
-                raise TextFailed("the server is shutting down")
+                raise TextUnavailable("the server is shutting down")
             if self._proc is None or self._proc.poll() is not None:
                 self._launch(60.0)
             cid = next(self._ids)
@@ -192,12 +223,20 @@ class TextSandbox:
                 )
             except OSError:
                 self._pending.pop(cid, None)
-                raise TextFailed(f"{self.what}: its worker process exited") from None
+                raise TextUnavailable(f"{self.what}: its worker process exited; try again") from None
         return fut
 
     async def acall(self, op: str, args: dict, timeout: float | None = None, chars: int = 0):
-        if self._proc is None or self._proc.poll() is not None:  # (re)start it off the event loop
-            await asyncio.to_thread(self._ensure)
+        if self._proc is None or self._proc.poll() is not None:  # restarted off the event loop, once
+            t0 = time.monotonic()
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(self._relaunch()), timeout)
+            except asyncio.TimeoutError:
+                raise TextTimeout(f"{self.what}: its worker process is restarting; try again") from None
+            except ArtifactError as e:
+                raise TextUnavailable(str(e)) from None
+            if timeout is not None:
+                timeout = max(0.0, timeout - (time.monotonic() - t0))
         fut = self.call(op, args, timeout, chars)
         try:
             return await asyncio.wrap_future(fut)
@@ -236,8 +275,8 @@ class TextSandbox:
         with self._lock:
             if self._proc is proc:
                 self._proc = None
-        proc.wait()
-        self._fail_all(f"{self.what}: its worker process exited", proc)
+        _kill_group(proc)  # its children too: the group outlives its leader
+        self._fail_all(f"{self.what}: its worker process exited; try again", proc)
 
     def _error(self, msg: dict, fut: Future) -> Exception:
         kind, line = msg.get("error"), msg.get("message", "")
@@ -262,7 +301,7 @@ class TextSandbox:
             futs = [self._pending.pop(c) for c in gone]
         for fut in futs:
             if not fut.done():
-                fut.set_exception(TextFailed(why))
+                fut.set_exception(TextUnavailable(why))
 
 
 def _kill_group(proc: subprocess.Popen) -> None:

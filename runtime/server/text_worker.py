@@ -143,8 +143,11 @@ def _load(init: dict):
 
 
 def _line(e: BaseException) -> str:
+    """One line of an error for the client: at most 300 characters, valid UTF-8 (a template's message may hold
+    a lone surrogate, which JSON responses cannot carry)."""
     text = " ".join(str(e).split())
-    return (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
+    text = (text[:300] + "...") if len(text) > 300 else (text or type(e).__name__)
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _encode(tokenizer, texts: list[str], special: bool) -> list:
@@ -188,6 +191,20 @@ def _run(template, tokenizer, op: str, args: dict):
     raise _RequestError(f"unknown op {op!r}")
 
 
+def _die_with_parent() -> None:
+    """SIGKILL this child when the zygote dies (the server also kills the whole group; this covers a zygote
+    killed on its own, e.g. by the OOM killer)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() == 1:  # the zygote died before the prctl
+            os._exit(1)
+    except (OSError, AttributeError):
+        pass
+
+
 def _child(template, tokenizer, call: dict, fd: int, address_space: int) -> None:
     """In the forked child: limits, the call, one frame to ``fd``, exit. Never returns."""
     code = 0
@@ -195,6 +212,7 @@ def _child(template, tokenizer, call: dict, fd: int, address_space: int) -> None
         devnull = os.open(os.devnull, os.O_RDWR)
         for std in (0, 1, 2):
             os.dup2(devnull, std)
+        _die_with_parent()
         os.nice(19)
         try:  # under memory pressure the kernel's OOM killer takes a sandbox child before the server
             with open("/proc/self/oom_score_adj", "w") as f:

@@ -296,3 +296,89 @@ def test_a_huge_vocabulary_piece_is_refused_at_load(llm_artifact, tmp_path):
     assert proc.returncode == 3 and "added_tokens" in proc.stderr and "100000 characters" in proc.stderr, (
         proc.stderr[-2000:]
     )
+
+
+SLOW = (  # ~0.3-1 s of rendering for every request: long enough to be mid-render during a reload
+    "{% for a in range(3000) %}{% for b in range(100) %}{% endfor %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "<|im_start|>assistant\n"
+)
+
+
+def test_a_reload_or_a_killed_worker_does_not_fail_requests_as_bad_input(llm_artifact, tmp_path):
+    """A hot reload drains requests that are still rendering (they finish on the old model); a sandbox worker
+    killed from outside takes its children with it, its in-flight requests get a 503 (retry), and the next
+    request restarts it."""
+    art = _hostile(llm_artifact, tmp_path / "slow", template=SLOW)
+    server = _Server(art, "--text-timeout", "20")
+    try:
+        url, pid = server.url, server.proc.pid
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            chats = [pool.submit(lambda: _chat(httpx.Client(base_url=url), "hi")) for _ in range(6)]
+            time.sleep(0.2)
+            assert httpx.post(f"{url}/admin/reload", timeout=120).status_code == 200
+            codes = [f.result().status_code for f in chats]
+        assert set(codes) <= {200, 429}, codes  # 429: it reached the retired model after its drain began
+
+        deadline = time.monotonic() + 30
+        while len(_children(pid)) != 1 and time.monotonic() < deadline:  # the old model's worker goes
+            time.sleep(0.1)
+        (zygote,) = _children(pid)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            chats = [pool.submit(lambda: _chat(httpx.Client(base_url=url), "hi")) for _ in range(4)]
+            deadline = time.monotonic() + 30
+            while len(_children(zygote)) < 4 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            orphans = _children(zygote)
+            os.kill(zygote, signal.SIGKILL)
+            answers = [f.result() for f in chats]
+        assert {r.status_code for r in answers} <= {200, 503}, [r.text for r in answers]
+        assert any(r.status_code == 503 and r.headers.get("retry-after") for r in answers), answers
+        deadline = time.monotonic() + 10
+        while any(Path(f"/proc/{c}").exists() for c in orphans) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [c for c in orphans if Path(f"/proc/{c}").exists()], "children outlived their zygote"
+        with httpx.Client(base_url=url) as c:
+            assert _chat(c, "hi").status_code == 200  # a new worker
+    finally:
+        out = server.stop()
+    assert "Traceback" not in out, out[-3000:]
+
+
+@pytest.mark.parametrize(
+    "decoder,field",
+    [
+        ({"type": "Replace", "pattern": {"String": "e"}, "content": "e" * 1000}, "at most 16 characters"),
+        ({"type": "Replace", "pattern": {"String": ""}, "content": "xx"}, "non-empty string"),
+        (
+            {
+                "type": "Sequence",
+                "decoders": [{"type": "Replace", "pattern": {"String": "e"}, "content": "eeee"}] * 2,
+            },
+            "16-fold",
+        ),
+    ],
+    ids=["long-content", "empty-pattern", "chain-growth"],
+)
+def test_a_decoder_that_grows_text_is_refused_at_load(tmp_path, decoder, field):
+    """Each generated token's text is decoded in the engine's loop: a chain of replacements that multiplies it
+    (4 x 'e' -> 1000 x 'e' was 10^12 characters per token: the server aborted) is refused when it loads."""
+    from precast.runtime.errors import ArtifactError
+    from precast.runtime.llm.tokenizer import check_decode_bounded
+
+    path = tmp_path / "tokenizer.json"
+    path.write_text(json.dumps({"model": {"type": "WordLevel", "vocab": {"e": 0}}, "decoder": decoder}))
+    with pytest.raises(ArtifactError, match=field):
+        check_decode_bounded(path)
+
+
+def test_a_template_message_with_a_lone_surrogate_is_a_400(llm_artifact, tmp_path):
+    art = _hostile(llm_artifact, tmp_path / "sur", template="{{ raise_exception('bad \\ud800 x') }}")
+    server = _Server(art)
+    try:
+        with httpx.Client(base_url=server.url) as c:
+            r = _chat(c, "hi")
+            assert r.status_code == 400 and "bad" in r.json()["error"]["message"], r.text
+    finally:
+        out = server.stop()
+    assert "Traceback" not in out, out[-3000:]

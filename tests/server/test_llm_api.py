@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
@@ -118,14 +119,18 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server):
     cancelled_before = engine.metrics().requests_cancelled
     body = {"prompt": PROMPT, "max_tokens": 200, "stream": True, "ignore_eos": True, "temperature": 0}
     # The tiny model can write 200 tokens before the client reads its first line (then nothing is left to
-    # cancel): slow each engine step down for this test, so the request is surely mid-stream at the disconnect.
-    step = engine.step
+    # cancel): the engine loop's steps after the first two wait (outside the engine lock) until the server has
+    # cancelled the request, so it is surely mid-stream at the disconnect, however busy the host. (The loop
+    # calls _step, not step: patching step slowed nothing, and a busy host let the request finish first.)
+    gate, steps, step = threading.Event(), [0], engine._step
 
-    def slow_step():
-        time.sleep(0.02)
-        return step()
+    def gated_step(burst):
+        if steps[0] >= 2:
+            gate.wait(30)
+        steps[0] += 1
+        return step(burst)
 
-    engine.step = slow_step
+    engine._step = gated_step
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as r:
             assert r.status_code == 200
@@ -133,8 +138,12 @@ def test_client_disconnect_mid_stream_frees_kv_blocks(server):
             first = next(line for line in lines if line.startswith("data:"))
             assert '"text"' in first
             assert engine.metrics().kv_blocks_used > 0
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and engine.metrics().requests_cancelled == cancelled_before:
+            time.sleep(0.05)
     finally:
-        del engine.step  # back to the class's method
+        gate.set()
+        del engine._step  # back to the class's method
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and (engine.metrics().kv_blocks_used or engine.has_unfinished()):
         time.sleep(0.05)
