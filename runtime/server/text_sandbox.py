@@ -276,7 +276,12 @@ class TextSandbox:
             if self._proc is proc:
                 self._proc = None
         _kill_group(proc)  # its children too: the group outlives its leader
-        self._fail_all(f"{self.what}: its worker process exited; try again", proc)
+        why = (
+            "the server is shutting down"
+            if self._closed
+            else f"{self.what}: its worker process exited; try again"
+        )
+        self._fail_all(why, proc)
 
     def _error(self, msg: dict, fut: Future) -> Exception:
         kind, line = msg.get("error"), msg.get("message", "")

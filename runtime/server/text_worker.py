@@ -125,8 +125,17 @@ def _load(init: dict):
         def raise_exception(message):
             raise _RequestError(str(message))
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        def strftime_now(fmt):
+            from datetime import datetime
+
+            return datetime.now().strftime(str(fmt))
+
+        # As transformers renders chat templates: loop controls ({% break %}), raise_exception, strftime_now.
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
         try:
             template = env.from_string(init["template"])
         except jinja2.TemplateError as e:

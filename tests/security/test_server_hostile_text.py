@@ -180,9 +180,9 @@ def test_a_slow_chat_template_is_a_504_and_others_are_served(boom_server):
         while _sandbox_children(pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert _sandbox_children(pid) == [], "a sandbox child outlived its deadline"
-        # Threads: the ones that ran the requests' cheap checks stay in anyio's pool, idle (before, 40 of them
-        # stayed busy rendering); none is running.
-        assert _threads(pid) <= idle_threads + 12, (idle_threads, _thread_names(pid))
+        # Threads: the ones that ran the requests' cheap checks stay in anyio's pool (at most 40) and asyncio's
+        # executor, idle (before, 40 of them stayed busy rendering): the CPU reading below shows none runs.
+        assert _threads(pid) <= idle_threads + 46, (idle_threads, _thread_names(pid))
         zygotes = _children(pid)
         before = sum(map(_cpu_seconds, [pid, *zygotes]))
         time.sleep(2.0)
@@ -298,8 +298,10 @@ def test_a_huge_vocabulary_piece_is_refused_at_load(llm_artifact, tmp_path):
     )
 
 
-SLOW = (  # ~0.3-1 s of rendering for every request: long enough to be mid-render during a reload
+SLOW = (  # ~0.3-1 s of rendering for every request (mid-render during a reload); FOREVER renders until killed
     "{% for a in range(3000) %}{% for b in range(100) %}{% endfor %}{% endfor %}"
+    "{% if messages[0]['content'] == 'FOREVER' %}"
+    "{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "<|im_start|>assistant\n"
 )
@@ -325,15 +327,16 @@ def test_a_reload_or_a_killed_worker_does_not_fail_requests_as_bad_input(llm_art
             time.sleep(0.1)
         (zygote,) = _children(pid)
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            chats = [pool.submit(lambda: _chat(httpx.Client(base_url=url), "hi")) for _ in range(4)]
+            chats = [pool.submit(lambda: _chat(httpx.Client(base_url=url), "FOREVER")) for _ in range(4)]
             deadline = time.monotonic() + 30
             while len(_children(zygote)) < 4 and time.monotonic() < deadline:
                 time.sleep(0.02)
             orphans = _children(zygote)
             os.kill(zygote, signal.SIGKILL)
             answers = [f.result() for f in chats]
-        assert {r.status_code for r in answers} <= {200, 503}, [r.text for r in answers]
-        assert any(r.status_code == 503 and r.headers.get("retry-after") for r in answers), answers
+        assert all(r.status_code == 503 and r.headers.get("retry-after") for r in answers), [
+            r.text for r in answers
+        ]
         deadline = time.monotonic() + 10
         while any(Path(f"/proc/{c}").exists() for c in orphans) and time.monotonic() < deadline:
             time.sleep(0.1)
