@@ -24,6 +24,17 @@ def _cache_secret_outside_home(_config_home, monkeypatch):
     monkeypatch.delenv("PRECAST_CACHE_SECRET", raising=False)
 
 
+@pytest.fixture(scope="session")
+def keys(tmp_path_factory):
+    """Two Ed25519 key pairs (k.pem / k.pub, other.pem / other.pub) for the signing tests."""
+    from precast.runtime.signing import generate_keypair
+
+    d = tmp_path_factory.mktemp("keys")
+    generate_keypair(d / "k.pem", d / "k.pub")
+    generate_keypair(d / "other.pem", d / "other.pub")
+    return d
+
+
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)

@@ -35,8 +35,9 @@ class InProcessText:
 
         if op == "encode":
             return [self.tokenizer.encode(t) for t in args["texts"]]
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in args["messages"])
-        text += "<|im_start|>assistant\n"
+        from precast.runtime.server.text_worker import _ChatML
+
+        text = _ChatML().render(args["messages"])
         limit = args.get("max_chars")
         if limit is not None and len(text) > limit:
             raise LLMRequestError(f"the rendered chat prompt has {len(text)} characters (--max-text-chars)")

@@ -147,6 +147,16 @@ def run_with_imports_blocked(body: str, blocked: Sequence[str] = COMPILER_MODULE
     )
 
 
+def edit_manifest(root: Path, change) -> Path:
+    """``change(manifest)`` applied to ``root``'s manifest.json, written back as is (no hashes redone)."""
+    import json
+
+    manifest = json.loads((root / "manifest.json").read_text())
+    change(manifest)
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
 def tiny_llm_block(**changes) -> dict:
     """A complete, valid manifest ``llm`` block (one layer, paged KV), for tests that edit manifests."""
     block = {

@@ -22,7 +22,6 @@ __all__ = [
     "feeds_for",
     "mean_pool_normalize",
     "parse_inputs",
-    "tokenize",
 ]
 
 TOKENIZER_FILE = "tokenizer/tokenizer.json"
@@ -30,7 +29,7 @@ TOKENIZER_FILE = "tokenizer/tokenizer.json"
 
 @dataclass
 class EncoderSpec:
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer_file: str  # the artifact's tokenizer.json (run per request in ``text``)
     output: str  # the rank-3 hidden state output
     has_token_types: bool
     max_length: int
@@ -39,14 +38,18 @@ class EncoderSpec:
     dim: int | None = None  # embedding size, when the hidden state's last axis is static
     text: object | None = None  # text_sandbox.TextSandbox running the tokenizer for requests (start_text)
 
-    def start_text(self, path: str, limits=None) -> EncoderSpec:
+    def start_text(self, limits=None) -> EncoderSpec:
         """Requests tokenize in a TextSandbox (the tokenizer's regexes are the artifact's code: a process
         per call, with a deadline and a memory limit), not in the server's threads."""
         from precast.runtime.server.text_sandbox import TextLimits, TextSandbox
 
         what = "the artifact's tokenizer"
         self.text = TextSandbox(
-            template=None, tokenizer=path, limits=limits or TextLimits(), plain_tokenizer=True, what=what
+            template=None,
+            tokenizer=self.tokenizer_file,
+            limits=limits or TextLimits(),
+            plain_tokenizer=True,
+            what=what,
         ).start()
         return self
 
@@ -55,7 +58,8 @@ class EncoderSpec:
             self.text.close()
 
     async def tokenize(self, texts: list[str], timeout: float) -> tuple[dict[str, np.ndarray], int]:
-        """``tokenize`` below, the tokenizer run in the sandbox within ``timeout`` s."""
+        """Feeds for one request (right-padded to its longest text) and its token count; the tokenizer runs in
+        the sandbox within ``timeout`` s."""
         from starlette.concurrency import run_in_threadpool
 
         encs = await self.text.acall(
@@ -106,25 +110,18 @@ def encoder_spec(model) -> EncoderSpec | None:
     static = ids_spec.shape is not None and len(ids_spec.shape) == 2 and isinstance(ids_spec.shape[1], int)
     if static:
         max_length = ids_spec.shape[1]
-    pad = tok.padding or {}
-    tok.no_padding()
-    tok.no_truncation()
+    pad = tok.padding or {}  # (the sandbox's copy pads and truncates nothing: feeds_for does)
     width = hidden[0].shape[-1] if hidden[0].shape else None
     dim = width if isinstance(width, int) else None
     return EncoderSpec(
-        tok, hidden[0].name, "token_type_ids" in names, max_length, int(pad.get("pad_id", 0)), static, dim
+        str(path),
+        hidden[0].name,
+        "token_type_ids" in names,
+        max_length,
+        int(pad.get("pad_id", 0)),
+        static,
+        dim,
     )
-
-
-def tokenize(spec: EncoderSpec, texts: list[str]) -> tuple[dict[str, np.ndarray], int]:
-    """Feeds for one request (right-padded to its longest text) and its token count, tokenized in this process
-    (the server uses ``EncoderSpec.tokenize``: the same in a sandbox process).
-
-    encode_batch, not encode: it releases the GIL while it works (encode holds it, measured: a 6 MB text
-    froze every other thread for 1.7 s). The _fast variant (tokenizers >= 0.20) skips the character offsets,
-    which are not used."""
-    encs = getattr(spec.tokenizer, "encode_batch_fast", spec.tokenizer.encode_batch)(texts)
-    return feeds_for(spec, [(e.ids, e.type_ids) for e in encs])
 
 
 def feeds_for(

@@ -219,11 +219,11 @@ class ModelHost:
         try:
             model = pipelined_if_staged(model)
             _warm_up(model)
-            from precast.runtime.server.embeddings import TOKENIZER_FILE, encoder_spec
+            from precast.runtime.server.embeddings import encoder_spec
 
             encoder = encoder_spec(model)
             if encoder is not None:
-                encoder.start_text(str(Path(root) / TOKENIZER_FILE), self.text_limits)
+                encoder.start_text(self.text_limits)
         except BaseException:
             model.close()
             raise

@@ -235,14 +235,6 @@ class LLMService:
         """Token ids of each text (the artifact's tokenizer, in the sandbox, within ``timeout``)."""
         return await self.text.acall("encode", {"texts": texts}, timeout, sum(map(len, texts)))
 
-    def chat_prompt(
-        self, messages: object, max_chars: int | None = None, timeout: float | None = None
-    ) -> str:
-        """The prompt text the chat template renders (blocking; for tools and tests, not the request path)."""
-        clean = self.clean_messages(messages, max_chars)
-        out = self.text.call("chat", {"messages": clean, "max_chars": max_chars, "encode": False}, timeout)
-        return out.result()["text"]
-
     # -- generation ------------------------------------------------------------------------------
     async def start(self, prompt, params, priority: int, request_id: str) -> TokenStream:
         """Submit now (bad input and a full server raise here, before any response is sent)."""

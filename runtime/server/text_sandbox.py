@@ -4,7 +4,7 @@
 process group) with the template and tokenizer; ``call(op, args, timeout)`` returns a Future, resolved by one
 reader thread; ``await acall(...)`` is the same for the event loop (cancelling it kills the call's child).
 No call holds a thread of the server while it runs. ``close()`` kills the zygote's process group, its
-children included; a zygote that died (killed, crashed) is started again at the next call.
+children included; a zygote that died (killed, crashed) is started again by the next ``acall``.
 
 Errors: a wrong input (the template raised, the rendered prompt is too long) is LLMRequestError (a 400);
 a call past its deadline is TextTimeout (a 504); a call that blew its memory or CPU limit is TextFailed (a
@@ -39,9 +39,9 @@ BYTES_PER_CHAR = 128  # ... and use the limits' memory + this per character (tok
 class TextLimits:
     """What one call may cost (`precast serve --text-timeout/--text-memory/--text-workers`)."""
 
-    timeout: float = (
-        2.0  # seconds one call (render + tokenize) may run, at most; the request's own deadline too
-    )
+    # seconds one call (render + tokenize) may run per started CHARS_PER_BUDGET characters of input; the
+    # request's own deadline too
+    timeout: float = 2.0
     memory: int = 128 * MiB  # address space one call may add to the worker's (+ 128 B per input character)
     workers: int = 64  # calls running at once (more wait in order, within their deadline)
 
@@ -156,13 +156,12 @@ class TextSandbox:
         self._fail_all("the server is shutting down")  # (TextUnavailable: a 503)
 
     @property
-    def running(self) -> bool:
+    def running(self) -> int:
         """Calls in flight (sent, not answered)."""
         return len(self._pending)
 
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
+    def _alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
 
     def _relaunch(self) -> Future:
         """A Future of the zygote's restart, started once in a background thread however many calls wait."""
@@ -176,7 +175,7 @@ class TextSandbox:
                         with self._lock:
                             if self._closed:
                                 raise TextUnavailable("the server is shutting down")
-                            if self._proc is None or self._proc.poll() is not None:
+                            if not self._alive():
                                 self._launch(60.0)
                         fut.set_result(None)
                     except BaseException as e:  # noqa: BLE001  (handed to every waiter)
@@ -193,8 +192,8 @@ class TextSandbox:
         """Run ``op`` (``chat`` or ``encode``, see text_worker): answered within ``timeout`` s (the request's
         time left; waiting for a free worker included), running at most the limits' timeout per started
         CHARS_PER_BUDGET characters of input (``chars``: tokenizing a long prompt takes longer), with the limits'
-        memory + BYTES_PER_CHAR per character. The Future holds
-        the result, or raises LLMRequestError / TextTimeout / TextFailed."""
+        memory + BYTES_PER_CHAR per character. The Future holds the result, or raises LLMRequestError /
+        TextTimeout / TextFailed; a zygote that is not running is TextUnavailable here (acall restarts it)."""
         budget = self.limits.timeout * max(1, -(-chars // CHARS_PER_BUDGET))
         memory = self.limits.memory + BYTES_PER_CHAR * chars
         expires = budget if timeout is None else max(0.0, timeout)
@@ -202,8 +201,8 @@ class TextSandbox:
         with self._lock:
             if self._closed:
                 raise TextUnavailable("the server is shutting down")
-            if self._proc is None or self._proc.poll() is not None:
-                self._launch(60.0)
+            if not self._alive():
+                raise TextUnavailable(f"{self.what}: its worker process exited; try again")
             cid = next(self._ids)
             fut.call_id = cid  # type: ignore[attr-defined]
             fut.budget = budget  # type: ignore[attr-defined]
@@ -227,7 +226,7 @@ class TextSandbox:
         return fut
 
     async def acall(self, op: str, args: dict, timeout: float | None = None, chars: int = 0):
-        if self._proc is None or self._proc.poll() is not None:  # restarted off the event loop, once
+        if not self._alive():  # restarted off the event loop, once
             t0 = time.monotonic()
             try:
                 await asyncio.wait_for(asyncio.wrap_future(self._relaunch()), timeout)

@@ -175,9 +175,7 @@ def _run(template, tokenizer, op: str, args: dict):
             text = template.render(
                 messages=args["messages"], add_generation_prompt=True, bos_token="", eos_token=""
             )
-        except _RequestError:
-            raise
-        except MemoryError:
+        except (_RequestError, MemoryError):
             raise
         except Exception as e:
             raise _RequestError(f"chat template failed: {_line(e)}") from None
@@ -189,7 +187,7 @@ def _run(template, tokenizer, op: str, args: dict):
             )
         if tokenizer is None or not args.get("encode", True):
             return {"text": text}
-        return {"chars": len(text), "ids": list(_encode(tokenizer, [text], True)[0].ids)}
+        return {"ids": list(_encode(tokenizer, [text], True)[0].ids)}
     if op == "encode":
         if tokenizer is None:
             raise _RequestError("this artifact has no tokenizer: pass token ids, not text")

@@ -14,7 +14,7 @@ from precast.compiler.pack import pack_artifact
 from precast.runtime import load
 from precast.runtime.archive import ArchiveError, Limits, unpack_artifact
 from precast.runtime.errors import EXIT_ARTIFACT, ArtifactError, IntegrityError
-from precast.runtime.signing import SignatureError, generate_keypair
+from precast.runtime.signing import SignatureError
 from tests.ci.archive_helpers import members_of, reg, special, tree, write_tar
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import ort_run, save, tiny_mlp
@@ -28,14 +28,6 @@ def built(tmp_path_factory):
     packed = root / "mlp.precast"
     pack_artifact(art, packed)
     return {"root": root, "model": model, "art": art, "packed": packed}
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    d = tmp_path_factory.mktemp("keys")
-    generate_keypair(d / "k.pem", d / "k.pub")
-    generate_keypair(d / "other.pem", d / "other.pub")
-    return d
 
 
 def test_pack_is_deterministic_across_builds(built, tmp_path):

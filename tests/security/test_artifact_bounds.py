@@ -27,7 +27,7 @@ import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime.llm_spec import DEFAULT_POOL_BYTES, LIMITS
-from tests.helpers import save, tiny_mlp
+from tests.helpers import edit_manifest, save, tiny_mlp
 
 MANIFEST_ONLY = ("inspect", "pack")
 LOADING = ("verify", "run", "serve")
@@ -66,16 +66,9 @@ def _copy(src: Path, dest: Path) -> Path:
     return dest
 
 
-def _edit(root: Path, change) -> Path:
-    manifest = json.loads((root / "manifest.json").read_text())
-    change(manifest)
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
-
-
 def _rehash(root: Path, rel: str) -> None:
     digest = hashlib.sha256((root / rel).read_bytes()).hexdigest()
-    _edit(root, lambda m: m["files"].__setitem__(rel, digest))
+    edit_manifest(root, lambda m: m["files"].__setitem__(rel, digest))
 
 
 def _set_llm(**values):
@@ -107,7 +100,7 @@ def _refused(cli, art: Path, tmp_path: Path, commands, *names: str) -> None:
 def test_index_target_dir_that_is_the_index_itself_is_refused(cli, mlp_index, tmp_path):
     """``targets.ort-cpu.dir: "."``: verify, pack and serve recursed into the index until RecursionError
     (exit 70), inspect printed it (exit 0)."""
-    art = _edit(_copy(mlp_index, tmp_path / "art"), lambda m: m["targets"]["ort-cpu"].update(dir="."))
+    art = edit_manifest(_copy(mlp_index, tmp_path / "art"), lambda m: m["targets"]["ort-cpu"].update(dir="."))
     _refused(cli, art, tmp_path, EVERY, f"{art}/manifest.json", "'targets.ort-cpu.dir' = '.'", "own folder")
 
 
@@ -151,7 +144,7 @@ def test_llm_max_context_is_bounded(cli, llm, tmp_path):
     """``llm.max_context`` 2^31-1: the default KV pool (4 full contexts) was terabytes; the mapped layout
     filled a [slots, context / block] table (18 GB resident before the first step failed), OpenVINO's pool
     mmap failed with ENOMEM (exit 70)."""
-    art = _edit(_copy(llm, tmp_path / "art"), _set_llm(max_context=2**31 - 1))
+    art = edit_manifest(_copy(llm, tmp_path / "art"), _set_llm(max_context=2**31 - 1))
     limit = LIMITS["max_context"]
     _refused(cli, art, tmp_path, EVERY, f"{art}/manifest.json", f"max_context must be at most {limit}")
 
@@ -164,7 +157,7 @@ def test_the_default_kv_pool_is_capped_not_sized_by_max_context(llm_artifact, tm
     from precast.runtime.llm.sampler import SamplingParams
     from precast.runtime.llm_spec import LLMSpec
 
-    art = _edit(_copy(llm_artifact, tmp_path / "art"), _set_llm(max_context=LIMITS["max_context"]))
+    art = edit_manifest(_copy(llm_artifact, tmp_path / "art"), _set_llm(max_context=LIMITS["max_context"]))
     spec = LLMSpec.from_json(json.loads((art / "manifest.json").read_text())["llm"])
     big = dataclasses.replace(spec, layers=64, heads=32, kv_heads=16, head_size=256)  # 32 MiB a block
     assert big.default_num_blocks() * 64 * 2 * 16 * big.block_size * 256 * 4 <= DEFAULT_POOL_BYTES
@@ -178,7 +171,7 @@ def test_the_default_kv_pool_is_capped_not_sized_by_max_context(llm_artifact, tm
 
 
 def _inflated_vocab(art: Path) -> tuple:
-    _edit(art, _set_llm(vocab=1 << 20))
+    edit_manifest(art, _set_llm(vocab=1 << 20))
     return EVERY, "'logits' is [batch,512], the block says vocab=1048576"
 
 
@@ -187,7 +180,7 @@ def _inflated_vocab_and_io(art: Path) -> tuple:
         m["llm"]["vocab"] = 600
         next(o for o in m["io"]["outputs"] if o["name"] == "logits")["shape"][-1] = 600
 
-    _edit(art, change)
+    edit_manifest(art, change)
     return LOADING, "vocab=600, but the step graph's logits are [batch, 512]"
 
 
@@ -218,5 +211,5 @@ def test_a_symlink_loop_named_by_the_manifest_is_refused(cli, mlp_index, tmp_pat
     """Path.resolve() raised RuntimeError on a symlink loop (exit 70)."""
     art = _copy(mlp_index / "ort-cpu", tmp_path / "art")
     (art / "loop").symlink_to("loop")
-    _edit(art, lambda m: m["target"].update(model="loop"))
+    edit_manifest(art, lambda m: m["target"].update(model="loop"))
     _refused(cli, art, tmp_path, ("inspect", "verify"), f"{art}/manifest.json", "'target.model' = 'loop'")

@@ -6,7 +6,6 @@ covered by its own hashes; a signed pack covers it, so those cases sign the edit
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -19,7 +18,7 @@ from precast.compiler.pack import pack_artifact
 from precast.runtime import ArtifactError, IntegrityError, load
 from precast.runtime.errors import PrecastError
 from precast.runtime.signing import generate_keypair
-from tests.helpers import save, tiny_llm_block, tiny_mlp
+from tests.helpers import edit_manifest, save, tiny_llm_block, tiny_mlp
 
 EVIL = "import pathlib; pathlib.Path({marker!r}).write_text('pwned')\n"
 
@@ -41,13 +40,6 @@ def _copy(artifact: Path, dest: Path) -> Path:
     return dest
 
 
-def _edit(root: Path, change) -> Path:
-    manifest = json.loads((root / "manifest.json").read_text())
-    change(manifest)
-    (root / "manifest.json").write_text(json.dumps(manifest))
-    return root
-
-
 def _as_plugin(package: str):
     def change(m):
         m["target"]["ep_plugin"] = {"ep": "QNNExecutionProvider", "package": package, "backend_lib": "QnnHtp"}
@@ -61,7 +53,7 @@ def _as_plugin(package: str):
 def test_manifest_never_chooses_python_to_import(artifact, tmp_path, package, how):
     """A module named like the manifest's package sits in the working directory (first on sys.path for
     ``python -m``). Before: it ran on load / verify / a validly signed unpack. Now nothing imports it."""
-    art = _edit(_copy(artifact, tmp_path / "art"), _as_plugin(package))
+    art = edit_manifest(_copy(artifact, tmp_path / "art"), _as_plugin(package))
     work = tmp_path / "work"
     work.mkdir()
     marker = tmp_path / "pwned"
@@ -123,7 +115,7 @@ def test_unknown_plugin_ep_and_unsafe_options_are_refused(artifact, tmp_path):
         ),
     }
     for name, (change, why) in cases.items():
-        art = _edit(_copy(artifact, tmp_path / name), change)
+        art = edit_manifest(_copy(artifact, tmp_path / name), change)
         with pytest.raises(ArtifactError, match=why):
             load(art)
 
@@ -160,7 +152,7 @@ def test_manifest_paths_stay_inside_the_artifact(artifact, tmp_path, where, valu
             node = node.setdefault(key, {})
         node[last] = value
 
-    _edit(art, change)
+    edit_manifest(art, change)
     for verify in (True, False):
         with pytest.raises(ArtifactError, match=r"outside the artifact|symlink"):
             load(art, verify=verify)
@@ -169,7 +161,7 @@ def test_manifest_paths_stay_inside_the_artifact(artifact, tmp_path, where, valu
 def test_signed_pack_with_outside_model_path_is_refused(artifact, tmp_path):
     outside = tmp_path / "outside.onnx"
     outside.write_bytes((artifact / "model.onnx").read_bytes())
-    art = _edit(_copy(artifact, tmp_path / "art"), lambda m: m["target"].update(model=str(outside)))
+    art = edit_manifest(_copy(artifact, tmp_path / "art"), lambda m: m["target"].update(model=str(outside)))
     generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub")
     with pytest.raises(PrecastError, match="outside the artifact"):  # the packer refuses to ship it ...
         pack_artifact(art, tmp_path / "a.precast", sign_key=tmp_path / "k.pem")
@@ -235,7 +227,7 @@ def test_archive_metadata_header_bomb_is_refused_before_reading(tmp_path, compre
 def test_session_settings_from_the_manifest_are_typed(artifact, tmp_path):
     """intra_op_num_threads "abc" was int()-ed into a ValueError traceback (exit 70)."""
     for i, bad in enumerate(["abc", -1, 10**9, True]):
-        art = _edit(
+        art = edit_manifest(
             _copy(artifact, tmp_path / f"t{i}"),
             lambda m, bad=bad: m["target"]["session"].update(intra_op_num_threads=bad),
         )
@@ -318,7 +310,7 @@ def test_unlisted_chat_template_is_not_used(tmp_path):
     ids=["providers", "tolerance-key", "tolerance-str", "parity-inputs", "io-inputs"],
 )
 def test_malformed_manifest_fields_are_exit_3_not_a_crash(artifact, tmp_path, change, why):
-    art = _edit(_copy(artifact, tmp_path / "art"), change)
+    art = edit_manifest(_copy(artifact, tmp_path / "art"), change)
     with pytest.raises(ArtifactError, match=why):
         load(art)
     for cmd in ("verify", "inspect"):
@@ -358,7 +350,7 @@ def test_an_llm_block_that_does_not_match_its_graph_is_refused(llm_artifact, tmp
     an internal error inside ONNX Runtime at the first step (exit 70); now loading refuses the artifact."""
     from precast.runtime.llm import Engine
 
-    root = _edit(_copy(llm_artifact, tmp_path / "a"), change)
+    root = edit_manifest(_copy(llm_artifact, tmp_path / "a"), change)
     with pytest.raises(ArtifactError, match=why) as e:
         Engine.load(root, num_blocks=8).generate("hi")
     assert e.value.exit_code == 3 and "\n" not in str(e.value)

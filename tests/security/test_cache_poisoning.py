@@ -54,6 +54,16 @@ def _entries(cache: Path) -> list[Path]:
     return [p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")]
 
 
+def _copy_over_keeping_record(src: Path, dest: Path) -> None:
+    """Entry ``src`` copied over ``dest``, with ``dest``'s record (its key, key inputs, MAC) naming the copied
+    manifest's sha256: a forgery that only the other checks can catch."""
+    record = json.loads((dest / RECORD_NAME).read_text())
+    record["manifest_sha256"] = sha256_file(src / ARTIFACT_NAME / MANIFEST_NAME)
+    shutil.rmtree(dest)
+    shutil.copytree(src, dest)
+    (dest / RECORD_NAME).write_text(json.dumps(record))
+
+
 def _assert_is_model_a(out: Path, sha_a: str, rng) -> None:
     assert read_manifest(out).source["sha256"] == sha_a
     feeds = {"x": rng.standard_normal((3, 8), dtype=np.float32)}
@@ -109,11 +119,7 @@ def test_an_entry_of_another_pipeline_forged_to_this_key_is_a_miss(tmp_path):
     (default,) = _entries(cache)
     compile_model(str(a), tmp_path / "y", CompileOptions(cache_dir=str(cache), passes="fold-constants"))
     (folded,) = set(_entries(cache)) - {default}
-    record = json.loads((default / RECORD_NAME).read_text())
-    record["manifest_sha256"] = sha256_file(folded / ARTIFACT_NAME / MANIFEST_NAME)
-    shutil.rmtree(default)
-    shutil.copytree(folded, default)
-    (default / RECORD_NAME).write_text(json.dumps(record))
+    _copy_over_keeping_record(folded, default)
     result = compile_model(str(a), tmp_path / "z", CompileOptions(cache_dir=str(cache)))
     assert result.cache.startswith("mismatch") and "pipeline 'fold-constants'" in result.cache
     assert read_manifest(result.output).pipeline != "fold-constants"
@@ -155,11 +161,7 @@ def test_a_multi_target_entry_of_another_model_forged_to_this_key_is_a_miss(tmp_
     (entry_a,) = _entries(cache)
     compile_model(str(b), tmp_path / "y", opts)
     (entry_b,) = set(_entries(cache)) - {entry_a}
-    record = json.loads((entry_a / RECORD_NAME).read_text())
-    record["manifest_sha256"] = sha256_file(entry_b / ARTIFACT_NAME / MANIFEST_NAME)
-    shutil.rmtree(entry_a)
-    shutil.copytree(entry_b, entry_a)
-    (entry_a / RECORD_NAME).write_text(json.dumps(record))
+    _copy_over_keeping_record(entry_b, entry_a)
     result = compile_model(str(a), tmp_path / "out", opts)
     assert result.cache.startswith("mismatch") and "source sha256" in result.cache
     for target in ("ort-cpu", "openvino"):

@@ -93,6 +93,16 @@ class _Server:
         return self.proc.communicate(timeout=30)[0]
 
 
+def _serve_refused(artifact: Path) -> subprocess.CompletedProcess:
+    """`precast serve ARTIFACT` run to its end (an artifact refused at load ends it at once)."""
+    return subprocess.run(
+        [sys.executable, "-m", "precast", "serve", str(artifact), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def _children(pid: int) -> list[int]:
     out = []
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -260,13 +270,7 @@ def test_a_decoder_regex_is_refused_at_load(llm_artifact, tmp_path):
             ],
         }
 
-    art = _hostile(llm_artifact, tmp_path / "decoder", tokenizer_edit=evil)
-    proc = subprocess.run(
-        [sys.executable, "-m", "precast", "serve", str(art), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _serve_refused(_hostile(llm_artifact, tmp_path / "decoder", tokenizer_edit=evil))
     assert proc.returncode == 3, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "decoder.decoders[0].pattern" in lines[0], proc.stderr
@@ -286,13 +290,7 @@ def test_a_huge_vocabulary_piece_is_refused_at_load(llm_artifact, tmp_path):
             }
         )
 
-    art = _hostile(llm_artifact, tmp_path / "piece", tokenizer_edit=evil)
-    proc = subprocess.run(
-        [sys.executable, "-m", "precast", "serve", str(art), "--port", "0"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _serve_refused(_hostile(llm_artifact, tmp_path / "piece", tokenizer_edit=evil))
     assert proc.returncode == 3 and "added_tokens" in proc.stderr and "100000 characters" in proc.stderr, (
         proc.stderr[-2000:]
     )

@@ -17,21 +17,13 @@ from precast.runtime import load
 from precast.runtime.archive import unpack_artifact, unpack_checked
 from precast.runtime.errors import EXIT_ARTIFACT, EXIT_USAGE, UsageError
 from precast.runtime.server import ServerConfig
-from precast.runtime.signing import SignatureError, SignaturePolicy, generate_keypair, version_key
+from precast.runtime.signing import SignatureError, SignaturePolicy, version_key
 from tests.ci.archive_helpers import members_of, reg, write_tar
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import ort_run, tiny_mlp
 from tests.server.conftest import live_server, v2_body, v2_output
 
 UTC = timezone.utc
-
-
-@pytest.fixture(scope="module")
-def keys(tmp_path_factory):
-    d = tmp_path_factory.mktemp("keys")
-    generate_keypair(d / "k.pem", d / "k.pub")
-    generate_keypair(d / "other.pem", d / "other.pub")
-    return d
 
 
 @pytest.fixture(scope="module")
