@@ -86,6 +86,7 @@ class _FreeRunner:
     def __init__(self, vocab: int = 32000, block_size: int = 16, num_blocks: int = 272):
         self.spec = SimpleNamespace(vocab=vocab, block_size=block_size, max_context=512, eos_ids=(), pad_id=0)
         self.key_cache = self.value_cache = [np.zeros((num_blocks, 1, block_size, 1), np.float32)]
+        self.num_blocks, self.kv_bytes, self.kv_resident_bytes = num_blocks, 0, 0  # (runner.StepRunner)
         self._logits = np.random.default_rng(0).standard_normal((BATCH, vocab)).astype(np.float32)
 
     def execute(self, out):
@@ -99,6 +100,9 @@ class _FreeRunner:
         return self._logits[: len(tokens)]
 
     step, decode_again = step_unchecked, decode_unchecked
+
+    def shutdown(self) -> None:  # (runner.StepRunner: no threads)
+        pass
 
     def single_decoder(self):  # (the engine's batch-1 burst: the same fixed logits, token after token)
         row = self._logits[0]

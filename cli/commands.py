@@ -193,12 +193,7 @@ def verify(artifact, as_json, pubkey, expect_name, min_version, junit, quiet):
 @click.option("-i", "--input", "input_file", required=True, type=click.Path(), help="Feeds: .npz or .json.")
 @click.option("-o", "--output", "output_file", type=click.Path(), default=None, help="Save outputs to .npz.")
 @click.option("--prefer", default=None, help="Target to prefer in a multi-target artifact.")
-@click.option(
-    "--threads",
-    type=THREADS,
-    default=None,
-    help="Intra-op threads (default: the artifact's setting).",
-)
+@THREADS
 @click.option("--json", "as_json", is_flag=True, help="Print outputs as JSON lists.")
 def run(artifact, input_file, output_file, prefer, threads, as_json):
     """Run an artifact on feeds from a file and print (or save) the outputs."""

@@ -34,7 +34,7 @@ def _dims(values: tuple[str, ...]) -> dict[str, int]:
 @click.option("--duration", default=None, help="Measured time per level, e.g. 30s, 2m, 500ms. [default: 10s]")
 @click.option("--requests", type=int, default=None, help="Requests per level, instead of a duration.")
 @click.option("--warmup", default="1s", show_default=True, help="Unmeasured time per level (0 = none).")
-@click.option("--threads", type=THREADS, default=None, help="Intra-op threads (default: the artifact's).")
+@THREADS
 @click.option("--prefer", default=None, help="Target to bench in a multi-target artifact.")
 @click.option(
     "-i", "--input", "input_file", type=click.Path(), default=None, help="Feeds .npz/.json to send."
@@ -162,56 +162,58 @@ def title(report) -> str:
     )
 
 
+_LLM_COLUMNS = [
+    "concurrency",
+    "requests",
+    "errors",
+    "tokens/s",
+    "tokens/s per request",
+    "TTFT p50 ms",
+    "TTFT p99 ms",
+    "ITL p50 ms",
+    "ITL p99 ms",
+    "request p50 ms",
+]
+
+
 def print_report(report) -> None:
     table = Table(title=f"precast bench: {escape(title(report))}", title_justify="left")
-    llm = report.kind == "llm"
-    if llm:
-        cols = [
-            "concurrency",
-            "requests",
-            "errors",
-            "tokens/s",
-            "tokens/s per request",
-            "TTFT p50 ms",
-            "TTFT p99 ms",
-            "ITL p50 ms",
-            "ITL p99 ms",
-            "request p50 ms",
-        ]
-    else:
-        cols = ["concurrency", "requests", "errors", "req/s"]
-        cols += ["items/s"] if report.items_per_request > 1 else []
-        cols += ["p50 ms", "p90 ms", "p99 ms", "mean ms"]
-    for c in cols:
+    for c in _columns(report):
         table.add_column(c, justify="right")
     for lv in report.levels:
-        lat = lv.latency
-        if llm:
-            row = [
-                lv.concurrency,
-                lv.requests,
-                lv.errors,
-                _rate(lv.tokens_per_s),
-                _rate(lv.request_tokens_per_s),
-                _ms(lv.ttft and lv.ttft.p50_ms),
-                _ms(lv.ttft and lv.ttft.p99_ms),
-                _ms(lv.itl and lv.itl.p50_ms),
-                _ms(lv.itl and lv.itl.p99_ms),
-                _ms(lat and lat.p50_ms),
-            ]
-        else:
-            row = [lv.concurrency, lv.requests, lv.errors, _rate(lv.requests_per_s)]
-            row += [_rate(lv.items_per_s)] if report.items_per_request > 1 else []
-            row += [
-                _ms(lat and lat.p50_ms),
-                _ms(lat and lat.p90_ms),
-                _ms(lat and lat.p99_ms),
-                _ms(lat and lat.mean_ms),
-            ]
-        table.add_row(*(str(x) for x in row))
+        table.add_row(*(str(x) for x in _row(report, lv)))
     out_console.print(table)
+    for n in _notes(report):
+        out_console.print(escape(n), style="dim", soft_wrap=True)
+
+
+def _columns(report) -> list[str]:
+    """An LLM's columns are token rates and TTFT / ITL; a model's request rates (and items/s when a request
+    carries a batch) and latency percentiles."""
+    if report.kind == "llm":
+        return list(_LLM_COLUMNS)
+    cols = ["concurrency", "requests", "errors", "req/s"]
+    cols += ["items/s"] if report.items_per_request > 1 else []
+    return cols + ["p50 ms", "p90 ms", "p99 ms", "mean ms"]
+
+
+def _row(report, lv) -> list:
+    """One level's cells, in the order of _columns."""
+    lat, head = lv.latency, [lv.concurrency, lv.requests, lv.errors]
+    if report.kind == "llm":
+        ttft, itl = lv.ttft, lv.itl
+        rates = [_rate(lv.tokens_per_s), _rate(lv.request_tokens_per_s)]
+        times = [ttft and ttft.p50_ms, ttft and ttft.p99_ms, itl and itl.p50_ms, itl and itl.p99_ms]
+        return head + rates + [_ms(t) for t in times] + [_ms(lat and lat.p50_ms)]
+    rates = [_rate(lv.requests_per_s)] + ([_rate(lv.items_per_s)] if report.items_per_request > 1 else [])
+    times = [lat and lat.p50_ms, lat and lat.p90_ms, lat and lat.p99_ms, lat and lat.mean_ms]
+    return head + rates + [_ms(t) for t in times]
+
+
+def _notes(report) -> list[str]:
+    """The lines under the table: what was sent, the failures, and how busy the machine was."""
     notes = []
-    if llm:
+    if report.kind == "llm":
         s = report.llm
         notes.append(
             f"prompt {s.prompt_len} tokens ({'one shared prompt' if s.shared_prefix else 'fresh random ids each'}) "
@@ -234,5 +236,4 @@ def print_report(report) -> None:
     notes.append(
         f"1-min load average {h.load_start:.1f} at start, {h.load_end:.1f} at end, {h.cpus} CPUs{busy}"
     )
-    for n in notes:
-        out_console.print(escape(n), style="dim", soft_wrap=True)
+    return notes

@@ -230,17 +230,9 @@ def keygen(private, public):
 @click.option("--runs", type=int, default=10, show_default=True, help="Profiled runs.")
 @click.option("--top", type=int, default=15, show_default=True, help="How many operator types to show.")
 @click.option(
-    "--trace",
-    type=click.Path(),
-    default=None,
-    help="Save the Chrome trace (chrome://tracing, Perfetto) here.",
+    "--trace", type=click.Path(), default=None, help="Chrome trace to save (chrome://tracing, Perfetto)."
 )
-@click.option(
-    "--threads",
-    type=THREADS,
-    default=None,
-    help="Intra-op threads (default: the artifact's setting).",
-)
+@THREADS
 @click.option("--prefer", default=None, help="Target to profile in a multi-target artifact.")
 @click.option("--json", "as_json", is_flag=True)
 def profile(artifact, input_file, runs, top, trace, threads, prefer, as_json):

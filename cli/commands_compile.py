@@ -130,12 +130,7 @@ def compile_cmd(
     from precast.compiler.source import parse_input_spec
     from precast.runtime.errors import PrecastError
 
-    check_output_path(output, "-o", directory=True)
-    for option, path in (("--report", report), ("--junit", junit)):
-        if path:
-            check_output_path(path, option)
-    if cache_dir:
-        check_output_path(cache_dir, "--cache-dir", directory=True)
+    _check_output_paths(output, report, junit, cache_dir)
     opts = CompileOptions(
         targets=tuple(targets) or ("ort-cpu",),
         passes=passes,
@@ -187,6 +182,16 @@ def compile_cmd(
         err_console.print(
             f"[green]wrote[/green] {escape(str(result.output))} ({size}) in {result.seconds['total']:.1f}s"
         )
+
+
+def _check_output_paths(output: str, report: str | None, junit: str | None, cache_dir: str | None) -> None:
+    """Every path the compile writes is writable, before any work (a typo fails in a second, not after export)."""
+    check_output_path(output, "-o", directory=True)
+    for option, path in (("--report", report), ("--junit", junit)):
+        if path:
+            check_output_path(path, option)
+    if cache_dir:
+        check_output_path(cache_dir, "--cache-dir", directory=True)
 
 
 def _dim_sizes(dims: tuple[str, ...]) -> dict[str, int]:

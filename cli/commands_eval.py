@@ -26,7 +26,7 @@ from precast.cli.output import THREADS, Progress, check_output_path, emit_json, 
 @click.option("--stride", type=int, default=None, help="Tokens between window starts (default: the window).")
 @click.option("--max-tokens", type=int, default=None, help="Score only the first N tokens of the text.")
 @click.option("--batch", default=16, show_default=True, type=int, help="Windows scored together per step.")
-@click.option("--threads", default=None, type=THREADS, help="Intra-op threads of the session.")
+@THREADS
 @click.option("--report", type=click.Path(), default=None, help="Write the result as JSON here.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")

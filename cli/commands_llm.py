@@ -24,7 +24,7 @@ from precast.cli.output import THREADS, emit_json, err_console
 @click.option("--stop", "stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--stream", is_flag=True, help="Print tokens as they come.")
 @click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: runner's).")
-@click.option("--threads", default=None, type=THREADS, help="Intra-op threads of the session.")
+@THREADS
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and metrics as JSON.")
 def generate_cmd(
     artifact,

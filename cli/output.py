@@ -28,8 +28,14 @@ __all__ = [
     "THREADS",
 ]
 
-# --threads of every command: the runtime's own bound (precast.runtime.load checks it too), checked by click first
-THREADS = click.IntRange(1, MAX_THREADS)
+# --threads of every command that loads an artifact (run, bench, profile, serve, generate, eval), declared
+# once: the runtime's own bound (precast.runtime.load checks it too), checked by click first. Use as @THREADS.
+THREADS = click.option(
+    "--threads",
+    default=None,
+    type=click.IntRange(1, MAX_THREADS),
+    help="Intra-op threads of each session (default: the artifact's setting).",
+)
 
 
 # Piped or redirected output has no terminal width; rich would assume 80 columns and cut table cells (pass

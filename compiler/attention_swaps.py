@@ -30,17 +30,11 @@ from precast.runtime.errors import ModelLoadError
 __all__ = ["swap_attention"]
 
 
-def _in_step() -> bool:
-    from precast.compiler import generic_decoder
-
-    return generic_decoder._ACTIVE is not None
-
-
 def _falcon_forward(self, hidden_states, alibi, attention_mask, *args, position_embeddings=None, **kwargs):
-    from precast.compiler.generic_decoder import precast_paged_attention
+    from precast.compiler.generic_decoder import in_step, precast_paged_attention
 
-    if not _in_step():
-        return self._precast_own_forward(
+    if not in_step():
+        return self.precast_own_forward(
             hidden_states, alibi, attention_mask, *args, position_embeddings=position_embeddings, **kwargs
         )
     if alibi is not None:
@@ -67,16 +61,16 @@ def _falcon_forward(self, hidden_states, alibi, attention_mask, *args, position_
 
 
 def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, *args, **kwargs):
-    from precast.compiler.generic_decoder import precast_paged_attention
+    from precast.compiler.generic_decoder import in_step, precast_paged_attention
 
-    if not _in_step():
-        return self._precast_own_forward(hidden_states, residual, alibi, attention_mask, *args, **kwargs)
+    if not in_step():
+        return self.precast_own_forward(hidden_states, residual, alibi, attention_mask, *args, **kwargs)
     from transformers.models.bloom.modeling_bloom import dropout_add
 
     q, k, v = self._reshape(self.query_key_value(hidden_states))  # [B,H,S,D] each
     b, h, s, d = q.shape
     out, _ = precast_paged_attention(
-        self, q, k, v, None, scaling=self.inv_norm_factor, alibi_slopes=self._precast_slopes
+        self, q, k, v, None, scaling=self.inv_norm_factor, alibi_slopes=self.precast_slopes
     )
     out = self.dense(out.reshape(b, s, h * d))
     return dropout_add(out, residual, self.hidden_dropout, self.training), None
@@ -103,15 +97,15 @@ def swap_attention(hf: nn.Module) -> int:
     n = 0
     for mod in hf.modules():
         name = type(mod).__name__
-        if name not in ("FalconAttention", "BloomAttention") or hasattr(mod, "_precast_own_forward"):
+        if name not in ("FalconAttention", "BloomAttention") or hasattr(mod, "precast_own_forward"):
             continue
         if not _bypasses_interface(mod):  # (transformers 5.25 moved Falcon onto the attention interface)
             continue
-        mod._precast_own_forward = mod.forward
+        mod.precast_own_forward = mod.forward
         if name == "FalconAttention":
             mod.forward = types.MethodType(_falcon_forward, mod)
         else:
-            mod._precast_slopes = _bloom_slopes(hf, mod.num_heads)
+            mod.precast_slopes = _bloom_slopes(hf, mod.num_heads)
             mod.forward = types.MethodType(_bloom_forward, mod)
         n += 1
     return n

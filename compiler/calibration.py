@@ -5,7 +5,8 @@
     text.txt                                                  -> PassContext.calibration_text (LLMs; a causal-lm
                                                                  step graph calibrates on it as prefill steps)
 
-A pass asks ``calibration_batches(context, inputs)`` for feeds checked against the model's inputs;
+A pass asks ``calibration_batches(context, inputs)`` for feeds checked against the model's inputs (and reports
+``used_user_data`` in its facts);
 without --calibration data it calibrates on built-in sentences when the source ships a tokenizer.json and the
 model takes text (input_ids / attention_mask / token_type_ids): tokenized, padded to the model's (or the sample
 feeds') sequence length, in batches of its batch size -- real padded text, whose masked positions and token
@@ -17,16 +18,26 @@ from __future__ import annotations
 import zipfile
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
+from precast.compiler.registry import PassContext
 from precast.runtime.errors import InputError, UsageError, first_line
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import SILENT, ProgressReporter
 
-__all__ = ["load_calibration", "calibration_batches", "text_feeds", "CALIBRATION_SENTENCES", "FeedsReader"]
+__all__ = [
+    "load_calibration",
+    "calibration_batches",
+    "used_user_data",
+    "text_feeds",
+    "CALIBRATION_SENTENCES",
+    "FeedsReader",
+]
+
+# The sources of calibration_batches that are the user's --calibration data (feeds, or text as prefill steps)
+USER_DATA = frozenset({"calibration", "calibration-text"})
 
 
 def load_calibration(path: str | Path) -> tuple[list[dict[str, np.ndarray]] | None, str | None]:
@@ -119,25 +130,23 @@ def text_feeds(
 
 
 def calibration_batches(
-    context: Any, inputs: Sequence[TensorSpec]
+    context: PassContext, inputs: Sequence[TensorSpec]
 ) -> tuple[list[dict[str, np.ndarray]], str]:
     """The feeds a quantizer calibrates on and where they came from ('calibration' or 'sample-feeds')."""
-    feeds = getattr(context, "calibration_feeds", None)
+    feeds = context.calibration_feeds
     source = "calibration"
-    text = getattr(context, "calibration_text", None)
+    text = context.calibration_text
     if not feeds and text:
         from precast.compiler.llm_text import is_step_graph, step_calibration_feeds
 
         if is_step_graph(inputs):  # a causal-lm step graph: the text, tokenized, as prefill steps
             feeds, source = (
-                step_calibration_feeds(text, getattr(context, "source_dir", None), inputs),
+                step_calibration_feeds(text, context.source_dir, inputs),
                 "calibration-text",
             )
-    if feeds and hasattr(context, "extra"):
-        context.extra["calibration_used"] = True  # (the driver warns about --calibration nothing used)
-    sample = getattr(context, "sample_feeds", None)
+    sample = context.sample_feeds
     if not feeds:
-        feeds = text_feeds(getattr(context, "source_dir", None), _static_shapes(inputs, sample))
+        feeds = text_feeds(context.source_dir, _static_shapes(inputs, sample))
         source = "calibration-sentences"
     if not feeds:
         if not sample:
@@ -150,6 +159,12 @@ def calibration_batches(
         except InputError as e:
             raise InputError(f"calibration batch {i}: {e}") from e
     return checked, source
+
+
+def used_user_data(source: str | None) -> bool:
+    """Whether ``source`` (``calibration_batches``'; a pass's ``calibration`` stat) is the user's --calibration
+    data: the driver warns when --calibration was given and no pass or target used it."""
+    return source in USER_DATA
 
 
 def _padded_copy(sample: dict) -> list[dict[str, np.ndarray]]:

@@ -15,12 +15,19 @@ from pathlib import Path
 
 import numpy as np
 
+from precast.compiler.decoder_context import (
+    ROPE_TYPES,
+    freeze_rotary,
+    layer_windows,
+    max_positions,
+    rope_kind,
+    windowed,
+)
 from precast.compiler.source import Source
 from precast.compiler.torch_export import dynamo_export
 from precast.runtime.errors import ExportError, ModelLoadError, UsageError
 from precast.runtime.llm.mapped_kv import page_block_size
 from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, gqa_lengths
-from precast.runtime.llm_spec import LIMITS
 from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = [
@@ -81,7 +88,7 @@ def _check_architecture(folder: Path, config: dict) -> str:
             f"{folder}: falcon with alibi=true is not supported for task causal-lm (transformers' own eager "
             "and sdpa attention disagree for it, so there is no reference to match); rotary falcon is"
         )
-    kind = _rope_kind(config)
+    kind = rope_kind(config)
     if kind not in ROPE_TYPES:
         raise ModelLoadError(
             f"{folder}: rope type '{kind}' is not supported for task causal-lm (supported: {', '.join(ROPE_TYPES)})"
@@ -89,84 +96,10 @@ def _check_architecture(folder: Path, config: dict) -> str:
     return model_type
 
 
-# Rotary types the step graph computes exactly: the model's own rotary module at its fixed frequencies (and
-# yarn / longrope attention factor). 'dynamic' rescales only past max_position_embeddings and 'longrope'
-# switches to its long factors only past original_max_position_embeddings: within the compiled context
-# (the latter capped there) both are fixed too; see _freeze_rotary.
-ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope", "dynamic")
-
-
-def _rope_parameters(config: dict) -> dict:
-    scaling = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    return scaling if isinstance(scaling, dict) else {}
-
-
-def _rope_kind(config: dict) -> str:
-    scaling = _rope_parameters(config)
-    return scaling.get("rope_type", scaling.get("type", "default"))
-
-
-def _freeze_rotary(hf) -> None:
-    """dynamic / longrope rotary modules re-derive their frequencies from each forward's largest position
-    (a data-dependent branch / buffer write the exporter cannot take). Within the compiled context that
-    update is the identity (dynamic grows only past max_position_embeddings; longrope picks its short
-    factors up to original_max_position_embeddings, where _max_positions caps the context), so the graph
-    runs the module at the frequencies it was built with."""
-    for mod in hf.modules():
-        kind = getattr(mod, "rope_type", None)
-        if isinstance(kind, str) and (kind == "longrope" or "dynamic" in kind) and hasattr(mod, "inv_freq"):
-            mod.rope_type = "default"  # read by transformers' dynamic_rope_update; the rest is unchanged
-
-
 def _ids(value) -> list[int]:
     if value is None:
         return []
     return [int(v) for v in (value if isinstance(value, list) else [value])]
-
-
-def _layer_windows(hf) -> list[int]:
-    """Each layer's sliding window as the model's attention applies it, -1 for none (Qwen2: per layer, from
-    its layer types; Mistral: the config's, on every layer)."""
-    windows = []
-    for layer in hf.model.layers:
-        attn = layer.self_attn
-        w = (
-            attn.sliding_window
-            if hasattr(attn, "sliding_window")
-            else getattr(hf.config, "sliding_window", None)
-        )
-        windows.append(int(w) if w else -1)
-    return windows
-
-
-# Configs with a top-level original_max_position_embeddings field (its default here) that transformers copies
-# over rope_parameters' own (standardize_rope_params): Phi-3 switches to its long factors past that one.
-TOP_LEVEL_ORIGINAL = {"phi3": 4096, "phi4_multimodal": 4096}
-
-
-def _max_positions(config: dict) -> int:
-    ctx = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
-    if _rope_kind(config) == "longrope":  # beyond it HF switches to the long factors mid-sequence
-        rope = _rope_parameters(config)
-        original = rope.get("original_max_position_embeddings") or config.get(
-            "original_max_position_embeddings"
-        )
-        if config.get("model_type") in TOP_LEVEL_ORIGINAL:  # HF: its config's own field wins over rope's
-            original = (
-                config.get("original_max_position_embeddings") or TOP_LEVEL_ORIGINAL[config["model_type"]]
-            )
-        ctx = min(ctx, int(original or ctx))
-    # The runtime refuses a larger context (LLMSpec LIMITS): serving more than 2^20 positions is not a
-    # CPU engine's job, and an artifact claiming it cannot be told from a hostile one.
-    return min(ctx, LIMITS["max_context"])
-
-
-def _windowed(config: dict) -> bool:
-    """A sliding window that a full-context request would outgrow (the generic path masks it)."""
-    window = config.get("sliding_window")
-    if config.get("model_type") == "qwen2" and not config.get("use_sliding_window"):
-        return False
-    return bool(window) and int(window) < _max_positions(config)
 
 
 def llm_block(folder: Path, config: dict, module) -> dict:
@@ -179,7 +112,7 @@ def llm_block(folder: Path, config: dict, module) -> dict:
     eos = _ids(gen.get("eos_token_id", config.get("eos_token_id")))
     pad = gen.get("pad_token_id", config.get("pad_token_id"))
     pad = int(pad) if pad is not None else (eos[0] if eos else 0)
-    ctx = getattr(module, "max_context", None) or _max_positions(config)
+    ctx = getattr(module, "max_context", None) or max_positions(config)
     layers = len(module.layers) if hasattr(module, "layers") else len(module.blocks)
     mapped = module.kv_layout == "mapped"
     arch = (
@@ -248,11 +181,9 @@ def build_paged_decoder(
             f"{folder}: transformers cannot load the model ({' '.join(str(e).split())[:300]})"
         ) from e
     config = json.loads((folder / "config.json").read_text())
-    _freeze_rotary(hf)
-    if _max_positions(config) < int(config.get("max_position_embeddings") or 0):
-        progress.step(
-            f"longrope: context capped at original_max_position_embeddings={_max_positions(config)}"
-        )
+    freeze_rotary(hf)
+    if max_positions(config) < int(config.get("max_position_embeddings") or 0):
+        progress.step(f"longrope: context capped at original_max_position_embeddings={max_positions(config)}")
     if model_type not in (*LLAMA_FAMILY, "gpt2"):
         if kv_layout == "mapped":
             raise UsageError(
@@ -269,11 +200,11 @@ def build_paged_decoder(
             f"{folder}: --kv-layout mapped needs a head size that is a multiple of 16 (GroupQueryAttention); "
             f"this model's is {head}"
         )
-    windowed = _windowed(config)
+    sliding = windowed(config)
     if kv_layout != "paged" and supports_gqa(head):  # one GroupQueryAttention per layer, in place
-        windows = _layer_windows(hf) if windowed else None  # local_window_size: exact, the full context
-        return hf, MappedLlama(hf, max_context=_max_positions(config), windows=windows).eval()
-    if windowed:  # the gather layout masks windows on the generic path (PagedLlama does not)
+        windows = layer_windows(hf) if sliding else None  # local_window_size: exact, the full context
+        return hf, MappedLlama(hf, max_context=max_positions(config), windows=windows).eval()
+    if sliding:  # the gather layout masks windows on the generic path (PagedLlama does not)
         return hf, _generic(folder, hf, config, progress)
     return hf, PagedLlama(hf).eval()
 
@@ -284,7 +215,7 @@ def _generic(folder: Path, hf, config: dict, progress: ProgressReporter):
 
     progress.step("probing the model's attention layers")
     shape = probe(hf, str(folder))
-    module = GenericDecoder(hf, shape, max_context=_max_positions(config)).eval()
+    module = GenericDecoder(hf, shape, max_context=max_positions(config)).eval()
     progress.step("checking the paged decoder against the model's own forward")
     check_against_hf(module, "eager", str(folder), BLOCK_SIZE)
     return module

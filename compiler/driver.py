@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import onnx_ir as ir
 
 import precast
 from precast.compiler.artifact import (
@@ -34,16 +35,14 @@ from precast.compiler.artifact import (
 from precast.compiler.parity import io_signature
 from precast.compiler.pipeline import PassManager, PassRecord, format_pipeline
 from precast.compiler.plan import CompileOptions, CompilePlan, TargetPlan, check_loaded, plan_compile
+from precast.compiler.registry import PassContext, PassFacts
 from precast.compiler.report import CompileReport, CompileResult, artifact_size
 from precast.compiler.source import Source, load_source
 from precast.compiler.verify import Verifier, bisect_parity, sample_feeds
 from precast.runtime.errors import InputError, PartialCompileError, PrecastError, UsageError
-from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import ProgressReporter, reporter
-from precast.runtime.schema import IOSignature
-from precast.runtime.target_blocks import TargetBlock
-from precast.targets.base import Target
+from precast.targets.base import BuildContext, BuildResult, Target
 
 if TYPE_CHECKING:
     from precast.compiler.cache import EntryKey
@@ -122,7 +121,7 @@ def compile_model(
         manifest = build.all_targets(stage)
         publish(stage, run.plan.output)
     run.store(failed=bool(build.failed))
-    result = run.report(manifest, build.records, _warnings(opts, build.targets, expected))
+    result = run.report(manifest, build.records, _warnings(opts, build.calibration_used, expected))
     if build.failed:
         raise _partial(build.failed, result)
     return result
@@ -195,7 +194,8 @@ class _Build:
     outputs: list[TensorSpec]
     records: dict[str, list[PassRecord]] = field(default_factory=dict)
     failed: dict[str, PrecastError] = field(default_factory=dict)
-    targets: list[Target] = field(default_factory=list)
+    # a pass, a target or the text metrics used --calibration (else the report warns it was not used)
+    calibration_used: bool = False
 
     def all_targets(self, stage: Path) -> dict:
         """Each target into ``stage`` (several: one sub-folder each, plus the index); the top manifest."""
@@ -233,21 +233,16 @@ class _Build:
     def one_target(self, tp: TargetPlan, out_dir: Path) -> dict:
         """passes -> target files -> staged manifest -> verify through the runtime -> final manifest."""
         target, progress, timings = tp.make(), self.run.progress, self.run.timings
-        self.targets.append(target)
         context = self.verifier.pass_context()
-        context.extra["lowerings"] = self.source.lowerings  # e.g. openvino's own causal-lm step graph
-        # A target that builds several static shapes (ort-qnn sequence buckets) re-runs the pipeline per shape
-        context.extra["run_pipeline"] = lambda feeds: PassManager(
-            list(tp.pipeline), context=dataclasses.replace(context, sample_feeds=feeds)
-        ).run(self.source.model)
         t0 = time.perf_counter()
-        optimized = self.passes(tp, context)
+        optimized, facts = self.passes(tp, context)
+        self.calibration_used |= facts.calibration_used
         timings[f"{tp.name}:passes"] = time.perf_counter() - t0
         t1 = time.perf_counter()
         progress.step(f"[{tp.name}] building")
-        target.context = context  # targets that calibrate (ort-qnn) read the sample/calibration feeds
-        block = target.build(optimized, out_dir)
-        for note in block.notes or ():  # what the target wants the user to know (e.g. "plan only")
+        built = target.build(optimized, out_dir, self.build_context(tp, context, facts))
+        self.calibration_used |= built.calibration_used
+        for note in built.block.notes or ():  # what the target wants the user to know (e.g. "plan only")
             progress.note(f"[{tp.name}] {note}")
         self.ship_files(out_dir)
         tensors = {
@@ -261,23 +256,19 @@ class _Build:
             source=self.source,
             pipeline=format_pipeline(tp.pipeline),
             passes=[r.to_json(with_time=False) for r in self.records[tp.name]],
-            target_block=block,
+            target_block=built.block,
             inputs=self.inputs,
             outputs=self.outputs,
             toolchain=toolchain_versions(),
             parity={"ok": False},
-            stages=target.stages,
+            stages=built.stages,
         )
-        if target.llm is not None:  # the target shipped its own lowering: its step contract, not the ONNX's
-            manifest = dataclasses.replace(
-                manifest,
-                llm=LLMSpec.from_json(target.llm, f"target {tp.name}"),
-                io=IOSignature(tuple(target.io[0]), tuple(target.io[1])),
-            )
+        if built.llm is not None:  # the target shipped its own lowering: its step contract, not the ONNX's
+            manifest = dataclasses.replace(manifest, llm=built.llm, io=built.io)
         t2 = time.perf_counter()
         progress.step(f"[{tp.name}] verifying against {self.source.reference_name}")
         staged = finalize_manifest(out_dir, manifest)
-        parity = self.verify(tp, target, block, out_dir, context)
+        parity = self.verify(tp, target, built, out_dir, context)
         timings[f"{tp.name}:verify"] = time.perf_counter() - t2
         if "llm" in self.source.info and len(self.run.plan.targets) > 1:  # ranks the index's targets
             from precast.compiler.llm_speed import llm_speed
@@ -288,7 +279,8 @@ class _Build:
         final = dataclasses.replace(manifest, parity={**parity, **tensors})
         return finalize_manifest(out_dir, final, self.build_info(tp.name), files=staged["files"])
 
-    def passes(self, tp: TargetPlan, context):
+    def passes(self, tp: TargetPlan, context: PassContext) -> tuple[ir.Model, PassFacts]:
+        """The target's pipeline on the source: the optimized model and what its passes learned."""
         records = self.records.setdefault(tp.name, [])
         progress = self.run.progress
 
@@ -304,7 +296,18 @@ class _Build:
             on_start=lambda spec: progress.step(f"[{tp.name}] {spec}"),
             context=context,
         )
-        return pm.run(self.source.model)
+        return pm.run(self.source.model), pm.facts
+
+    def build_context(self, tp: TargetPlan, context: PassContext, facts: PassFacts) -> BuildContext:
+        """What the target's build gets besides the model: the passes' feeds and facts, the source's own
+        lowerings (openvino's causal-lm step graph), and the pipeline to re-run per static shape (ort-qnn
+        sequence buckets)."""
+
+        def rerun(feeds: dict[str, np.ndarray]) -> ir.Model:
+            pm = PassManager(list(tp.pipeline), context=dataclasses.replace(context, sample_feeds=feeds))
+            return pm.run(self.source.model)
+
+        return BuildContext(context, facts, self.source.lowerings, rerun)
 
     def ship_files(self, out_dir: Path) -> None:
         for rel, src in sorted(self.source.ship_files.items()):
@@ -312,12 +315,14 @@ class _Build:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst)
 
-    def verify(self, tp: TargetPlan, target: Target, block: TargetBlock, out_dir: Path, context) -> dict:
+    def verify(
+        self, tp: TargetPlan, target: Target, built: BuildResult, out_dir: Path, context: PassContext
+    ) -> dict:
         """Run the staged artifact exactly as a user would load it (or the target's stand-in); check it."""
         from precast.runtime import load as runtime_load
 
         feeds = self.verifier.feeds
-        stand_in = target.stand_in(out_dir, block)  # e.g. a TensorRT build plan's prepared ONNX
+        stand_in = target.stand_in(out_dir, built)  # e.g. a TensorRT build plan's prepared ONNX
         try:
             actual = stand_in(feeds) if stand_in is not None else runtime_load(out_dir).run(feeds)
         except InputError as e:
@@ -325,16 +330,16 @@ class _Build:
         text_metrics = None
         if "llm" in self.source.info:  # causal LMs: top1 / ppl_delta on text vs the fp32 graph
             text_metrics = lambda bounds: self.text_metrics(bounds, out_dir, context)  # noqa: E731
-        # (the instance's precision: a target that compressed weights in build() says so there)
-        return self.verifier.check(tp.name, target.precision, tp.pipeline, actual, text_metrics, context)
+        # (the build's precision: a target that compressed weights in build() says so there)
+        return self.verifier.check(tp.name, built.precision, tp.pipeline, actual, text_metrics, context)
 
-    def text_metrics(self, bounds, out_dir: Path, context) -> dict | None:
+    def text_metrics(self, bounds, out_dir: Path, context: PassContext) -> dict | None:
         from precast.compiler.llm_text import llm_text_metrics
 
         text = self.run.plan.opts.calibration_text
         metrics = llm_text_metrics(self.source, out_dir, bounds, text, self.run.progress)
         if text:
-            context.extra["calibration_used"] = True  # the budget's top1 / ppl_delta are measured on it
+            self.calibration_used = True  # the budget's top1 / ppl_delta are measured on it
         return metrics
 
     def build_info(self, name: str) -> dict:
@@ -354,11 +359,9 @@ def _is_empty(value) -> bool:
     return np.asarray(value).size == 0
 
 
-def _warnings(opts: CompileOptions, targets: list[Target], expected: dict) -> list[str]:
+def _warnings(opts: CompileOptions, calibration_used: bool, expected: dict) -> list[str]:
     warnings = []
-    if (opts.calibration_feeds or opts.calibration_text) and not any(
-        t.context is not None and t.context.extra.get("calibration_used") for t in targets
-    ):
+    if (opts.calibration_feeds or opts.calibration_text) and not calibration_used:
         warnings.append("--calibration was not used: no pass or target of this pipeline calibrates")
     # Zero-size tensors are valid ONNX; outputs that are all empty still check shapes and dtypes, not values.
     if expected and all(_is_empty(v) for v in expected.values()):

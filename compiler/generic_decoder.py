@@ -34,10 +34,15 @@ from precast.runtime.errors import ModelLoadError, ParityError
 __all__ = [
     "ATTN_IMPLEMENTATION",
     "EXPERTS_IMPLEMENTATION",
+    "DecoderOverHF",
     "GenericDecoder",
+    "attention_setting",
     "check_against_hf",
+    "in_step",
     "probe",
     "register",
+    "restored_attention",
+    "set_attention",
 ]
 
 ATTN_IMPLEMENTATION = "precast_paged"
@@ -62,6 +67,12 @@ class _Step:
 
 
 _ACTIVE: _Step | None = None
+
+
+def in_step() -> bool:
+    """Whether a precast step is running (its attention calls go to the pool); outside one, a swapped
+    attention module runs the model's own forward (attention_swaps.py)."""
+    return _ACTIVE is not None
 
 
 @contextlib.contextmanager
@@ -208,14 +219,57 @@ def register() -> None:
     ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, precast_dense_experts)
 
 
-def _set_attn(hf: nn.Module, name: str, experts: str | None = None) -> None:
-    """Point the model (and any sub-config) at attention implementation ``name`` (and experts ``experts``)."""
+def set_attention(hf: nn.Module, name: str, experts: str | None = None) -> None:
+    """Point the model (and any sub-config) at attention implementation ``name`` (and experts ``experts``).
+
+    Sets transformers' config fields ``_attn_implementation`` / ``_experts_implementation`` directly: its
+    public ``PreTrainedModel.set_attn_implementation`` validates the name and skips (with a warning) the models
+    whose source does not call the attention interface (BLOOM, whose attention precast swaps itself), so it
+    would not do the same. This function and ``attention_setting`` are the only places that touch them."""
     for mod in hf.modules():
         cfg = getattr(mod, "config", None)
         if cfg is not None and hasattr(cfg, "_attn_implementation"):
             cfg._attn_implementation = name
         if experts is not None and cfg is not None and hasattr(cfg, "_experts_implementation"):
             cfg._experts_implementation = experts
+
+
+def attention_setting(hf: nn.Module) -> tuple[str, str | None]:
+    """The model's (attention, experts) implementations, as ``set_attention`` takes them back."""
+    cfg = hf.config
+    return cfg._attn_implementation, getattr(cfg, "_experts_implementation", None)
+
+
+@contextlib.contextmanager
+def restored_attention(hf: nn.Module):
+    """Put the model's attention setting back when the block ends (the model is shared between the decoders of
+    one compile: the ort-cpu one and the OpenVINO one)."""
+    before = attention_setting(hf)
+    try:
+        yield
+    finally:
+        set_attention(hf, *before)
+
+
+class DecoderOverHF(nn.Module):
+    """What a step module over the model's own forward holds: the model, its probed shape and the context it
+    serves; and a hook on the model's own lm head, where the subclass's ``_head_input`` picks the rows whose
+    logits the step returns (the head, and any softcap or scaling after it, then runs on those rows only)."""
+
+    def __init__(self, hf_model: nn.Module, shape: DecoderShape, max_context: int):
+        super().__init__()
+        self.hf = hf_model
+        self.shape = shape
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_size
+        self.layers = range(shape.layers)  # llm_block counts them
+        self.max_context = max_context
+        head = hf_model.get_output_embeddings()
+        if head is None:
+            raise ModelLoadError(f"{type(hf_model).__name__} has no output embeddings (lm head)")
+        head.register_forward_pre_hook(self._head_input)
+
+    def _head_input(self, _module, args):
+        return None  # (the head's input unchanged)
 
 
 @dataclass(frozen=True)
@@ -236,7 +290,7 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
 
     register()
     swap_attention(hf)  # falcon / bloom: their own attention code, pointed at precast_paged_attention
-    _set_attn(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
+    set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
     step = _Step(probe=True)
     ids = torch.arange(4)[None] % int(hf.config.get_text_config().vocab_size)
     with torch.no_grad(), _active(step):
@@ -267,26 +321,17 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
     )
 
 
-class GenericDecoder(nn.Module):
+class GenericDecoder(DecoderOverHF):
     """Any causal LM whose attention goes through transformers' interface, over the paged pool."""
 
     kv_layout = "paged"
 
     def __init__(self, hf_model: nn.Module, shape: DecoderShape, max_context: int):
-        super().__init__()
-        self.hf = hf_model
-        self.shape = shape
-        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_size
-        self.layers = range(shape.layers)  # llm_block counts them
-        self.max_context = max_context
+        super().__init__(hf_model, shape, max_context)
         self._step: _Step | None = None
         self._new_lens = None
-        head = hf_model.get_output_embeddings()
-        if head is None:
-            raise ModelLoadError(f"{type(hf_model).__name__} has no output embeddings (lm head)")
-        head.register_forward_pre_hook(self._last_token)
 
-    def _last_token(self, _module, args):
+    def _head_input(self, _module, args):
         # Only the last real new token's hidden state reaches the model's own head (the softcap / scaling
         # after it run on [B,1,V]). A hook on the head's input, not the base model's output: some models
         # (OPT) call a submodule of the base model directly.
@@ -323,11 +368,11 @@ def check_against_hf(module: GenericDecoder, hf_eager_attn: str, where: str, blo
     vocab = int(hf.config.get_text_config().vocab_size)
     ids = torch.randint(0, vocab, (1, n), generator=gen)
     with torch.no_grad():
-        _set_attn(hf, hf_eager_attn, "eager")  # the model's own attention and expert loop
+        set_attention(hf, hf_eager_attn, "eager")  # the model's own attention and expert loop
         try:
             ref = hf(input_ids=ids, use_cache=False).logits[0]  # [n, V]
         finally:
-            _set_attn(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
+            set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
         nb = -(-n // block_size) + 1
         shape = (nb, module.kv_heads, block_size, module.head_dim)
         kc = [torch.zeros(shape) for _ in range(module.shape.layers)]

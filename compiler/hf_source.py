@@ -140,37 +140,12 @@ def load_hf_folder(
             raise UsageError(f"unknown task '{task}' (supported: {known})")
         options = {"kv_layout": kv_layout} if kv_layout else {}
         return TASK_LOADERS[task](folder, config, dims, progress, **options)
-    if model_type not in ENCODER_TYPES:
-        archs = config.get("architectures") or []
-        causal = not given and any(
-            isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs
-        )
-        hint = "; it is a causal LM: add --task causal-lm" if causal else ""
-        raise ModelLoadError(
-            f"{folder}: model_type '{model_type}' is not a supported encoder for task feature-extraction "
-            f"(supported: {', '.join(sorted(ENCODER_TYPES))}){hint}"
-        )
+    _check_encoder(folder, config, given)
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")
     sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)  # a linked-in file is refused before any work
-    progress.step("importing torch and transformers")
-    import_torch()
-    try:
-        import transformers
-    except ImportError:
-        raise UsageError("Hugging Face folders need transformers: pip install 'precast[export]'") from None
-    transformers.utils.logging.disable_progress_bar()  # precast prints its own progress (or none: -q)
-    progress.step(f"loading {folder.name} with transformers")
-    try:
-        loader = getattr(transformers, _ENCODER_CLASSES.get(model_type, "AutoModel"))
-        module = loader.from_pretrained(
-            str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager"
-        ).eval()
-    except Exception as e:
-        raise ModelLoadError(
-            f"{folder}: transformers cannot load the model ({' '.join(str(e).split())[:300]})"
-        ) from e
+    module = _load_encoder_module(folder, model_type, progress)
     inputs = _encoder_inputs(module, model_type, config)
     names = [s.name for s in inputs]
     given_dims = dict(dims or {})  # --dim sizes the sample feeds
@@ -195,6 +170,44 @@ def load_hf_folder(
         },
         sample_feeds=_text_sample_feeds(folder, names, given_dims),
     )
+
+
+def _check_encoder(folder: Path, config: dict, given: bool) -> None:
+    """ModelLoadError unless the config is an encoder precast exports for feature-extraction; a causal LM
+    loaded without --task gets a hint to add it."""
+    model_type = config.get("model_type", "?")
+    if model_type in ENCODER_TYPES:
+        return
+    archs = config.get("architectures") or []
+    causal = not given and any(
+        isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs
+    )
+    hint = "; it is a causal LM: add --task causal-lm" if causal else ""
+    raise ModelLoadError(
+        f"{folder}: model_type '{model_type}' is not a supported encoder for task feature-extraction "
+        f"(supported: {', '.join(sorted(ENCODER_TYPES))}){hint}"
+    )
+
+
+def _load_encoder_module(folder: Path, model_type: str, progress: ProgressReporter):
+    """The encoder as a transformers module in eval mode, eager attention (what the export traces)."""
+    progress.step("importing torch and transformers")
+    import_torch()
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("Hugging Face folders need transformers: pip install 'precast[export]'") from None
+    transformers.utils.logging.disable_progress_bar()  # precast prints its own progress (or none: -q)
+    progress.step(f"loading {folder.name} with transformers")
+    try:
+        loader = getattr(transformers, _ENCODER_CLASSES.get(model_type, "AutoModel"))
+        return loader.from_pretrained(
+            str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager"
+        ).eval()
+    except Exception as e:
+        raise ModelLoadError(
+            f"{folder}: transformers cannot load the model ({' '.join(str(e).split())[:300]})"
+        ) from e
 
 
 def encoder_dims(model_type: str) -> frozenset[str] | None:

@@ -19,6 +19,7 @@ import numpy as np
 
 from precast.runtime.errors import InputError, UsageError
 from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, gqa_lengths
+from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.manifest import TensorSpec
 from precast.runtime.progress import SILENT, ProgressReporter
 
@@ -120,33 +121,35 @@ def text_accuracy(
     import onnx_ir as ir
     import onnxruntime as ort
 
-    from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
+    from precast.runtime.llm.open_runner import RunnerOptions, open_runner, runner_on
     from precast.runtime.llm.perplexity import make_windows, score_windows
-    from precast.runtime.model import load
+    from precast.runtime.manifest import read_manifest
+    from precast.runtime.ort_session import OrtSession
 
     spec = LLMSpec.from_json(source.info["llm"], source.name)
     tok_file = source.ship_files.get("tokenizer/tokenizer.json")
     ids = _tokenizer(Path(tok_file).parent if tok_file else None).encode(text)[-tokens:]
     window = min(window, spec.max_context, len(ids))
     windows = make_windows(len(ids), window, window)
-    nb = min(batch, len(windows)) * spec.blocks_for(window)
     so = ort.SessionOptions()
     so.log_severity_level = 3
-    ref_session = ort.InferenceSession(
+    ref_session = OrtSession(
         ir.serde.serialize_model(source.model).SerializeToString(), so, providers=["CPUExecutionProvider"]
     )
     progress.step(f"scoring the fp32 graph on {len(ids)} tokens of the calibration text")
-    ref = score_windows(ModelRunner(ref_session, spec, nb), ids, windows, batch, progress=progress)
+    ref_runner = runner_on(ref_session, spec, min(batch, len(windows)) * spec.blocks_for(window))
+    ref = score_windows(ref_runner, ids, windows, batch, progress=progress)
     progress.step(f"scoring the artifact on {len(ids)} tokens of the calibration text")
-    art = load(artifact_dir, verify=False)
-    if art.manifest.llm is not None and art.manifest.llm.kv_layout == "ov-paged":  # its own step contract
-        from precast.runtime.llm.ov_runner import OVStepRunner
-
-        own = art.manifest.llm
-        runner = OVStepRunner(art._session._compiled, own, min(batch, len(windows)) * own.blocks_for(window))
-    else:
-        runner = ModelRunner(art._session, spec, nb, Path(art.path))
-    got = score_windows(runner, ids, windows, batch, progress=progress)
+    manifest = read_manifest(artifact_dir)  # (checked as the compile wrote it: no second sha256 pass)
+    own = manifest.llm or spec  # (an OpenVINO step graph has its own contract: its block size, its pool)
+    nb = min(batch, len(windows)) * own.blocks_for(window)
+    # (spinning: ONNX Runtime's default, as a loaded Model runs; one session, no spin switch)
+    runner = open_runner(artifact_dir, manifest, nb, RunnerOptions(spinning=True))
+    try:
+        got = score_windows(runner, ids, windows, batch, progress=progress)
+    finally:
+        runner.close()
+        ref_runner.close()
     ppl_ref, ppl = float(np.exp(-ref.logprobs.mean())), float(np.exp(-got.logprobs.mean()))
     return {
         "top1": round(float(np.mean(ref.argmax == got.argmax)), 6),

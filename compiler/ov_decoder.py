@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from precast.compiler.generic_decoder import DecoderOverHF
 from precast.runtime.errors import ModelLoadError
 from precast.runtime.llm.ov_runner import OV_STEP_INPUTS  # the runner's feeds are the graph's inputs
 
@@ -163,39 +164,31 @@ def _ov_attention(hf: nn.Module):
     ort-cpu decoder of the same compile)."""
     from transformers import AttentionInterface
 
-    from precast.compiler.generic_decoder import EXPERTS_IMPLEMENTATION, _set_attn, register
+    from precast.compiler.generic_decoder import (
+        EXPERTS_IMPLEMENTATION,
+        register,
+        restored_attention,
+        set_attention,
+    )
 
     register()
     AttentionInterface.register(ATTN_IMPLEMENTATION, _attention)
-    cfg = hf.config
-    before = (cfg._attn_implementation, getattr(cfg, "_experts_implementation", None))
-    _set_attn(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
-    try:
+    with restored_attention(hf):
+        set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
         yield
-    finally:
-        _set_attn(hf, before[0], before[1])
 
 
-class OVDecoder(nn.Module):
+class OVDecoder(DecoderOverHF):
     """The step over OpenVINO's paged cache (positional: OV_STEP_INPUTS, then every layer's key cache, then
     every layer's value cache) -> logits [B,V]."""
 
     kv_layout = "ov-paged"
 
     def __init__(self, hf_model: nn.Module, shape, max_context: int):
-        super().__init__()
-        self.hf = hf_model
-        self.shape = shape
-        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_size
-        self.layers = range(shape.layers)
-        self.max_context = max_context
+        super().__init__(hf_model, shape, max_context)
         self._indices = None
-        head = hf_model.get_output_embeddings()
-        if head is None:
-            raise ModelLoadError(f"{type(hf_model).__name__} has no output embeddings (lm head)")
-        head.register_forward_pre_hook(self._last_tokens)
 
-    def _last_tokens(self, _module, args):
+    def _head_input(self, _module, args):
         if self._indices is not None:  # only the rows whose logits the step returns reach the head
             # index_select: one Gather on the token (batch) axis
             return (torch.index_select(args[0], 0, self._indices), *args[1:])
@@ -316,19 +309,15 @@ OV_BLOCK_SIZE = 32  # the CPU plugin's PagedAttention block (its cache inputs' d
 def ov_lowering(folder, hf: nn.Module, spec: dict, max_context: int):
     """Source.lowerings["openvino"]: a callable(progress) -> (ov.Model, its llm block), run only when the
     openvino target builds. Probes the model (generic_decoder.probe) and puts its attention setting back."""
-    from precast.compiler.generic_decoder import _set_attn, probe
+    from precast.compiler.generic_decoder import probe, restored_attention
     from precast.runtime.errors import UsageError
     from precast.runtime.progress import reporter
 
     def lower(progress=None):
         tell = reporter(progress)
-        cfg = hf.config
-        before = (cfg._attn_implementation, getattr(cfg, "_experts_implementation", None))
-        try:
+        with restored_attention(hf):
             tell.step("[openvino] probing the model's attention layers")
             shape = probe(hf, str(folder))
-        finally:
-            _set_attn(hf, before[0], before[1])
         why = ov_refusal(spec.get("model_type") or "?", shape)
         if why:
             raise UsageError(f"{folder}: target 'openvino' cannot lower this model for causal-lm: {why}")

@@ -125,7 +125,7 @@ class PagedLlama(_LlamaBody):
         cos, sin = self.rotary(x, positions)  # [B,S,D]
         cos, sin = cos[:, None], sin[:, None]
         mask = attention_mask(past_lens, s, p)
-        new_keys, new_values = [], []
+        present: list = []  # each layer's new K and V, in the step's output order
         for i, layer in enumerate(self.layers):
             attn = layer.self_attn
             h = layer.input_layernorm(x)
@@ -137,10 +137,9 @@ class PagedLlama(_LlamaBody):
             a = paged_attention(q, k, v, key_caches[i], value_caches[i], block_tables, mask, self.scaling)
             x = x + attn.o_proj(a)
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-            new_keys.append(k)
-            new_values.append(v)
+            present += (k, v)
         logits = self.lm_head(last_token(self.norm(x), new_lens))
-        return (logits, *[t for kv in zip(new_keys, new_values) for t in kv])
+        return (logits, *present)
 
     @property
     def scaling(self) -> float:
@@ -235,7 +234,7 @@ class PagedGPT2(nn.Module):
         b, s, e = x.shape
         p = block_tables.shape[1] * key_caches[0].shape[2]
         mask = attention_mask(past_lens, s, p)
-        new_keys, new_values = [], []
+        present: list = []  # each layer's new K and V, in the step's output order
         for i, block in enumerate(self.blocks):
             attn = block.attn
             q, k, v = attn.c_attn(block.ln_1(x)).split(e, dim=2)
@@ -245,7 +244,6 @@ class PagedGPT2(nn.Module):
             )
             x = x + attn.c_proj(a)
             x = x + block.mlp(block.ln_2(x))
-            new_keys.append(k)
-            new_values.append(v)
+            present += (k, v)
         logits = self.lm_head(last_token(self.ln_f(x), new_lens))
-        return (logits, *[t for kv in zip(new_keys, new_values) for t in kv])
+        return (logits, *present)

@@ -22,6 +22,7 @@ import onnx_ir as ir
 from precast.compiler.registry import (
     Pass,
     PassContext,
+    PassFacts,
     build_options,
     format_option_value,
     get_pass,
@@ -41,8 +42,8 @@ class PassSpec:
     name: str
     options: Any = None
 
-    def instantiate(self) -> Pass:
-        return get_pass(self.name)(self.options)
+    def instantiate(self, context: PassContext | None = None) -> Pass:
+        return get_pass(self.name)(self.options, context=context)
 
     def __str__(self) -> str:
         if self.options is None:
@@ -191,7 +192,9 @@ def count_nodes(model: ir.Model) -> int:
 
 @dataclass
 class PassManager:
-    """Runs specs in order with instruments: timing, stats, --print-ir-after, callbacks before and after each pass."""
+    """Runs specs in order with instruments: timing, stats, --print-ir-after, callbacks before and after each pass.
+
+    Every pass gets the same frozen ``context``; what they learn is merged, in order, into ``facts``."""
 
     specs: Sequence[PassSpec]
     print_ir_after: frozenset[str] = frozenset()
@@ -199,15 +202,14 @@ class PassManager:
     on_start: Callable[[PassSpec], None] | None = None  # e.g. a progress step: the pass about to run
     context: PassContext | None = None
     records: list[PassRecord] = field(default_factory=list)
+    facts: PassFacts = field(default_factory=PassFacts)
 
     def run(self, model: ir.Model, *, copy_input: bool = True) -> ir.Model:
         if copy_input:
             model = clone_model(model)
         done: list[str] = []
         for spec in self.specs:
-            pass_ = spec.instantiate()
-            if self.context is not None:
-                pass_.context = self.context
+            pass_ = spec.instantiate(self.context)
             before = count_nodes(model)
             if self.on_start:
                 self.on_start(spec)
@@ -221,6 +223,7 @@ class PassManager:
                 raise PassFailedError(f"pass '{spec}' failed{after}: {first_line(e)}") from e
             seconds = time.perf_counter() - t0
             model = result.model
+            self.facts = self.facts.merge(result.facts)
             rec = PassRecord(spec.name, str(spec), dict(result.stats), seconds, before, count_nodes(model))
             self.records.append(rec)
             done.append(spec.name)

@@ -109,6 +109,10 @@ class TargetPlan:
     def make(self) -> Target:
         return self.target(self.options)
 
+    def option_values(self) -> dict[str, Any]:
+        """The options as plain JSON-able data: the one place they are a dict (the compile cache key)."""
+        return asdict(self.options)
+
 
 @dataclass(frozen=True)
 class CompilePlan:
@@ -138,7 +142,7 @@ class CompilePlan:
             "targets": [
                 {
                     "name": t.name,
-                    "options": asdict(t.options),
+                    "options": t.option_values(),
                     "pipeline": format_pipeline(t.pipeline),
                     "tolerance": vars(t.tolerance),
                 }

@@ -9,15 +9,16 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
-import math
 import pkgutil
-import types
-import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, get_args, get_origin
+from pathlib import Path
+from typing import Any, ClassVar, Generic, TypeVar
 
 import onnx_ir as ir
 
+from precast.options import OptionField, Owner, describe, fields_of, format_value, opt, parse_value
+from precast.options import parse as parse_options
 from precast.runtime.errors import PassOptionError, UnknownPassError
 from precast.runtime.progress import SILENT, ProgressReporter
 
@@ -25,7 +26,9 @@ __all__ = [
     "Pass",
     "PassResult",
     "PassContext",
+    "PassFacts",
     "NoOptions",
+    "PluginTable",
     "register",
     "get_pass",
     "all_passes",
@@ -41,32 +44,58 @@ class NoOptions:
     pass
 
 
-@dataclass
+@dataclass(frozen=True)
 class PassContext:
-    """What a pass may need beyond the graph: sample/calibration feeds and the reference outputs.
+    """What a compile hands its passes beyond the graph: sample/calibration feeds, the source's identity.
 
-    The pass manager sets ``pass_.context`` before ``call``; passes that need nothing ignore it.
+    Frozen: every pass of a pipeline (and bisection's re-runs) sees the same inputs; what a pass learns goes
+    back out through ``PassResult.facts``, never into the context.
     """
 
     sample_feeds: dict[str, Any] | None = None  # feeds used for verification
     calibration_feeds: list[dict[str, Any]] | None = None  # --calibration data, one dict per batch
     calibration_text: str | None = None  # --calibration FILE.txt for language models
-    source_dir: Any = None  # the source model's folder (tokenizer, config), when there is one
-    extra: dict[str, Any] = field(default_factory=dict)
+    source_dir: str | Path | None = None  # the source model's folder (tokenizer, config), when there is one
+    task: str | None = None  # the source's task ("causal-lm" sets quantize-int4's default accuracy level)
+    source_name: str | None = None  # named in errors about the model (split-stages: too few layers)
     # A long pass reports inside its step (GPTQ per MatMul, calibration per batch): precast.runtime.progress
     progress: ProgressReporter = SILENT
 
 
-@dataclass
+@dataclass(frozen=True)
+class PassFacts:
+    """What a pass learned that a later stage needs; the pass manager merges them in pipeline order and the
+    driver hands them to the target (``BuildContext.facts``) and to its own warnings."""
+
+    # pin-dims: each graph input's and output's shape before pinning (str for a symbolic dim), so a target
+    # that builds several sizes of one dim (ort-qnn sequence buckets) knows which axis it is
+    symbolic_io: Mapping[str, tuple[int | str, ...]] | None = None
+    # a pass calibrated on the user's --calibration data (feeds or text): the driver warns when none did
+    calibration_used: bool = False
+
+    def merge(self, later: PassFacts) -> PassFacts:
+        """These facts, then ``later``'s: a later pass's symbolic io replaces an earlier one's."""
+        return PassFacts(
+            symbolic_io=later.symbolic_io if later.symbolic_io is not None else self.symbolic_io,
+            calibration_used=self.calibration_used or later.calibration_used,
+        )
+
+
+@dataclass(frozen=True)
 class PassResult:
+    """What a pass returns (onnx-ir's ``PassResult(model, modified)`` plus the counts users read and facts)."""
+
     model: ir.Model
-    stats: dict[str, Any] = field(default_factory=dict)
+    modified: bool  # whether the pass changed the graph (a fusion that found nothing: False)
+    stats: dict[str, Any] = field(default_factory=dict)  # e.g. {"fused": 3}: reported per pass
+    facts: PassFacts = field(default_factory=PassFacts)
 
 
 class Pass:
     """Base class. Subclasses set ``name`` (via @register), optionally ``Options`` and implement ``call``.
 
     ``call`` may mutate the model in place and return it; the pass manager hands it a model it owns.
+    ``context``: the compile's frozen PassContext (an empty one for a pass run on its own, ``FusePass()(m)``).
     """
 
     name: ClassVar[str] = ""
@@ -74,11 +103,11 @@ class Pass:
     # True: nothing may run after this pass (split-stages: a later pass would add nodes it did not annotate)
     must_be_last: ClassVar[bool] = False
 
-    def __init__(self, options: Any = None, **kwargs: Any):
+    def __init__(self, options: Any = None, *, context: PassContext | None = None, **kwargs: Any):
         if options is None:
             options = self.Options(**kwargs)
         self.options = options
-        self.context = PassContext()
+        self.context = context if context is not None else PassContext()
 
     def call(self, model: ir.Model) -> PassResult:  # pragma: no cover - abstract
         raise NotImplementedError
@@ -92,8 +121,42 @@ class Pass:
         return doc.splitlines()[0] if doc else ""
 
 
-_REGISTRY: dict[str, type[Pass]] = {}
-_LOADED = False
+T = TypeVar("T")
+
+
+class PluginTable(Generic[T]):
+    """Plugin classes of one kind by name (passes, targets). Each module of ``package`` registers its own with
+    a decorator, and the package is imported on the first lookup: adding one is a one-file change."""
+
+    def __init__(self, package: str, skip: tuple[str, ...] = ()):
+        self.package, self.skip = package, skip
+        self.classes: dict[str, T] = {}
+        self.loaded = False
+
+    def load_all(self) -> None:
+        if self.loaded:
+            return
+        for info in pkgutil.iter_modules(importlib.import_module(self.package).__path__):
+            if info.name not in self.skip and not info.name.startswith("_"):
+                importlib.import_module(f"{self.package}.{info.name}")
+        self.loaded = True
+
+    def all(self) -> dict[str, T]:
+        self.load_all()
+        return dict(sorted(self.classes.items()))
+
+    def get(self, name: str, unknown: Callable[[str], Exception]) -> T:
+        """The class registered as ``name``, or ``unknown(hint)`` raised (hint: "; did you mean 'x'?" or "")."""
+        self.load_all()
+        if name not in self.classes:
+            close = difflib.get_close_matches(name, list(self.classes), n=1, cutoff=0.5)
+            raise unknown(f"; did you mean '{close[0]}'?" if close else "")
+        return self.classes[name]
+
+
+_PASSES: PluginTable[type[Pass]] = PluginTable("precast.passes")
+_LIST_HINT = "; run 'precast passes' for the list"
+_REGISTRY = _PASSES.classes
 
 
 def register(name: str):
@@ -111,141 +174,52 @@ def register(name: str):
 
 def load_all() -> None:
     """Import every module in precast.passes so that their @register decorators run."""
-    global _LOADED
-    if _LOADED:
-        return
-    import precast.passes as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"precast.passes.{info.name}")
-    _LOADED = True
+    _PASSES.load_all()
 
 
 def all_passes() -> dict[str, type[Pass]]:
-    load_all()
-    return dict(sorted(_REGISTRY.items()))
+    return _PASSES.all()
 
 
 def get_pass(name: str) -> type[Pass]:
-    load_all()
-    if name in _REGISTRY:
-        return _REGISTRY[name]
-    close = difflib.get_close_matches(name, list(_REGISTRY), n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else "; run 'precast passes' for the list"
-    raise UnknownPassError(f"unknown pass '{name}'{hint}")
+    return _PASSES.get(name, lambda hint: UnknownPassError(f"unknown pass '{name}'{hint or _LIST_HINT}"))
 
 
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) in (typing.Union, types.UnionType):
-        return "|".join("none" if a is type(None) else _type_name(a) for a in get_args(tp))
-    if get_origin(tp) is Literal:
-        return "|".join(str(a) for a in get_args(tp))
-    if get_origin(tp) in (tuple, list):
-        return f"[{_type_name(get_args(tp)[0])},...]"
-    return getattr(tp, "__name__", str(tp))
+def _owner(pass_name: str) -> Owner:
+    """A pass's option errors name the pass and are PipelineErrors (exit 2, like a bad pipeline string)."""
+    return Owner("pass", pass_name, PassOptionError)
 
 
 def option_fields(options_cls: type) -> list[tuple[str, Any, Any]]:
     """(name, type, default) of each option, with string annotations resolved."""
-    hints = typing.get_type_hints(options_cls)
-    out = []
-    for f in dataclasses.fields(options_cls):
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
-        out.append((f.name, hints[f.name], default))
-    return out
+    return [(f.name, f.type, f.default) for f in fields_of(options_cls)]
 
 
-def option(default: Any, help: str) -> Any:
-    """A pass option and its one-line help (shown by ``precast passes``): ``block: int = option(32, "...")``."""
-    return dataclasses.field(default=default, metadata={"help": help})
+# A pass option and its one-line help (shown by ``precast passes``): ``block: int = option(32, "...")``.
+option = opt
 
 
 def option_help(options_cls: type) -> dict[str, str]:
     """{option: its one-line help ('' when it has none)}."""
-    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(options_cls)}
+    return {f.name: f.help for f in fields_of(options_cls)}
 
 
 def describe_options(options_cls: type) -> str:
     """One line per option: ``percdamp=0.01 (float): gptq: Hessian dampening, ...``."""
-    helps = option_help(options_cls)
     return "\n".join(
-        f"{n}={_fmt(d)} ({_type_name(t)})" + (f": {helps[n]}" if helps[n] else "")
-        for n, t, d in option_fields(options_cls)
+        f"{n}={format_value(d['default'])} ({d['type']})" + (f": {d['help']}" if d["help"] else "")
+        for n, d in describe(options_cls).items()
     )
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "none"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, (tuple, list)):
-        return "[" + ",".join(_fmt(v) for v in value) + "]"
-    return str(value)
-
-
-def format_option_value(value: Any) -> str:
-    return _fmt(value)
+format_option_value = format_value
 
 
 def parse_option_value(pass_name: str, key: str, raw: str | list, tp: Any) -> Any:
     """Convert the raw text of ``key=raw`` to the option's declared type."""
-    origin = get_origin(tp)
-    where = f"pass '{pass_name}' option '{key}'"
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if raw in ("none", "null"):
-            return None
-        return parse_option_value(pass_name, key, raw, args[0])
-    if origin in (tuple, list):
-        (inner,) = get_args(tp)[:1]
-        items = raw if isinstance(raw, list) else [raw]
-        return tuple(parse_option_value(pass_name, key, r, inner) for r in items)
-    if isinstance(raw, list):
-        raise PassOptionError(f"{where} takes a single value, got a list")
-    if origin is Literal:
-        choices = [str(a) for a in get_args(tp)]
-        if raw not in choices:
-            raise PassOptionError(f"{where} must be one of {'|'.join(choices)}, got '{raw}'")
-        return next(a for a in get_args(tp) if str(a) == raw)
-    if tp is bool:
-        if raw.lower() in ("true", "1", "yes", "on"):
-            return True
-        if raw.lower() in ("false", "0", "no", "off"):
-            return False
-        raise PassOptionError(f"{where} must be true or false, got '{raw}'")
-    # Every numeric pass option is a count, a size or a fraction: never negative.
-    if tp is int:
-        try:
-            value = int(raw)
-        except ValueError:
-            raise PassOptionError(f"{where} must be an integer, got '{raw}'") from None
-        if value < 0:
-            raise PassOptionError(f"{where} must be >= 0, got {value}")
-        return value
-    if tp is float:
-        try:
-            value = float(raw)
-        except ValueError:
-            raise PassOptionError(f"{where} must be a number, got '{raw}'") from None
-        if not 0 <= value < math.inf:
-            raise PassOptionError(f"{where} must be a finite number >= 0, got {raw}")
-        return value
-    return raw
+    return parse_value(_owner(pass_name), OptionField(key, tp, dataclasses.MISSING), raw)
 
 
 def build_options(pass_cls: type[Pass], raw: dict[str, Any]) -> Any:
-    fields = {n: t for n, t, _ in option_fields(pass_cls.Options)}
-    values = {}
-    for key, value in raw.items():
-        if key not in fields:
-            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.5)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            known = ", ".join(fields) or "none"
-            raise PassOptionError(f"pass '{pass_cls.name}' has no option '{key}'{hint} (options: {known})")
-        values[key] = parse_option_value(pass_cls.name, key, value, fields[key])
-    try:
-        return pass_cls.Options(**values)
-    except (TypeError, ValueError) as e:
-        raise PassOptionError(f"pass '{pass_cls.name}': {e}") from e
+    """A pipeline item's ``{key=value}`` text -> the pass's ``Options`` (precast/options.py parses)."""
+    return parse_options(pass_cls.Options, raw, _owner(pass_cls.name))

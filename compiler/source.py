@@ -14,6 +14,7 @@ import onnx_ir as ir
 
 from precast.runtime.errors import ModelLoadError, UsageError, first_line
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.option_text import option_groups
 from precast.runtime.progress import reporter
 
 __all__ = ["Source", "load_source", "locate_source", "parse_input_spec", "hash_files"]
@@ -43,12 +44,8 @@ _DTYPES = {"float32", "float16", "bfloat16", "float64", "int64", "int32", "int16
 
 def parse_input_spec(text: str) -> TensorSpec:
     """``input_ids:int64[batch,seq]`` -> TensorSpec (ints are static dims, names are symbolic)."""
-    m = _SPEC.match(text)
-    if not m:
-        raise UsageError(
-            f"bad --input '{text}': expected NAME:DTYPE[dim,dim,...], e.g. 'input_ids:int64[batch,seq]'"
-        )
-    name, dtype, dims = m.groups()
+    expected = "NAME:DTYPE[dim,dim,...], e.g. 'input_ids:int64[batch,seq]'"
+    name, dtype, dims = option_groups(_SPEC, text, "--input", expected)
     if dtype not in _DTYPES:
         raise UsageError(
             f"bad --input '{text}': unknown dtype '{dtype}' (one of {', '.join(sorted(_DTYPES))})"

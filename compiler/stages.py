@@ -76,91 +76,128 @@ def stage_models(model: ir.Model) -> list[Stage]:
     boundary tensors without a type get one from shape inference)."""
     plan = stage_plan(model)
     graph = model.graph
-    nodes = list(graph)
     n = int(plan["n"])
-    stage_of = [_stage_of(node, n) for node in nodes]
-    reads = [top_level_reads(node, graph) for node in nodes]
-    constant = constant_values(graph, nodes, reads)
-    made_in: dict[int, int] = {id(o): k for node, k in zip(nodes, stage_of) for o in node.outputs}
-    order: dict[int, int] = {}  # id -> position: inputs first, then values in graph order
-    for v in graph.inputs:
-        order.setdefault(id(v), len(order))
-    for node in nodes:
-        for o in node.outputs:
-            order.setdefault(id(o), len(order))
-    by_id: dict[int, ir.Value] = {}
-    ins: list[dict[int, None]] = [{} for _ in range(n)]
-    outs: list[dict[int, None]] = [{} for _ in range(n)]
-    feedable = {id(v) for v in graph.inputs if v.name not in graph.initializers}
-    for node, k, rd in zip(nodes, stage_of, reads):
-        for v in rd:
-            by_id[id(v)] = v
-            if id(v) in feedable:
-                ins[k][id(v)] = None
-                continue
-            if id(v) in constant or id(v) not in made_in:
-                continue  # a constant: the stage gets its own copy
-            src = made_in[id(v)]
-            if src > k:
-                raise PipelineError(
-                    f"split-stages: node '{node.name}' of stage {k} reads '{v.name}', which stage {src} computes"
-                )
-            if src < k:
-                outs[src][id(v)] = None
-                for j in range(src + 1, k):  # passed through
-                    ins[j][id(v)] = None
-                    outs[j][id(v)] = None
-                ins[k][id(v)] = None
-    for v in graph.outputs:
-        by_id[id(v)] = v
-        k = made_in.get(id(v), n - 1)
-        if id(v) in feedable:
-            ins[k][id(v)] = None
-        outs[k][id(v)] = None
-    read = {i for k in range(n) for i in ins[k]}
-    for v in graph.inputs:  # an input nothing reads stays the model's input (the IO signature lists it)
-        if id(v) in feedable and id(v) not in read:
-            by_id[id(v)] = v
-            ins[0][id(v)] = None
-    for v in graph.inputs:  # an input no node reads (a causal LM's 'positions' in the mapped layout) stays
-        if not any(id(v) in stage_ins for stage_ins in ins):  # an input, of stage 0: the model's IO is kept
-            by_id[id(v)] = v
-            ins[0][id(v)] = None
-    _fill_types(model, [by_id[i] for k in range(1, n) for i in ins[k] if i not in feedable])
+    routes = _Routes.of(graph, n)
+    _fill_types(
+        model, [routes.by_id[i] for k in range(1, n) for i in routes.ins[k] if i not in routes.feedable]
+    )
+    order = _value_order(graph)
     layers = plan.get("layers")
     times = plan.get("time_ms")
     stages = []
     for k in range(n):
-        if not outs[k]:
+        if not routes.outs[k]:
             raise PipelineError(f"split-stages: stage {k} computes nothing a later stage or the model needs")
-        in_vals = [by_id[i] for i in sorted(ins[k], key=order.__getitem__)]
-        out_vals = [by_id[i] for i in sorted(outs[k], key=order.__getitem__)]
-        sub = ir.convenience.extract(graph, inputs=in_vals, outputs=out_vals)
-        _initializers_in_source_order(sub, graph)
-        sub.name = f"{graph.name or 'model'}_stage_{k}"
-        stage_model = ir.Model(
-            sub,
-            ir_version=model.ir_version,
-            producer_name=model.producer_name,
-            producer_version=model.producer_version,
-            domain=model.domain,
-            model_version=model.model_version,
-            functions=list(model.functions.values()),
-        )
-        stage_model.metadata_props.update({k_: v for k_, v in model.metadata_props.items() if k_ != PLAN_KEY})
-        stage_model.metadata_props[STAGE_KEY] = str(k)
+        in_vals = [routes.by_id[i] for i in sorted(routes.ins[k], key=order.__getitem__)]
+        out_vals = [routes.by_id[i] for i in sorted(routes.outs[k], key=order.__getitem__)]
+        stage_model = _stage_model(model, k, in_vals, out_vals)
         stages.append(
             Stage(
                 index=k,
                 model=stage_model,
                 inputs=[v.name for v in in_vals],
                 outputs=[v.name for v in out_vals],
-                bytes=_bytes(sub),
+                bytes=_bytes(stage_model.graph),
                 layers=list(layers[k]) if layers else None,
                 time_ms=float(times[k]) if times else None,
             )
         )
     return stages
+
+
+class _Routes:
+    """Which values each stage reads (``ins``) and writes (``outs``), keyed by id (dicts as ordered sets):
+    a boundary tensor goes out of the stage that computes it and into each stage up to the one that reads it;
+    a model input goes into the stage that reads it; a model output out of the stage that computes it."""
+
+    def __init__(self, graph: ir.Graph, n: int):
+        self.n = n
+        self.by_id: dict[int, ir.Value] = {}
+        self.ins: list[dict[int, None]] = [{} for _ in range(n)]
+        self.outs: list[dict[int, None]] = [{} for _ in range(n)]
+        self.feedable = {id(v) for v in graph.inputs if v.name not in graph.initializers}
+
+    @classmethod
+    def of(cls, graph: ir.Graph, n: int) -> _Routes:
+        nodes = list(graph)
+        stage_of = [_stage_of(node, n) for node in nodes]
+        reads = [top_level_reads(node, graph) for node in nodes]
+        constant = constant_values(graph, nodes, reads)
+        made_in: dict[int, int] = {id(o): k for node, k in zip(nodes, stage_of) for o in node.outputs}
+        routes = cls(graph, n)
+        for node, k, rd in zip(nodes, stage_of, reads):
+            for v in rd:
+                routes.by_id[id(v)] = v
+                if id(v) in routes.feedable:
+                    routes.ins[k][id(v)] = None
+                elif id(v) not in constant and id(v) in made_in:  # (a constant: the stage gets its own copy)
+                    routes.boundary(node, v, made_in[id(v)], k)
+        for v in graph.outputs:
+            routes.by_id[id(v)] = v
+            k = made_in.get(id(v), n - 1)
+            if id(v) in routes.feedable:
+                routes.ins[k][id(v)] = None
+            routes.outs[k][id(v)] = None
+        routes.keep_inputs(graph)
+        return routes
+
+    def boundary(self, node: ir.Node, v: ir.Value, src: int, k: int) -> None:
+        """``node`` of stage ``k`` reads ``v``, which stage ``src`` computes."""
+        if src > k:
+            raise PipelineError(
+                f"split-stages: node '{node.name}' of stage {k} reads '{v.name}', which stage {src} computes"
+            )
+        if src < k:
+            self.outs[src][id(v)] = None
+            for j in range(src + 1, k):  # passed through
+                self.ins[j][id(v)] = None
+                self.outs[j][id(v)] = None
+            self.ins[k][id(v)] = None
+
+    def keep_inputs(self, graph: ir.Graph) -> None:
+        """Model inputs no stage reads stay inputs, of stage 0: the model's IO signature is kept."""
+        read = {i for k in range(self.n) for i in self.ins[k]}
+        for v in graph.inputs:  # an input nothing reads stays the model's input (the IO signature lists it)
+            if id(v) in self.feedable and id(v) not in read:
+                self.by_id[id(v)] = v
+                self.ins[0][id(v)] = None
+        for (
+            v
+        ) in graph.inputs:  # an input no node reads (a causal LM's 'positions' in the mapped layout) stays
+            if not any(id(v) in stage_ins for stage_ins in self.ins):  # an input, of stage 0
+                self.by_id[id(v)] = v
+                self.ins[0][id(v)] = None
+
+
+def _value_order(graph: ir.Graph) -> dict[int, int]:
+    """id -> position: inputs first, then values in graph order (the order a stage lists its IO in)."""
+    order: dict[int, int] = {}
+    for v in graph.inputs:
+        order.setdefault(id(v), len(order))
+    for node in graph:
+        for o in node.outputs:
+            order.setdefault(id(o), len(order))
+    return order
+
+
+def _stage_model(model: ir.Model, k: int, in_vals: list[ir.Value], out_vals: list[ir.Value]) -> ir.Model:
+    """Stage ``k`` as a standalone model: the subgraph between its values, the source model's metadata."""
+    graph = model.graph
+    sub = ir.convenience.extract(graph, inputs=in_vals, outputs=out_vals)
+    _initializers_in_source_order(sub, graph)
+    sub.name = f"{graph.name or 'model'}_stage_{k}"
+    stage_model = ir.Model(
+        sub,
+        ir_version=model.ir_version,
+        producer_name=model.producer_name,
+        producer_version=model.producer_version,
+        domain=model.domain,
+        model_version=model.model_version,
+        functions=list(model.functions.values()),
+    )
+    stage_model.metadata_props.update({k_: v for k_, v in model.metadata_props.items() if k_ != PLAN_KEY})
+    stage_model.metadata_props[STAGE_KEY] = str(k)
+    return stage_model
 
 
 def write_stages(

@@ -229,7 +229,8 @@ class Verifier:
             calibration_feeds=self.opts.calibration_feeds,
             calibration_text=self.opts.calibration_text,
             source_dir=self.source.info.get("folder") or _tokenizer_dir(self.source),
-            extra={"task": self.source.info.get("task"), "source_name": self.source.name},
+            task=self.source.info.get("task"),
+            source_name=self.source.name,
             progress=self.progress,
         )
 

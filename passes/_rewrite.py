@@ -76,4 +76,5 @@ class RewritePass(Pass):
     rules: pattern.RewriteRuleSet
 
     def call(self, model: ir.Model) -> PassResult:
-        return PassResult(model, {"fused": apply_rules(model, self.rules)})
+        fused = apply_rules(model, self.rules)
+        return PassResult(model, fused > 0, {"fused": fused})

@@ -56,5 +56,7 @@ class ConvertFp16(Pass):
         )
         kept = sum(1 for n in result.graph.all_nodes() if n.op_type in op_block or n.name in excluded)
         return PassResult(
-            result, {"fp16_initializers": fp16, "casts": count_ops(result).get("Cast", 0), "kept_fp32": kept}
+            result,
+            True,  # the graph is re-typed to float16 (its Casts keep the fp32 interface)
+            {"fp16_initializers": fp16, "casts": count_ops(result).get("Cast", 0), "kept_fp32": kept},
         )

@@ -64,10 +64,7 @@ class EliminateDeadCode(Pass):
             CommonSubexpressionEliminationPass()(model)
         RemoveUnusedNodesPass()(model)
         RemoveUnusedOpsetsPass()(model)
+        nodes, inits = nodes0 - count_nodes(model), inits0 - len(model.graph.initializers)
         return PassResult(
-            model,
-            {
-                "nodes_removed": nodes0 - count_nodes(model),
-                "initializers_removed": inits0 - len(model.graph.initializers),
-            },
+            model, bool(nodes or inits), {"nodes_removed": nodes, "initializers_removed": inits}
         )

@@ -51,7 +51,9 @@ class FoldConstants(Pass):
         except Exception as e:
             if original is None:
                 raise
-            return PassResult(original, {"folded": 0, "kept": f"onnxscript's folder failed: {first_line(e)}"})
+            return PassResult(
+                original, False, {"folded": 0, "kept": f"onnxscript's folder failed: {first_line(e)}"}
+            )
         stuck = axes_as_attributes(model)
         if stuck:
             opset = model.opset_imports.get("", 0)
@@ -61,9 +63,10 @@ class FoldConstants(Pass):
                     f"(the model imports opset {opset}); skip fold-constants for this model"
                 )
             return PassResult(
-                original, {"folded": 0, "kept": f"{stuck[0].op_type} has no opset-{opset} form"}
+                original, False, {"folded": 0, "kept": f"{stuck[0].op_type} has no opset-{opset} form"}
             )
         RemoveUnusedNodesPass()(model)
         # Constant nodes left behind become initializers: a graph with no Constant ops is simpler to match.
         LiftConstantsToInitializersPass(lift_all_constants=False, size_limit=0)(model)
-        return PassResult(model, {"folded": max(0, before - count_nodes(model))})
+        folded = max(0, before - count_nodes(model))
+        return PassResult(model, folded > 0, {"folded": folded})

@@ -95,14 +95,17 @@ class FuseAttention(Pass):
         stats["sdpa_to_mha"] = replace_sdpa_by_mha(model)
         leftover = [n.name for n in model.graph if n.domain == _PRIVATE_DOMAIN]
         if leftover:  # a half-fused graph would not run; keep the input as it was
-            return PassResult(backup, {"fused": 0, "skipped": f"unfinished fusion at node '{leftover[0]}'"})
+            return PassResult(
+                backup, False, {"fused": 0, "skipped": f"unfinished fusion at node '{leftover[0]}'"}
+            )
         stats["packed_weights"] = _fold_constant_concats(model)
         RemoveUnusedNodesPass()(model)
         for key in [k for k in model.functions if k[0] == _PRIVATE_DOMAIN]:  # bodies of fused rotary matches
             del model.functions[key]
         fused = sum(1 for n in model.graph if n.domain == "com.microsoft" and n.op_type in _ATTENTION_OPS)
         before = sum(1 for n in backup.graph if n.domain == "com.microsoft" and n.op_type in _ATTENTION_OPS)
-        return PassResult(model, {"fused": fused - before, **{k: v for k, v in stats.items() if v}})
+        done = {k: v for k, v in stats.items() if v}
+        return PassResult(model, fused > before or bool(done), {"fused": fused - before, **done})
 
 
 _ATTENTION_OPS = {"Attention", "MultiHeadAttention", "GroupQueryAttention"}

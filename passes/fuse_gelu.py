@@ -63,4 +63,4 @@ class FuseGelu(RewritePass):
     def call(self, model: ir.Model) -> PassResult:
         fused = apply_rules(model, self.rules)
         biased = apply_rules(model, self.bias_rules) if self.options.bias else 0
-        return PassResult(model, {"fused": fused, "bias_fused": biased})
+        return PassResult(model, fused + biased > 0, {"fused": fused, "bias_fused": biased})

@@ -76,5 +76,6 @@ class FuseLayerNorm(RewritePass):
 
     def call(self, model: ir.Model) -> PassResult:
         if model.opset_imports.get("", 0) < 18:  # ReduceMean takes axes as an input from opset 18
-            return PassResult(model, {"fused": 0, "skipped": "opset < 18"})
-        return PassResult(model, {"fused": apply_rules(model, self.rules)})
+            return PassResult(model, False, {"fused": 0, "skipped": "opset < 18"})
+        fused = apply_rules(model, self.rules)
+        return PassResult(model, fused > 0, {"fused": fused})

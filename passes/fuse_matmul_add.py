@@ -81,4 +81,6 @@ class FuseMatMulAdd(Pass):
     def call(self, model: ir.Model) -> PassResult:
         gemm = apply_rules(model, _GEMM_RULES) if self.options.gemm else 0
         fused = apply_rules(model, fused_matmul_rule_sets()) if self.options.fused_matmul else 0
-        return PassResult(model, {"fused": gemm + fused, "gemm": gemm, "fused_matmul": fused})
+        return PassResult(
+            model, gemm + fused > 0, {"fused": gemm + fused, "gemm": gemm, "fused_matmul": fused}
+        )

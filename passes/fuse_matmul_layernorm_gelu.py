@@ -135,4 +135,5 @@ class FuseMatMulLayerNormGelu(RewritePass):
     rules = _RULES
 
     def call(self, model: ir.Model) -> PassResult:
-        return PassResult(model, {"fused": apply_rules(model, self.rules)})
+        fused = apply_rules(model, self.rules)
+        return PassResult(model, fused > 0, {"fused": fused})

@@ -38,7 +38,8 @@ class FuseSkipLayerNorm(RewritePass):
         fused = apply_rules(model, skip_layer_normalization_ruleset)
         rms = apply_rules(model, skip_rms_normalization_ruleset) if self.options.rms else 0
         dropped = drop_unread_statistics(model.graph)
-        return PassResult(model, {"fused": fused + rms, "rms": rms, "outputs_dropped": dropped})
+        stats = {"fused": fused + rms, "rms": rms, "outputs_dropped": dropped}
+        return PassResult(model, fused + rms + dropped > 0, stats)
 
 
 # Normalization ops whose outputs past the first are optional (ONNX LayerNormalization, com.microsoft fused).

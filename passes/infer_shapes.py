@@ -100,6 +100,7 @@ class InferShapes(Pass):
             )
         except Exception as e:  # ONNX's inference is best effort: a model it cannot infer is left as it is
             logger.warning("shape inference failed (%s); model left unchanged", e)
-            return PassResult(model, {"shapes_known": before, "new": 0})
+            return PassResult(model, False, {"shapes_known": before, "new": 0})
         _merge(model, inferred)
-        return PassResult(model, {"shapes_known": _known_shapes(model), "new": _known_shapes(model) - before})
+        known = _known_shapes(model)
+        return PassResult(model, known > before, {"shapes_known": known, "new": known - before})

@@ -74,4 +74,4 @@ class LowerGatherND(RewritePass):
         left = sum(
             1 for g in model.graphs() for n in g if n.op_type == "GatherND" and n.domain in ("", "ai.onnx")
         )
-        return PassResult(model, {"lowered": lowered, "gathernd_left": left})
+        return PassResult(model, lowered > 0, {"lowered": lowered, "gathernd_left": left})

@@ -97,4 +97,4 @@ class LowerWhereConstants(RewritePass):
         left = sum(
             1 for g in model.graphs() for n in g if n.op_type == "Where" and n.domain in ("", "ai.onnx")
         )
-        return PassResult(model, {"lowered": lowered, "where_left": left})
+        return PassResult(model, lowered > 0, {"lowered": lowered, "where_left": left})

@@ -80,7 +80,7 @@ class PackMatMuls(Pass):
                 self._pack(graph, x, siblings, widths, packed)
                 packed += 1
                 replaced += len(siblings)
-        return PassResult(model, {"packed": packed, "matmuls_replaced": replaced})
+        return PassResult(model, packed > 0, {"packed": packed, "matmuls_replaced": replaced})
 
     @staticmethod
     def _pack(graph: ir.Graph, x: ir.Value, siblings: list[ir.Node], widths: list[int], k: int) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, option, register
+from precast.compiler.registry import Pass, PassFacts, PassResult, option, register
 from precast.passes.infer_shapes import InferShapes
 from precast.runtime.errors import PassFailedError
 
@@ -21,6 +21,15 @@ __all__ = ["PinDims"]
 
 def _symbolic(shape: ir.Shape | None) -> bool:
     return shape is not None and any(not isinstance(d, int) for d in shape)
+
+
+def symbolic_io(graph: ir.Graph) -> dict[str, tuple[int | str | None, ...]]:
+    """Each graph input's and output's shape, a symbolic dim by its name (what ``PassFacts.symbolic_io`` holds)."""
+    return {
+        v.name: tuple(d if isinstance(d, int) else d.value for d in v.shape)
+        for v in [*graph.inputs, *graph.outputs]
+        if v.shape is not None and v.name not in graph.initializers
+    }
 
 
 @register("pin-dims")
@@ -45,11 +54,7 @@ class PinDims(Pass):
         graph = model.graph
         # The symbolic shapes before pinning: a target that builds several sizes of one dim (ort-qnn sequence
         # buckets) reads which axis of each input and output that dim is.
-        self.context.extra["symbolic_io"] = {
-            v.name: [d if isinstance(d, int) else d.value for d in v.shape]
-            for v in [*graph.inputs, *graph.outputs]
-            if v.shape is not None and v.name not in graph.initializers
-        }
+        facts = PassFacts(symbolic_io=symbolic_io(graph))
         sizes: dict[str, int] = {}
         pinned_inputs = 0
         for value in graph.inputs:
@@ -92,4 +97,5 @@ class PinDims(Pass):
         values = {id(v): v for g in model.graphs() for v in [*g.outputs, *(o for n in g for o in n.outputs)]}
         left = sum(1 for v in values.values() if _symbolic(v.shape))
         dims = ",".join(f"{k}={v}" for k, v in sorted(sizes.items()))
-        return PassResult(model, {"inputs_pinned": pinned_inputs, "dims": dims, "symbolic_left": left})
+        stats = {"inputs_pinned": pinned_inputs, "dims": dims, "symbolic_left": left}
+        return PassResult(model, pinned_inputs > 0, stats, facts)

@@ -22,7 +22,8 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, option, register
+from precast.compiler.calibration import used_user_data
+from precast.compiler.registry import Pass, PassFacts, PassResult, option, register
 from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
 from precast.runtime.errors import PassOptionError
 
@@ -80,7 +81,7 @@ class QuantizeInt4(Pass):
         o = self.options
         level = o.accuracy_level
         if level is None:
-            level = 4 if self.context.extra.get("task") == "causal-lm" else 0
+            level = 4 if self.context.task == "causal-lm" else 0
         before = count_ops(model).get("MatMul", 0)
         proto = to_proto(model)
         excluded = resolve_exclude(model, o.exclude, self.name)
@@ -127,4 +128,5 @@ class QuantizeInt4(Pass):
         )
         if before and not stats["quantized"]:
             stats["note"] = "no MatMul had a constant 2-D weight to quantize"
-        return PassResult(result, stats)
+        facts = PassFacts(calibration_used=used_user_data(stats.get("calibration")))
+        return PassResult(result, True, stats, facts)  # True: rebuilt through the quantizer's proto

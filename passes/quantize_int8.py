@@ -16,7 +16,8 @@ from typing import Literal
 import onnx
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, option, register
+from precast.compiler.calibration import used_user_data
+from precast.compiler.registry import Pass, PassFacts, PassResult, option, register
 from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
 from precast.passes._unpack_attention import unpack_attention
 
@@ -134,7 +135,10 @@ class QuantizeInt8(Pass):
         )
         if stats["int8_weights"] == 0:
             stats["note"] = "nothing was quantized (no supported op with constant weights)"
-        return PassResult(result, stats)
+        changed = stats["int8_weights"] > 0 or stats["quantize_nodes"] > 0
+        return PassResult(
+            result, changed, stats, PassFacts(calibration_used=used_user_data(stats.get("calibration")))
+        )
 
     def _static(
         self, model: ir.Model, proto: onnx.ModelProto, out: Path, extra: dict, common: dict, qtype: dict

@@ -60,7 +60,7 @@ class SplitStages(Pass):
         cuts = analyse(graph)
         possible = len(cuts.candidates) + 1
         if possible < self.options.n:
-            name = self.context.extra.get("source_name") or graph.name or "model"
+            name = self.context.source_name or graph.name or "model"
             what = (
                 f"has {possible} layers"
                 if cuts.candidate_layers is not None
@@ -87,7 +87,7 @@ class SplitStages(Pass):
         model.metadata_props[PLAN_KEY] = json.dumps(plan, sort_keys=True)
         boundary = sum(len(cuts.crossing_at(p)) for p in chosen)
         return PassResult(
-            model, {"stages": self.options.n, "bytes": plan["bytes"], "boundary_tensors": boundary}
+            model, True, {"stages": self.options.n, "bytes": plan["bytes"], "boundary_tensors": boundary}
         )
 
     def _node_times(self, model: ir.Model) -> np.ndarray:

@@ -306,4 +306,4 @@ class UnrollLoops(Pass):
         stats: dict = {"unrolled": unrolled}
         if kept:
             stats["kept"] = len(kept)
-        return PassResult(model, stats)
+        return PassResult(model, unrolled > 0, stats)

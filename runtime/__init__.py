@@ -1,4 +1,4 @@
-"""precast's thin runtime: numpy + onnxruntime only (never torch, onnx_ir, onnxscript or the compiler)."""
+"""precast's thin runtime: numpy + the artifact's backend, each imported lazily (never torch, onnx_ir or the compiler)."""
 
 from precast.runtime.errors import (
     ArtifactError,

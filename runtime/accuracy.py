@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from precast.runtime.errors import UsageError
+from precast.runtime.option_text import option_groups
 
 __all__ = ["Bound", "parse_budget", "format_budget", "measure", "check_budget", "DEFAULT_QUANT_BUDGET"]
 
@@ -36,12 +37,8 @@ def parse_budget(text: str) -> tuple[Bound, ...]:
     """'cosine>=0.99,top1>=0.95' -> bounds; an unknown metric or wrong direction is a UsageError."""
     bounds = []
     for item in filter(str.strip, text.split(",")):
-        m = _ITEM.match(item)
-        if not m:
-            raise UsageError(
-                f"bad accuracy budget item '{item.strip()}': expected METRIC>=VALUE or METRIC<=VALUE"
-            )
-        metric, op, raw = m.groups()
+        expected = "METRIC>=VALUE or METRIC<=VALUE"
+        metric, op, raw = option_groups(_ITEM, item.strip(), "accuracy budget item", expected)
         if metric not in _METRICS:
             raise UsageError(f"unknown accuracy metric '{metric}' in budget (metrics: {', '.join(_METRICS)})")
         if op != _METRICS[metric]:

@@ -17,13 +17,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
-from precast.runtime.errors import (
-    ArtifactError,
-    TargetUnavailableError,
-    UnknownTargetError,
-    UsageError,
-    first_line,
-)
+from precast.runtime.errors import ArtifactError, TargetUnavailableError, UsageError, first_line
+from precast.runtime.hal import TARGET_NAMES, check_target_name  # (re-exported: the HAL owns them)
 from precast.runtime.hugepages import collapse_new_memory
 from precast.runtime.manifest import model_path
 from precast.runtime.target_blocks import OrtBlock, SessionSettings, TargetBlock
@@ -52,22 +47,6 @@ OPT_LEVELS = {
 
 MAX_THREADS = 256
 
-# Every target precast compiles (precast.targets registers the same names; the runtime may not import it, and
-# tests/runtime keeps the two equal).
-TARGET_NAMES = ("ort-cpu", "openvino", "ort-qnn", "tensorrt", "triton")
-
-
-def check_target_name(name: str, what: str = "to prefer") -> None:
-    """A target name the caller typed (``--prefer``): not one precast knows -> UnknownTargetError (exit 4) with
-    the closest known name. Whether the artifact has it is the loader's question."""
-    if name in TARGET_NAMES:
-        return
-    import difflib
-
-    close = difflib.get_close_matches(str(name), TARGET_NAMES, n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    raise UnknownTargetError(f"unknown target '{name}' {what}{hint} (targets: {', '.join(TARGET_NAMES)})")
-
 
 def check_threads(threads) -> None:
     """A caller's intra-op thread count: None (the artifact's setting) or an int in 1..MAX_THREADS."""
@@ -83,14 +62,19 @@ def check_threads(threads) -> None:
 
 @runtime_checkable
 class Session(Protocol):
-    """What the runtime needs of a backend session: ``run(output names, feeds) -> arrays`` (in that order)
-    and the providers it runs on. The IO metadata is the manifest's ``io`` block (checked against the
-    session where the backend can say, see model._check_io_matches). ONNX Runtime's own InferenceSession is
-    one as it is: the LLM runners use its IO binding, so it is not wrapped."""
+    """What the runtime needs of a backend session: ``run(output names, feeds) -> arrays`` (in that order),
+    the providers it runs on, and ``native``: the backend's own object, for the fast paths that need more
+    than ``run`` (each backend's session class types it: ONNX Runtime's C++ session under an OrtSession,
+    runtime/ort_session.py; OpenVINO's CompiledModel; TensorRT's ICudaEngine). The IO metadata is the
+    manifest's ``io`` block (checked against the session where the backend can say, see
+    model._check_io_matches)."""
 
     def run(self, output_names: Sequence[str], feeds: Mapping[str, np.ndarray]) -> list: ...
 
     def get_providers(self) -> list[str]: ...
+
+    @property
+    def native(self) -> object: ...
 
 
 SessionFactory = Callable[[Path, TargetBlock, "int | None"], Session]
@@ -168,6 +152,8 @@ def create_ort_session(
         return create_plugin_session(root, target, threads)
     import onnxruntime as ort
 
+    from precast.runtime.ort_session import OrtSession
+
     model_file = model_path(root, target)
     providers = target.provider_list
     available = set(ort.get_available_providers())
@@ -182,7 +168,7 @@ def create_ort_session(
     try:
         # weights and prepacked copies on 2 MiB pages: fewer TLB walks per token (runtime/hugepages.py)
         with collapse_new_memory(settings.to_json()):
-            return ort.InferenceSession(str(model_file), sess_options=so, providers=providers)
+            return OrtSession(str(model_file), sess_options=so, providers=providers)
     except Exception as e:  # ORT raises its own exception types; keep the first line
         node, op, first = explain_ort_error(e)
         culprit = f" (node '{node}', op {op})" if node else (f" (op {op})" if op else "")

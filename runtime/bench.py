@@ -298,7 +298,9 @@ def bench(path: str | os.PathLike, options: BenchOptions, progress: Progress | N
     return replace(report, artifact=str(path), host=host)
 
 
-def _bench_model(root: Path, top: Manifest, options: BenchOptions, url: str | None, say: Progress) -> BenchReport:
+def _bench_model(
+    root: Path, top: Manifest, options: BenchOptions, url: str | None, say: Progress
+) -> BenchReport:
     host = Host.now()
     with contextlib.ExitStack() as stack:
         if url is None:
@@ -330,18 +332,15 @@ def _bench_model(root: Path, top: Manifest, options: BenchOptions, url: str | No
             )
             say(f"{url} serving '{model_name}', {endpoint} requests")
         levels = [_run_level(c, make_client, options, items, say) for c in options.concurrency]
-    return BenchReport(
-        artifact=str(root),
+    return BenchReport.of_run(
+        options,
+        root,
+        url,
+        host,
+        levels,
         kind="model",
-        mode="http" if url else "in-process",
         target=target,
         threads=_threads_words(manifest, options.threads) if url is None else "the server's",
-        host=host,
-        duration_s=options.duration_s,
-        requests=options.requests,
-        warmup_s=options.warmup_s,
-        levels=levels,
-        url=url,
         endpoint=endpoint,
         model_name=model_name,
         dims=dims,

@@ -13,6 +13,7 @@ import itertools
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -89,10 +90,43 @@ def drive_engine(
 
 
 def bench_llm(root: Path, manifest: Manifest, options, url: str | None, say) -> BenchReport:
-    from precast.runtime.bench import _checked_level, closed_loop
     from precast.runtime.llm.model_runner import LLMSpec
 
     spec = LLMSpec.from_manifest(manifest, str(root))
+    _check_options(spec, options)
+    host = Host.now()
+    prompts = PromptSource(spec.vocab, options.prompt_len, options.shared_prefix, options.seed)
+    target = manifest.target.name
+    settings = LLMSettings(
+        prompt_len=options.prompt_len,
+        output_len=options.output_len,
+        shared_prefix=options.shared_prefix,
+        vocab=spec.vocab,
+        max_context=spec.max_context,
+    )
+    if url is not None:
+        levels, model_name = _http_levels(url, prompts, options, say)
+        threads = "the server's"
+    else:
+        levels, threads, settings = _engine_levels(root, manifest, spec, prompts, options, settings, say)
+        model_name = None
+    return BenchReport.of_run(
+        options,
+        root,
+        url,
+        host,
+        levels,
+        kind="llm",
+        target=target,
+        threads=threads,
+        endpoint="completions" if url else None,
+        model_name=model_name,
+        llm=settings,
+    )
+
+
+def _check_options(spec, options) -> None:
+    """UsageError for the options a causal-lm artifact cannot take, before anything is loaded."""
     p, o = options.prompt_len, options.output_len
     if p + o > spec.max_context:
         raise UsageError(
@@ -102,82 +136,68 @@ def bench_llm(root: Path, manifest: Manifest, options, url: str | None, say) -> 
         raise UsageError("--prefer picks a target of a multi-target artifact; a causal-lm artifact has one")
     if options.endpoint not in ("auto", "completions"):
         raise UsageError(f"a causal-lm artifact is served on /v1/completions, not '{options.endpoint}'")
-    host = Host.now()
-    prompts = PromptSource(spec.vocab, p, options.shared_prefix, options.seed)
-    target = manifest.target.name
-    window = f"{options.duration_s:g} s" if options.requests is None else f"{options.requests} requests"
+
+
+def _window(options) -> str:
+    return f"{options.duration_s:g} s" if options.requests is None else f"{options.requests} requests"
+
+
+def _http_levels(url: str, prompts: PromptSource, options, say) -> tuple[list[Level], str]:
+    """Each level against a running server's streamed /v1/completions; the levels and the model's name."""
+    from precast.runtime.bench import _checked_level, closed_loop
+    from precast.runtime.bench_http import HttpClients, completion_clients
+
     levels: list[Level] = []
-    settings = dict(
-        prompt_len=p,
-        output_len=o,
-        shared_prefix=options.shared_prefix,
-        vocab=spec.vocab,
-        max_context=spec.max_context,
-    )
-    if url is not None:
-        from precast.runtime.bench_http import HttpClients, completion_clients
+    with HttpClients(url, options.timeout_s) as http:
+        model_name, make_client = completion_clients(http, prompts, options)
+        say(f"{url} serving '{model_name}', streamed /v1/completions")
+        for c in options.concurrency:
+            if options.warmup_s > 0:
+                closed_loop([make_client(i) for i in range(c)], duration_s=options.warmup_s, requests=None)
+            say(f"concurrency {c}: {_window(options)}")
+            samples, errors, first, t0 = closed_loop(
+                [make_client(i) for i in range(c)], duration_s=options.duration_s, requests=options.requests
+            )
+            levels.append(_checked_level(level_from_samples(c, samples, errors, first, t0)))
+    return levels, model_name
 
-        with HttpClients(url, options.timeout_s) as http:
-            model_name, make_client = completion_clients(http, prompts, options)
-            say(f"{url} serving '{model_name}', streamed /v1/completions")
-            for c in options.concurrency:
-                if options.warmup_s > 0:
-                    closed_loop(
-                        [make_client(i) for i in range(c)], duration_s=options.warmup_s, requests=None
-                    )
-                say(f"concurrency {c}: {window}")
-                samples, errors, first, t0 = closed_loop(
-                    [make_client(i) for i in range(c)],
-                    duration_s=options.duration_s,
-                    requests=options.requests,
-                )
-                levels.append(_checked_level(level_from_samples(c, samples, errors, first, t0)))
-        llm = LLMSettings(**settings)
-        threads = "the server's"
-    else:
-        from precast.runtime.bench import _threads_words
-        from precast.runtime.llm import Engine, SamplingParams
 
-        per_request = spec.blocks_for(p + o)
-        num_blocks = options.num_blocks or max(options.concurrency) * per_request + 1
-        engine = Engine.load(
-            root, num_blocks=num_blocks, threads=options.threads, enable_prefix_caching=options.shared_prefix
-        )
-        params = SamplingParams(max_tokens=o, ignore_eos=True, detokenize=False)
-        threads = _threads_words(manifest, options.threads)
-        say(f"in-process LLM engine, target {target}, {threads} intra-op threads, {num_blocks} KV blocks")
-        try:
-            for c in options.concurrency:
-                if options.warmup_s > 0:
-                    drive_engine(engine, c, prompts, params, duration_s=options.warmup_s, requests=None)
-                say(f"concurrency {c}: {window}")
-                samples, errors, first, t0 = drive_engine(
-                    engine, c, prompts, params, duration_s=options.duration_s, requests=options.requests
-                )
-                levels.append(_checked_level(level_from_samples(c, samples, errors, first, t0)))
-            m = engine.metrics()
-        finally:
-            engine.close()
-        llm = LLMSettings(
-            **settings,
-            num_blocks=num_blocks,
-            block_size=spec.block_size,
-            prefix_hit_tokens=m.prefix_hit_tokens,
-            preemptions=m.preemptions,
-        )
-    return BenchReport(
-        artifact=str(root),
-        kind="llm",
-        mode="http" if url else "in-process",
-        target=target,
-        threads=threads,
-        host=host,
-        duration_s=options.duration_s,
-        requests=options.requests,
-        warmup_s=options.warmup_s,
-        levels=levels,
-        url=url,
-        endpoint="completions" if url else None,
-        model_name=model_name if url else None,
-        llm=llm,
+def _engine_levels(
+    root: Path, manifest: Manifest, spec, prompts: PromptSource, options, settings: LLMSettings, say
+) -> tuple[list[Level], str, LLMSettings]:
+    """Each level on an in-process engine with a KV pool for the largest one; the levels, the threads in
+    words, and ``settings`` completed with the pool and what the engine counted."""
+    from precast.runtime.bench import _checked_level, _threads_words
+    from precast.runtime.llm import Engine, SamplingParams
+
+    p, o = options.prompt_len, options.output_len
+    num_blocks = options.num_blocks or max(options.concurrency) * spec.blocks_for(p + o) + 1
+    engine = Engine.load(
+        root, num_blocks=num_blocks, threads=options.threads, enable_prefix_caching=options.shared_prefix
     )
+    params = SamplingParams(max_tokens=o, ignore_eos=True, detokenize=False)
+    threads = _threads_words(manifest, options.threads)
+    say(
+        f"in-process LLM engine, target {manifest.target.name}, {threads} intra-op threads, {num_blocks} KV blocks"
+    )
+    levels: list[Level] = []
+    try:
+        for c in options.concurrency:
+            if options.warmup_s > 0:
+                drive_engine(engine, c, prompts, params, duration_s=options.warmup_s, requests=None)
+            say(f"concurrency {c}: {_window(options)}")
+            samples, errors, first, t0 = drive_engine(
+                engine, c, prompts, params, duration_s=options.duration_s, requests=options.requests
+            )
+            levels.append(_checked_level(level_from_samples(c, samples, errors, first, t0)))
+        m = engine.metrics()
+    finally:
+        engine.close()
+    settings = replace(
+        settings,
+        num_blocks=num_blocks,
+        block_size=spec.block_size,
+        prefix_hit_tokens=m.prefix_hit_tokens,
+        preemptions=m.preemptions,
+    )
+    return levels, threads, settings

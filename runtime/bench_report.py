@@ -6,11 +6,17 @@ import dataclasses
 import os
 import platform
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from precast.runtime.bench_inputs import InputInfo
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from precast.runtime.bench import BenchOptions
 
 __all__ = ["BenchReport", "Host", "LLMSettings", "Latency", "Level", "Sample", "level_from_samples"]
 
@@ -116,6 +122,24 @@ class BenchReport:
     items_per_request: int = 1
     llm: LLMSettings | None = None
 
+    @classmethod
+    def of_run(
+        cls, options: BenchOptions, root: Path, url: str | None, host: Host, levels: list[Level], **fields
+    ) -> BenchReport:
+        """A report with the fields every kind of bench fills the same way: the artifact, the run's window
+        (duration, requests, warm-up) from its options, and its mode from ``url``."""
+        return cls(
+            artifact=str(root),
+            mode="http" if url else "in-process",
+            host=host,
+            duration_s=options.duration_s,
+            requests=options.requests,
+            warmup_s=options.warmup_s,
+            levels=levels,
+            url=url,
+            **fields,
+        )
+
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
 
@@ -132,18 +156,11 @@ def level_from_samples(
     wall = max((s.end for s in samples), default=t0) - t0
     n = len(samples)
     rps = n / wall if wall > 0 else 0.0
-    base = dict(
-        concurrency=concurrency,
-        requests=n,
-        errors=errors,
-        wall_s=wall,
-        requests_per_s=rps,
-        items_per_s=rps * items_per_request,
-        latency=Latency.of([s.end - s.start for s in samples]),
-        first_error=first_error,
-    )
+    latency = Latency.of([s.end - s.start for s in samples])
+    # (positional: the order of Level's fields)
+    level = Level(concurrency, n, errors, wall, rps, rps * items_per_request, latency, first_error)
     if not samples or samples[0].token_times is None:
-        return Level(**base)
+        return level
     ttft, itl, rates, out = [], [], [], 0
     for s in samples:
         times = s.token_times or ()
@@ -153,8 +170,8 @@ def level_from_samples(
             itl.extend(np.diff(times).tolist())
         if len(times) > 1 and times[-1] > times[0]:
             rates.append((len(times) - 1) / (times[-1] - times[0]))
-    return Level(
-        **base,
+    return replace(
+        level,
         output_tokens=out,
         tokens_per_s=out / wall if wall > 0 else 0.0,
         request_tokens_per_s=float(np.median(rates)) if rates else None,

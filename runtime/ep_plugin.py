@@ -227,6 +227,11 @@ class PluginSession:
         self.static_shapes = {k: tuple(v) for k, v in (static_shapes or {}).items()}
         self.assignment = assignment
 
+    @property
+    def native(self):  # -> onnxruntime.InferenceSession
+        """The ONNX Runtime session on the plugin EP (Session.native): its own IO binding, its EP info."""
+        return self._session
+
     def get_providers(self) -> list[str]:
         return [self.ep]
 

@@ -11,17 +11,18 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from precast.runtime.backends import Session, check_target_name, check_threads, create_session
-from precast.runtime.errors import ArtifactError, InputError, TargetUnavailableError, UsageError, first_line
+from precast.runtime.backends import Session, check_threads, create_session
+from precast.runtime.errors import ArtifactError, InputError, UsageError, first_line
 from precast.runtime.feeds import check_feeds
+from precast.runtime.hal import PREFERENCE, preference_order, resolve, target_order
 from precast.runtime.llm_spec import LLMSpec
-from precast.runtime.manifest import Manifest, TensorSpec, check_integrity, read_manifest
-from precast.runtime.target_blocks import TargetBlock
+from precast.runtime.manifest import Manifest, TensorSpec
 
 if TYPE_CHECKING:
     from precast.runtime.pipeline import StagePipeline
 
-__all__ = ["Model", "load"]
+# (PREFERENCE, preference_order, target_order: the HAL's, runtime/hal.py; importable from here as before)
+__all__ = ["PREFERENCE", "Model", "load", "preference_order", "target_order"]
 
 
 class Model:
@@ -34,14 +35,24 @@ class Model:
         session: Session,
         inputs: list[TensorSpec],
         outputs: list[TensorSpec],
+        *,
+        skipped: dict[str, str] | None = None,
+        temp_dir: Path | None = None,
     ):
         self.path = path
         self.manifest = manifest
-        self._session = session
+        # The backend session (runtime/backends.py's Session): the LLM runners, the stage pipeline and the
+        # accuracy checks run on it; ``session.native`` is its backend's own handle.
+        self.session = session
         self.inputs = inputs
         self.outputs = outputs
-        self.skipped: dict[str, str] = {}  # better targets passed over, and why
-        self._cleanup: weakref.finalize | None = None  # removes the temp dir load() unpacked into
+        self.skipped = dict(skipped or {})  # better targets passed over, and why
+        # a packed artifact's temp dir (runtime/hal.py unpacked it): removed by close(), else with the Model
+        self._cleanup: weakref.finalize | None = None
+        if temp_dir is not None:
+            from precast.runtime.archive import remove_temp
+
+            self._cleanup = weakref.finalize(self, remove_temp, temp_dir)
 
     def close(self) -> None:
         """Remove the temp dir a packed artifact was unpacked into (nothing for a directory). Idempotent;
@@ -55,7 +66,7 @@ class Model:
 
     @property
     def providers(self) -> list[str]:
-        return list(self._session.get_providers())
+        return list(self.session.get_providers())
 
     def pipeline(self, **options) -> StagePipeline:
         """The artifact's stages as a pipeline (runtime/pipeline.py): one worker thread and session per stage,
@@ -78,7 +89,7 @@ class Model:
             if n not in known:
                 raise InputError(f"unknown output '{n}'; the model's outputs are: {', '.join(sorted(known))}")
         try:
-            results = self._session.run(names, arrays)
+            results = self.session.run(names, arrays)
         except Exception as e:  # the checked signature passed; the values did not (an index out of range,
             # a size too large to allocate): the backend's own words, on one line
             raise InputError(f"the model rejected these feeds: {first_line(e)}") from e
@@ -87,18 +98,6 @@ class Model:
     def __repr__(self) -> str:
         sig = ", ".join(f"{s.name}:{s.dtype}{s.shape_str()}" for s in self.inputs)
         return f"<precast.Model {self.path} target={self.target} inputs=({sig})>"
-
-
-# Best first: the hardware abstraction layer's order when a multi-target artifact offers several
-# (a GPU engine, then NPU execution providers, then OpenVINO, then the portable CPU build).
-PREFERENCE = ["tensorrt", "ort-qnn", "openvino", "ort-cpu"]
-
-
-def preference_order(names, prefer: str | None = None) -> list[str]:
-    """``names`` best first by PREFERENCE (unknown names last, in their given order); ``prefer`` first of all."""
-    names = list(names)
-    rank = {n: PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE) + i for i, n in enumerate(names)}
-    return sorted(names, key=lambda n: (n != prefer, rank[n]))
 
 
 def load(
@@ -120,8 +119,9 @@ def load(
     Ed25519 signature, not expired at ``now`` (default: the wall clock), named ``expect_name`` and at least
     ``min_version`` when given; anything else is a SignatureError (exit 3).
 
-    A multi-target artifact loads the best target this host can run (``prefer`` puts one first);
-    ``model.skipped`` says why each better one was passed over.
+    A multi-target artifact loads the best target this host can run (``prefer`` puts one first; the
+    choice is runtime/hal.py's, shared with Engine.load); ``model.skipped`` says why each better one was
+    passed over.
 
     ``spinning`` (ONNX Runtime CPU sessions): whether idle intra-/inter-op threads spin-wait for the next
     run; None keeps ONNX Runtime's default (they do). Other backends ignore it.
@@ -129,36 +129,34 @@ def load(
     check_threads(threads)
     if spinning is not None and not isinstance(spinning, bool):
         raise UsageError(f"spinning must be True, False or None, got {spinning!r}")
-    if prefer is not None:  # a typo: exit 4 with the close match, not "no target ... in this artifact"
-        check_target_name(prefer)
-    from precast.runtime.signing import signature_policy
 
-    policy = signature_policy(pubkey, expect_name, min_version)  # requirements without a key: UsageError
-    root = Path(path)
-    if root.is_file():  # unpacked into a temp dir the Model owns (close() removes it)
-        from precast.runtime.archive import remove_temp, unpack_to_temp
+    def open_session(root: Path, manifest: Manifest) -> Session:
+        return _open_session(root, manifest, threads, spinning)
 
-        root = unpack_to_temp(root, policy=policy, now=now)
-        try:
-            model = load(root, threads=threads, verify=verify, prefer=prefer, spinning=spinning)
-        except BaseException:
-            remove_temp(root)
-            raise
-        model._cleanup = weakref.finalize(model, remove_temp, root)
-        return model
-    elif pubkey is not None:
-        raise ArtifactError(f"{root}: signatures live in packed artifacts; pack it, or drop the public key")
-    manifest = read_manifest(root)
-    if verify:
-        check_integrity(root, manifest)
-    if manifest.is_multi_target:
-        return _load_best(root, manifest, threads=threads, verify=verify, prefer=prefer, spinning=spinning)
-    own = manifest.target.name
-    if prefer is not None and prefer != own:
-        raise ArtifactError(f"{root}: no target '{prefer}' in this artifact (has: {own})")
-    if not isinstance(manifest.target, TargetBlock):
-        raise ArtifactError(f"{root}: target '{own}' is a multi-target index's, but the manifest is no index")
-    inputs, outputs = list(manifest.io.inputs), list(manifest.io.outputs)
+    found = resolve(
+        path,
+        open_session,
+        prefer=prefer,
+        pubkey=pubkey,
+        expect_name=expect_name,
+        min_version=min_version,
+        now=now,
+        verify=verify,
+    )
+    manifest = found.manifest
+    return Model(
+        found.root,
+        manifest,
+        found.opened,
+        list(manifest.io.inputs),
+        list(manifest.io.outputs),
+        skipped=dict(found.skipped),
+        temp_dir=found.temp,
+    )
+
+
+def _open_session(root: Path, manifest: Manifest, threads: int | None, spinning: bool | None) -> Session:
+    """The backend session of one (resolved) target, checked against the manifest's io and llm blocks."""
     if manifest.stages is not None:  # split-stages: one session per stage, run in order (threads: per stage)
         from precast.runtime.staged_session import open_staged
 
@@ -167,8 +165,8 @@ def load(
         session = create_session(root, manifest.target, threads=threads, spinning=spinning)
         if manifest.llm is not None:
             _check_llm_matches(root, session, manifest.llm)
-    _check_io_matches(root, session, inputs, outputs)
-    return Model(root, manifest, session, inputs, outputs)
+    _check_io_matches(root, session, list(manifest.io.inputs), list(manifest.io.outputs))
+    return session
 
 
 def _check_llm_matches(root: Path, session, spec: LLMSpec) -> None:
@@ -185,7 +183,7 @@ def _check_llm_matches(root: Path, session, spec: LLMSpec) -> None:
                 f"{root}/manifest.json: llm block: kv_layout {spec.kv_layout!r} does not fit an OpenVINO "
                 "step graph (ov-paged)"
             )
-        check_compiled_matches_spec(session._compiled, spec, root)
+        check_compiled_matches_spec(session.native, spec, root)
     elif hasattr(session, "get_inputs"):  # ONNX Runtime (TensorRT keeps its own checks)
         from precast.runtime.llm.model_runner import check_graph_matches_spec
 
@@ -209,33 +207,3 @@ def _check_io_matches(root: Path, session, inputs: list[TensorSpec], outputs: li
             raise ArtifactError(
                 f"{root}: manifest says '{spec.name}' is {spec.dtype}, the model says {dtype}: manifest.json was edited"
             )
-
-
-def target_order(root: Path, manifest: Manifest, prefer: str | None = None) -> list[str]:
-    """An index's targets in the order to try: ``prefer`` first, then its ``fallback_order`` (a causal-lm
-    compile ranks its targets by measured speed there), else PREFERENCE's."""
-    entries = manifest.target_dirs()
-    if prefer is not None and prefer not in entries:
-        raise ArtifactError(
-            f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})"
-        )
-    recorded = manifest.fallback_order or []
-    if sorted(recorded) != sorted(entries):  # absent, or not this index's targets: the static order
-        return preference_order(entries, prefer)
-    return sorted(recorded, key=lambda n: n != prefer)
-
-
-def _load_best(root: Path, manifest: Manifest, *, threads, verify, prefer, spinning=None) -> Model:
-    entries = manifest.target_dirs()
-    order = target_order(root, manifest, prefer)
-    skipped: dict[str, str] = {}
-    for name in order:
-        try:
-            model = load(root / entries[name], threads=threads, verify=verify, spinning=spinning)
-        except TargetUnavailableError as e:
-            skipped[name] = str(e)
-            continue
-        model.skipped = skipped
-        return model
-    reasons = "; ".join(f"{k}: {v}" for k, v in skipped.items())
-    raise TargetUnavailableError(f"{root}: no target of this artifact can run on this host ({reasons})")

@@ -46,6 +46,11 @@ class OpenVINOSession:
         self.device = device
         self._outputs = {o.get_any_name(): o for o in compiled.outputs}
 
+    @property
+    def native(self):  # -> openvino.CompiledModel (the OpenVINO step runner makes its own infer request)
+        """The compiled model this session runs (Session.native)."""
+        return self._compiled
+
     def get_providers(self) -> list[str]:
         return [f"OpenVINO:{self.device}"]
 

@@ -39,12 +39,15 @@ import weakref
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
+from precast.runtime.batching import ROWS, Feeds, rerun_alone, shared_leading_dim
 from precast.runtime.errors import InputError, PrecastError, UsageError, first_line
 from precast.runtime.feeds import check_feeds
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.stage_pool import STOP, StagePool
 
 __all__ = ["PipelineStage", "StagePipeline", "PipelineClosedError", "PipelineFullError"]
 
@@ -75,19 +78,21 @@ class _Request:
     outputs: tuple[str, ...]
     future: Future
 
-    def key(self) -> tuple:
-        """Requests with equal keys concatenate along dim 0."""
-        return tuple((n, a.dtype.str, a.shape[1:]) for n, a in sorted(self.feeds.items()))
-
 
 @dataclass
 class _Batch:
+    """A micro-batch in flight: its live requests and the tensors it carries (a StagePool item)."""
+
     requests: list[_Request]
     tensors: dict[str, np.ndarray]
-    results: list | None = None  # set when the batch was rerun request by request (outputs or errors)
+    results: list | None = None  # set when answered early: rerun request by request, cancelled, failed
 
+    @property
+    def settled(self) -> bool:
+        return self.results is not None or not self.requests
 
-_STOP = object()
+    def fail(self, error: BaseException) -> None:
+        self.results = [error] * len(self.requests)
 
 
 @dataclass
@@ -120,7 +125,7 @@ class StagePipeline:
         self.inputs = list(inputs)
         self.outputs = list(outputs)
         self.queue_size = queue_size
-        self.max_batch = max_batch if _batch_dim(self.inputs, self.outputs) is not None else 1
+        self.max_batch = max_batch if shared_leading_dim(self.inputs, self.outputs) is not None else 1
         self.owner = owner  # the Model this came from, kept alive as long as the pipeline
         self._core = _Core(
             self.stages, [o.name for o in self.outputs], queue_size, self.max_batch, batch_wait
@@ -144,7 +149,7 @@ class StagePipeline:
         _check_options(queue_size, max_batch, batch_wait)
         spec = model.manifest.stages
         if threads is None:
-            own = model._session
+            own = model.session
             pairs = own.stages if spec is not None and hasattr(own, "stages") else [(None, own)]
             stages = [_stage(model, entry, session) for entry, session in pairs]
         else:
@@ -183,7 +188,7 @@ class StagePipeline:
         except InputError as e:  # this request's own error, delivered as its neighbours' results are
             future.set_exception(e)
             return future
-        rows = _rows(arrays)
+        rows = ROWS.rows(arrays)
         self._core.put(_Request(0, arrays, rows, names, future), timeout)
         return future
 
@@ -236,31 +241,30 @@ class StagePipeline:
 
 
 class _Core:
-    """The workers and their queues; holds no reference to the StagePipeline, so that it can be collected."""
+    """The stage workers (a StagePool) and the input slots; holds no reference to the StagePipeline, so that it
+    can be collected. A micro-batch is merged at stage 0 and split at the last stage (runtime/batching.py's
+    RowMerge); a stage that rejects it reruns its requests one by one (batching.rerun_alone)."""
 
     def __init__(
         self, stages: list[PipelineStage], outputs: list[str], queue_size: int, max_batch: int, wait
     ):
-        self.stages = stages
-        self.outputs = outputs
-        self.max_batch = max_batch
-        self.batch_wait = wait
-        self.closed = False
-        self.cancelled = False
+        self.stages, self.outputs = stages, outputs
+        self.max_batch, self.batch_wait = max_batch, wait
+        self.closed = self.cancelled = False
         self._lock = threading.Lock()
         self._next_index = 0
         # The input queue is bounded by slots (a semaphore) so that close() can always add its stop mark.
         self._slots = threading.Semaphore(queue_size)
         self._inbox: queue.Queue = queue.Queue()
-        self._queues: list[queue.Queue] = [queue.Queue(maxsize=queue_size) for _ in stages[1:]]
+        self._held: list = []  # stage 0: a request taken while batching that did not fit, first next time
         self.stats = _Stats(busy_seconds=[0.0] * len(stages), max_depths=[0] * len(stages))
         self._keep = _kept_tensors(stages, outputs)
-        self.threads = [
-            threading.Thread(target=self._work, args=(k,), name=f"precast-stage-{k}", daemon=True)
-            for k in range(len(stages))
-        ]
-        for t in self.threads:
-            t.start()
+        steps = [partial(self._step, k) for k in range(len(stages))]
+        self._pool: StagePool[_Batch] = StagePool(
+            steps, self._take_batch, self._finish, queue_size=queue_size, name="precast-stage",
+            on_queued=self._note_depth,
+        )  # fmt: skip
+        self.threads = self._pool.threads
 
     # -- requests in ---------------------------------------------------------------------------------------
     def put(self, request: _Request, timeout: float | None) -> None:
@@ -283,93 +287,63 @@ class _Core:
                 self.cancelled = True
             if not self.closed:
                 self.closed = True
-                self._inbox.put(_STOP)
-        if threading.current_thread() in self.threads:
-            return  # closed from a future's callback: the workers finish on their own; joining would deadlock
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for t in self.threads:
-            t.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
+                self._inbox.put(STOP)
+        # (from a future's callback, on a worker: returns at once, the workers finish on their own)
+        self._pool.join(timeout)
 
     def depths(self) -> list[int]:
-        return [self._inbox.qsize()] + [q.qsize() for q in self._queues]
+        return [self._inbox.qsize(), *self._pool.depths()]
 
     def _note_depth(self, k: int, depth: int) -> None:
         if depth > self.stats.max_depths[k]:
             self.stats.max_depths[k] = depth
 
-    # -- workers -------------------------------------------------------------------------------------------
-    def _work(self, k: int) -> None:
-        last = k == len(self.stages) - 1
-        held: list = []  # stage 0: a request taken while batching that did not fit, first next time
-        while True:
-            item = self._take_batch(held) if k == 0 else self._queues[k - 1].get()
-            if item is _STOP:
-                if not last:
-                    self._queues[k].put(_STOP)
-                return
-            try:
-                self._step(k, item)
-            except BaseException as e:  # noqa: BLE001 - a bug here must fail these requests, not hang them
-                item.results = [e] * len(item.requests)
-            if last:
-                self._finish(item)
-            else:
-                self._queues[k].put(item)
-                self._note_depth(k + 1, self._queues[k].qsize())
-
+    # -- stage 0: a micro-batch of consecutive compatible requests -----------------------------------------
     def _take(self):
         item = self._inbox.get()
-        if item is not _STOP:
+        if item is not STOP:
             self._slots.release()
         return item
 
-    def _take_batch(self, held: list):
-        head = held.pop() if held else self._take()
-        if head is _STOP:
-            return _STOP
-        requests = [head]
-        rows, key = head.rows, (head.key() if self.max_batch > 1 else None)
+    def _take_batch(self):
+        head = self._held.pop() if self._held else self._take()
+        if head is STOP:
+            return STOP
+        requests, rows = [head], head.rows
+        key = ROWS.key(head.feeds) if self.max_batch > 1 else None
         deadline = time.monotonic() + self.batch_wait
-        while rows < self.max_batch and not self.cancelled:
+        while key is not None and rows < self.max_batch and not self.cancelled:
             try:
                 wait = deadline - time.monotonic()
                 nxt = self._inbox.get(timeout=wait) if wait > 0 else self._inbox.get_nowait()
             except queue.Empty:
                 break
-            if nxt is not _STOP:
+            if nxt is not STOP:
                 self._slots.release()
-            if nxt is _STOP or nxt.key() != key or rows + nxt.rows > self.max_batch:
-                held.append(nxt)  # keeps the order: it heads the next micro-batch
+            if nxt is STOP or ROWS.key(nxt.feeds) != key or rows + nxt.rows > self.max_batch:
+                self._held.append(nxt)  # keeps the order: it heads the next micro-batch
                 break
             requests.append(nxt)
             rows += nxt.rows
         live = [r for r in requests if r.future.set_running_or_notify_cancel()]  # skip cancelled futures
-        tensors = (
-            {n: np.concatenate([r.feeds[n] for r in live], axis=0) for n in head.feeds}
-            if len(live) > 1
-            else (dict(live[0].feeds) if live else {})
-        )
+        tensors = ROWS.join([r.feeds for r in live]) if live else {}
         self.stats.batches += 1
         self.stats.rows += sum(r.rows for r in live)
         self.stats.max_rows = max(self.stats.max_rows, sum(r.rows for r in live))
         return _Batch(live, tensors)
 
+    # -- every stage ---------------------------------------------------------------------------------------
     def _step(self, k: int, batch: _Batch) -> None:
-        if batch.results is not None or not batch.requests:
-            return
         if self.cancelled:
-            batch.results = [
-                PipelineClosedError("the pipeline was closed (cancel) before this request ran")
-            ] * len(batch.requests)
+            batch.fail(PipelineClosedError("the pipeline was closed (cancel) before this request ran"))
             return
         t0 = time.perf_counter()
         try:
             self._run_stage(k, batch.tensors)
-        except Exception as e:
-            if len(batch.requests) == 1:
-                batch.results = [_rejected(self.stages[k], e)]
-            else:  # one bad request must not fail its neighbours: each alone through the whole chain
-                batch.results = [self._run_alone(r) for r in batch.requests]
+        except Exception as e:  # noqa: BLE001 - one bad request must not fail its neighbours
+            batch.results = rerun_alone(
+                [r.feeds for r in batch.requests], e, self._run_alone, partial(_rejected, self.stages[k])
+            )
             batch.tensors = {}
         finally:
             self.stats.busy_seconds[k] += time.perf_counter() - t0
@@ -381,22 +355,25 @@ class _Core:
         for name in [n for n in tensors if n not in self._keep[k]]:
             del tensors[name]  # what no later stage and no caller reads
 
-    def _run_alone(self, request: _Request):
-        tensors = dict(request.feeds)
-        for k in range(len(self.stages)):
+    def _run_alone(self, feeds: Feeds) -> dict[str, np.ndarray]:
+        """One request through the whole chain; raises the error of the stage that rejected it."""
+        tensors = dict(feeds)
+        for k, stage in enumerate(self.stages):
             try:
                 self._run_stage(k, tensors)
-            except Exception as e:  # noqa: BLE001 - this request's own error
-                return _rejected(self.stages[k], e)
+            except Exception as e:
+                raise _rejected(stage, e)  # noqa: B904 - _rejected sets the cause (or is ``e`` itself)
         return tensors
 
+    # -- the last stage: split the rows back, answer the futures in order ----------------------------------
     def _finish(self, batch: _Batch) -> None:
-        if batch.results is None:
+        if batch.results is None and batch.requests:
+            feeds = [r.feeds for r in batch.requests]
             try:
-                batch.results = _split(batch.tensors, batch.requests, self.outputs)
-            except Exception as e:  # noqa: BLE001
-                batch.results = [e] * len(batch.requests)
-        for request, result in zip(batch.requests, batch.results):
+                batch.results = ROWS.split({n: batch.tensors[n] for n in self.outputs}, feeds)
+            except Exception as e:  # noqa: BLE001 - the merged outputs did not split: each request alone
+                batch.results = rerun_alone(feeds, e, self._run_alone)
+        for request, result in zip(batch.requests, batch.results or []):
             if isinstance(result, BaseException):
                 request.future.set_exception(result)
             else:
@@ -410,23 +387,6 @@ def _stage(model, entry, session) -> PipelineStage:
             "model", session, tuple(s.name for s in model.inputs), tuple(s.name for s in model.outputs)
         )
     return PipelineStage(entry.model, session, tuple(entry.inputs), tuple(entry.outputs))
-
-
-def _split(tensors: dict[str, np.ndarray], requests: list[_Request], outputs: list[str]) -> list[dict]:
-    if len(requests) == 1:
-        return [{n: tensors[n] for n in outputs}]
-    total = sum(r.rows for r in requests)
-    for name in outputs:
-        arr = tensors[name]
-        if arr.ndim == 0 or arr.shape[0] != total:
-            raise InputError(
-                f"output '{name}' has leading dim {arr.shape[:1]}, cannot split a batch of {total} rows"
-            )
-    results, start = [], 0
-    for r in requests:
-        results.append({n: tensors[n][start : start + r.rows] for n in outputs})
-        start += r.rows
-    return results
 
 
 def _rejected(stage: PipelineStage, e: Exception) -> Exception:
@@ -444,21 +404,6 @@ def _kept_tensors(stages: list[PipelineStage], outputs: list[str]) -> list[set[s
         keep.append(set(needed))
         needed |= set(stage.inputs)
     return keep[::-1]
-
-
-def _batch_dim(inputs: Sequence[TensorSpec], outputs: Sequence[TensorSpec]) -> str | None:
-    """The symbolic leading dim every input and output shares (as the server's batcher), or None."""
-    specs = [*inputs, *outputs]
-    if not specs or any(not s.shape for s in specs):
-        return None
-    first = {s.shape[0] for s in specs}
-    dim = first.pop() if len(first) == 1 else None
-    return dim if isinstance(dim, str) else None
-
-
-def _rows(arrays: Mapping[str, object]) -> int:
-    first = next((a for a in arrays.values() if isinstance(a, np.ndarray) and a.ndim), None)
-    return int(first.shape[0]) if first is not None else 1
 
 
 def _check_options(queue_size, max_batch, batch_wait) -> None:

@@ -71,60 +71,23 @@ def profile_artifact(
 
     ``feeds`` default to the artifact's stored parity inputs. Returns {"ops": [...], "runs", "trace"}.
     """
-    import onnxruntime as ort
-
-    from precast.runtime.backends import ort_session_options
-    from precast.runtime.hugepages import collapse_new_memory
-    from precast.runtime.manifest import artifact_path, model_path
     from precast.runtime.model import load
     from precast.runtime.target_blocks import OrtBlock
 
     if runs < 1:
         raise UsageError(f"--runs must be at least 1, got {runs}")
     model = load(path, threads=threads, prefer=prefer)  # integrity, packed files, multi-target choice
-    root, target = model.path, model.manifest.target
+    target = model.manifest.target
     if not isinstance(target, OrtBlock):
         raise UsageError(
             f"{path}: target '{model.target}' runs on {target.backend}, and profile uses ONNX Runtime's "
             "profiler; pick an ONNX Runtime target with --prefer"
         )
-    if feeds is None:
-        stored = (model.manifest.parity or {}).get("inputs")
-        if not stored:
-            raise ArtifactError(f"{path}: no stored sample inputs; pass --input feeds.npz")
-        feeds = {n: load_parity_value(root, rel) for n, rel in stored.items()}
-    arrays = check_feeds(feeds, model.inputs)
-    names = [o.name for o in model.outputs]
-    # (model file, the tensors it reads (None: the feeds), the tensors it writes); a staged artifact
-    # (split-stages) runs its stages in order, each profiled by its own session
-    if model.manifest.stages is not None:
-        parts = [
-            (artifact_path(root, e.model, f"stage '{e.model}'"), list(e.inputs), list(e.outputs))
-            for e in model.manifest.stages.stages
-        ]
-    else:
-        parts = [(model_path(root, target), None, names)]
+    arrays = check_feeds(_stored_feeds(model, path) if feeds is None else feeds, model.inputs)
     with tempfile.TemporaryDirectory(prefix="precast-profile-") as tmp:
-        sessions = []
-        for k, (file, ins, outs) in enumerate(parts):
-            so = ort_session_options(target.session_settings, threads)
-            so.enable_profiling = True
-            so.profile_file_prefix = str(Path(tmp) / f"profile_{k}")
-            # the same memory as a loaded model's
-            with collapse_new_memory(target.session_settings.to_json()):
-                sess = ort.InferenceSession(str(file), sess_options=so, providers=target.provider_list)
-            sessions.append((sess, ins, outs))
-
-        def run_once() -> None:
-            env = dict(arrays)
-            for sess, ins, outs in sessions:
-                env.update(zip(outs, sess.run(outs, arrays if ins is None else {n: env[n] for n in ins})))
-
-        for _ in range(warmup):
-            run_once()
-        # Warmup runs are in the trace too; count them so per-run numbers stay honest.
-        for _ in range(runs):
-            run_once()
+        sessions = _profiling_sessions(model, threads, Path(tmp))
+        for _ in range(warmup + runs):  # warm-up runs are in the trace too; per-run numbers count them
+            _run_once(sessions, arrays)
         produced = [Path(sess.end_profiling()) for sess, _, _ in sessions]
         events = [ev for p in produced for ev in json.loads(p.read_text())]
         if trace is not None:
@@ -140,3 +103,51 @@ def profile_artifact(
         "trace": None if trace is None else str(trace),
         "target": model.target,
     }
+
+
+def _stored_feeds(model, path) -> dict[str, np.ndarray]:
+    """The artifact's stored parity inputs: the feeds a profile runs when it is given none."""
+    stored = (model.manifest.parity or {}).get("inputs")
+    if not stored:
+        raise ArtifactError(f"{path}: no stored sample inputs; pass --input feeds.npz")
+    return {n: load_parity_value(model.path, rel) for n, rel in stored.items()}
+
+
+def _parts(model) -> list[tuple[Path, list[str] | None, list[str]]]:
+    """(model file, the tensors it reads (None: the feeds), the tensors it writes); a staged artifact
+    (split-stages) runs its stages in order, each profiled by its own session."""
+    from precast.runtime.manifest import artifact_path, model_path
+
+    root = model.path
+    if model.manifest.stages is None:
+        return [(model_path(root, model.manifest.target), None, [o.name for o in model.outputs])]
+    return [
+        (artifact_path(root, e.model, f"stage '{e.model}'"), list(e.inputs), list(e.outputs))
+        for e in model.manifest.stages.stages
+    ]
+
+
+def _profiling_sessions(model, threads: int | None, tmp: Path) -> list[tuple]:
+    """One ONNX Runtime session with profiling on per part, each writing its trace under ``tmp``."""
+    import onnxruntime as ort
+
+    from precast.runtime.backends import ort_session_options
+    from precast.runtime.hugepages import collapse_new_memory
+
+    target = model.manifest.target
+    sessions = []
+    for k, (file, ins, outs) in enumerate(_parts(model)):
+        so = ort_session_options(target.session_settings, threads)
+        so.enable_profiling = True
+        so.profile_file_prefix = str(tmp / f"profile_{k}")
+        # the same memory as a loaded model's
+        with collapse_new_memory(target.session_settings.to_json()):
+            sess = ort.InferenceSession(str(file), sess_options=so, providers=target.provider_list)
+        sessions.append((sess, ins, outs))
+    return sessions
+
+
+def _run_once(sessions: list[tuple], arrays: dict[str, np.ndarray]) -> None:
+    env = dict(arrays)
+    for sess, ins, outs in sessions:
+        env.update(zip(outs, sess.run(outs, arrays if ins is None else {n: env[n] for n in ins})))

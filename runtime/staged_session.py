@@ -63,6 +63,11 @@ class StagedSession:
             raise ArtifactError(f"artifact {self.root}: no stage produces output '{missing[0]}'")
         return [env[name] for name in wanted]
 
+    @property
+    def native(self) -> list[Session]:
+        """The stages' own sessions, in order (Session.native: a stage's fast path uses its session's)."""
+        return [session for _, session in self.stages]
+
     def get_providers(self) -> list[str]:
         return list(self.stages[0][1].get_providers())
 

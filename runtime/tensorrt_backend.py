@@ -89,6 +89,11 @@ class TensorRTSession:
         self._inputs = [n for n in names if engine.get_tensor_mode(n) == trt.TensorIOMode.INPUT]
         self._outputs = [n for n in names if n not in self._inputs]
 
+    @property
+    def native(self):  # -> tensorrt.ICudaEngine
+        """The deserialized engine this session runs (Session.native)."""
+        return self._engine
+
     def get_providers(self) -> list[str]:
         return ["TensorRT"]
 

@@ -13,8 +13,6 @@ Config parameters (config.pbtxt):
   precast_num_blocks KV blocks of the LLM engine's pool (0 = the engine's default)
 """
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -41,23 +39,19 @@ def _error(message: str):
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
-        artifact = Path(params.get("precast_artifact") or "../..")
-        if not artifact.is_absolute():
-            artifact = (Path(args["model_repository"]) / artifact).resolve()
-        self.artifact = artifact
-        self.mode = params.get("precast_mode") or "tensor"
-        self.max_batch_size = int(config.get("max_batch_size", 0))
-        threads = int(params.get("precast_threads") or 0) or None
-        # The stub's import of this file wrote __pycache__ beside it (it ignores PYTHONDONTWRITEBYTECODE):
-        # remove it so the artifact stays exactly what its manifest lists (precast.runtime.load checks).
-        shutil.rmtree(Path(__file__).resolve().parent / "__pycache__", ignore_errors=True)
+        from precast.runtime.triton_python import StubConfig, drop_pycache
+
+        config = StubConfig.from_args(args)
+        self.artifact = artifact = config.artifact
+        threads = config.threads
+        self.mode = config.params.get("precast_mode") or "tensor"
+        self.max_batch_size = config.max_batch_size
+        drop_pycache(__file__)  # (what the stub's import of this file wrote beside it)
         _verify(artifact)
         if self.mode == "llm":
             from precast.runtime.llm import Engine
 
-            num_blocks = int(params.get("precast_num_blocks") or 0) or None
+            num_blocks = int(config.params.get("precast_num_blocks") or 0) or None
             self.engine = Engine.load(artifact, num_blocks=num_blocks, threads=threads, verify=False)
             self.engine.start()
         else:
@@ -73,50 +67,16 @@ class TritonPythonModel:
             for request in requests:
                 self._submit(request)
             return None
-        responses = [None] * len(requests)
-        groups = {}  # (per-input dtype and shape past the batch dim) -> [(request index, feeds)]
-        for i, request in enumerate(requests):
-            feeds = {}
-            for name in self.input_names:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is None:
-                    responses[i] = _error(f"missing input '{name}'")
-                    break
-                feeds[name] = tensor.as_numpy()
-            if responses[i] is None:
-                batched = self.max_batch_size > 0 and all(a.ndim >= 1 for a in feeds.values())
-                key = (
-                    tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items())
-                    if batched
-                    else ("single", i)
-                )
-                groups.setdefault(key, []).append((i, feeds))
-        for members in groups.values():
-            self._run_group(members, responses)
-        return responses
+        from precast.runtime.triton_python import request_feeds, run_requests
 
-    def _run_group(self, members, responses):
-        from precast.runtime.errors import PrecastError
-
-        if len(members) > 1:
-            sizes = [next(iter(f.values())).shape[0] for _, f in members]
-            feeds = {n: np.concatenate([f[n] for _, f in members]) for n in self.input_names}
-            try:
-                outputs = self.model.run(feeds)
-            except PrecastError:
-                outputs = None  # one bad request: run them one by one so only it gets the error
-            if outputs is not None:
-                starts = np.cumsum([0] + sizes)
-                for (i, _), a, b in zip(members, starts[:-1], starts[1:]):
-                    responses[i] = self._response({n: v[a:b] for n, v in outputs.items()})
-                return
-        for i, feeds in members:
-            try:
-                responses[i] = self._response(self.model.run(feeds))
-            except PrecastError as e:
-                responses[i] = _error(str(e))
+        # (a request's error is its own response: a merged call that fails is rerun request by request)
+        feeds = request_feeds(requests, self.input_names, pb_utils.get_input_tensor_by_name)
+        results = run_requests(feeds, self.model.run, batched=self.max_batch_size > 0)
+        return [self._response(r) for r in results]
 
     def _response(self, outputs):
+        if isinstance(outputs, Exception):
+            return _error(str(outputs))
         tensors = [pb_utils.Tensor(n, np.ascontiguousarray(outputs[n])) for n in self.output_names]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 

@@ -15,9 +15,6 @@ Config parameters (config.pbtxt):
 """
 
 import dataclasses
-import json
-import shutil
-from pathlib import Path
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -27,29 +24,19 @@ def _error(message: str):
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
 
 
-def _first_line(e: Exception) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"
-
-
 class TritonPythonModel:
     def initialize(self, args):
         from precast.runtime.backends import create_session
         from precast.runtime.errors import ArtifactError, IntegrityError
         from precast.runtime.manifest import read_manifest, sha256_file
+        from precast.runtime.triton_python import StubConfig, drop_pycache
 
-        config = json.loads(args["model_config"])
-        params = {k: v.get("string_value", "") for k, v in (config.get("parameters") or {}).items()}
-        artifact = Path(params.get("precast_artifact") or "../..")
-        if not artifact.is_absolute():
-            artifact = (Path(args["model_repository"]) / artifact).resolve()
-        self.max_batch_size = int(config.get("max_batch_size", 0))
-        threads = int(params.get("precast_threads") or 0) or None
-        # The stub's import of this file wrote __pycache__ beside it (it ignores PYTHONDONTWRITEBYTECODE):
-        # remove it so the artifact stays exactly what its manifest lists (precast.runtime.load checks).
-        shutil.rmtree(Path(__file__).resolve().parent / "__pycache__", ignore_errors=True)
+        config = StubConfig.from_args(args)
+        artifact = config.artifact
+        self.max_batch_size = config.max_batch_size
+        drop_pycache(__file__)  # (what the stub's import of this file wrote beside it)
         manifest = read_manifest(artifact)
-        k = int(params.get("precast_stage", "-1"))
+        k = int(config.params.get("precast_stage", "-1"))
         stages = manifest.stages.stages if manifest.stages is not None else []
         if not 0 <= k < len(stages):
             raise ArtifactError(f"artifact {artifact}: no stage {k} in its manifest ({len(stages)} stages)")
@@ -63,53 +50,34 @@ class TritonPythonModel:
                 if sha256_file(artifact / rel) != digest:
                     raise IntegrityError(f"artifact {artifact}: file '{rel}' is missing or was modified")
         target = dataclasses.replace(manifest.target, model=self.stage.model)
-        self.session = create_session(artifact, target, threads=threads)
+        self.session = create_session(artifact, target, threads=config.threads)
 
-    # Requests of one dynamic batch run as one call when their shapes allow (as the whole-model python model).
+    # Requests of one dynamic batch run as one call when their shapes allow (as the whole-model python model);
+    # a request's error is its own response: a merged call that fails is rerun request by request.
     def execute(self, requests):
-        responses = [None] * len(requests)
-        groups = {}  # (per-input dtype and shape past the batch dim) -> [(request index, feeds)]
-        for i, request in enumerate(requests):
-            feeds = {}
-            for name in self.stage.inputs:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is None:
-                    responses[i] = _error(f"stage '{self.stage.model}': missing input '{name}'")
-                    break
-                feeds[name] = tensor.as_numpy()
-            if responses[i] is None:
-                batched = self.max_batch_size > 0 and all(a.ndim >= 1 for a in feeds.values())
-                key = tuple((n, a.dtype.str, a.shape[1:]) for n, a in feeds.items()) if batched else i
-                groups.setdefault(key, []).append((i, feeds))
-        for members in groups.values():
-            self._run_group(members, responses)
-        return responses
+        from precast.runtime.triton_python import request_feeds, run_requests
+
+        where = f"stage '{self.stage.model}'"
+        feeds = request_feeds(requests, self.stage.inputs, pb_utils.get_input_tensor_by_name, f"{where}: ")
+        results = run_requests(
+            feeds, self._run, batched=self.max_batch_size > 0, blame=lambda e: _rejected(where, e)
+        )
+        return [self._response(r) for r in results]
 
     def _run(self, feeds):
         return dict(zip(self.outputs, self.session.run(self.outputs, feeds)))
 
-    def _run_group(self, members, responses):
-        if len(members) > 1:
-            sizes = [next(iter(f.values())).shape[0] for _, f in members]
-            feeds = {n: np.concatenate([f[n] for _, f in members]) for n in self.stage.inputs}
-            try:
-                outputs = self._run(feeds)
-            except Exception:  # noqa: BLE001 - one bad request: run them one by one so only it fails
-                outputs = None
-            if outputs is not None:
-                starts = np.cumsum([0] + sizes)
-                for (i, _), a, b in zip(members, starts[:-1], starts[1:]):
-                    responses[i] = self._response({n: v[a:b] for n, v in outputs.items()})
-                return
-        for i, feeds in members:
-            try:
-                responses[i] = self._response(self._run(feeds))
-            except Exception as e:  # noqa: BLE001 - the request's error, not the model's
-                responses[i] = _error(f"stage '{self.stage.model}' rejected the request: {_first_line(e)}")
-
     def _response(self, outputs):
+        if isinstance(outputs, Exception):
+            return _error(str(outputs))
         tensors = [pb_utils.Tensor(n, np.ascontiguousarray(outputs[n])) for n in self.outputs]
         return pb_utils.InferenceResponse(output_tensors=tensors)
 
     def finalize(self):
         self.session = None
+
+
+def _rejected(where: str, e: Exception) -> Exception:
+    from precast.runtime.errors import InputError, first_line
+
+    return InputError(f"{where} rejected the request: {first_line(e, with_type=True)}")

@@ -1,26 +1,44 @@
 """The target interface and registry.
 
-A target turns an optimized ``onnx_ir.Model`` into files in an artifact directory and returns the
-manifest's ``target`` block, which tells the runtime how to run them.
+A target turns an optimized ``onnx_ir.Model`` into files in an artifact directory:
+
+    Target(options).build(model, out_dir, BuildContext) -> BuildResult(block, precision, stages, llm, io, ...)
+
+``BuildContext`` is everything the driver hands a build besides the model (the feeds the passes saw, their
+facts, the source's own lowerings); ``BuildResult`` is everything the driver reads back (the manifest's
+``target`` block, which tells the runtime how to run the files, and the rest). Nothing is set on the target.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import importlib
-import pkgutil
-import typing
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal, get_args, get_origin
+from typing import Any, ClassVar
 
+import numpy as np
 import onnx_ir as ir
 
-from precast.runtime.errors import UnknownTargetError, UsageError
+from precast.compiler.registry import PassContext, PassFacts, PluginTable
+from precast.options import Owner, describe, from_defaults, parse
+from precast.runtime.errors import UnknownTargetError
+from precast.runtime.llm_spec import LLMSpec
+from precast.runtime.progress import ProgressReporter
+from precast.runtime.schema import IOSignature
+from precast.runtime.stages_spec import StagesSpec
 from precast.runtime.target_blocks import TargetBlock
 
-__all__ = ["Target", "NoTargetOptions", "Availability", "register_target", "get_target", "all_targets"]
+__all__ = [
+    "Target",
+    "BuildContext",
+    "BuildResult",
+    "NoTargetOptions",
+    "Availability",
+    "register_target",
+    "get_target",
+    "all_targets",
+]
 
 
 @dataclass(frozen=True)
@@ -32,6 +50,46 @@ class NoTargetOptions:
 class Availability:
     ok: bool
     reason: str = ""
+
+
+Feeds = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What the driver hands ``Target.build`` besides the optimized model.
+
+    A target that calibrates (ort-qnn) reads the same feeds the passes saw; one that builds several static
+    shapes re-runs the pipeline per shape; one that ships its own lowering of the source (openvino's causal-lm
+    step graph) finds it by its name."""
+
+    pass_context: PassContext = field(default_factory=PassContext)  # sample/calibration feeds, progress
+    facts: PassFacts = field(default_factory=PassFacts)  # what the pipeline's passes learned (pin-dims' io)
+    lowerings: Mapping[str, Callable[..., Any]] = field(default_factory=dict)  # Source.lowerings
+    # The target's pipeline re-run on the source with other sample feeds (ort-qnn: one model per bucket size)
+    rerun_pipeline: Callable[[Feeds], ir.Model] | None = None
+
+    @property
+    def sample_feeds(self) -> Feeds:
+        return self.pass_context.sample_feeds or {}
+
+    @property
+    def progress(self) -> ProgressReporter:
+        return self.pass_context.progress
+
+
+@dataclass(frozen=True)
+class BuildResult:
+    """What a target's build hands back to the driver (nothing is set on the target object)."""
+
+    block: TargetBlock  # the manifest's target block
+    precision: str  # what the files compute in (openvino weights=int4: "int4"): the tolerance/budget to hold
+    stages: StagesSpec | None = None  # the manifest's stages block, when the build wrote stages
+    # A target that wrote its own lowering of the source (openvino causal-lm: a PagedAttention step graph):
+    # the manifest's llm block and io, in place of the ONNX graph's
+    llm: LLMSpec | None = None
+    io: IOSignature | None = None
+    calibration_used: bool = False  # the build calibrated on the user's --calibration data
 
 
 class Target:
@@ -55,41 +113,18 @@ class Target:
         if "Options" in cls.__dict__:
             cls.option_defaults = {f.name: f.default for f in dataclasses.fields(cls.Options)}
         elif "option_defaults" in cls.__dict__:
-            cls.Options = _options_from_defaults(cls.__name__, cls.option_defaults)
+            cls.Options = from_defaults(f"{cls.__name__}Options", cls.option_defaults)
 
     def __init__(self, options: Any = None):
         """``options``: an ``Options`` instance, or raw ``{key: "value"}`` strings (parsed as the CLI does)."""
-        typed = options if isinstance(options, self.Options) else self.parse_typed(options or {})
-        self.typed_options = typed
-        # The plain {key: value} view the target's build reads (and the cache key hashes).
-        self.options: dict[str, Any] = dataclasses.asdict(typed)
-        # The compile's PassContext (sample/calibration feeds), set by the driver before build().
-        self.context: Any = None
-        # The manifest's stages block (runtime.stages_spec.StagesSpec), set by build() when it wrote stages.
-        self.stages: Any = None
-        # Set by build() when the target wrote its own lowering of the source (openvino causal-lm: a
-        # PagedAttention step graph): the manifest's llm block (dict) and io ([inputs], [outputs]).
-        self.llm: Any = None
-        self.io: Any = None
+        # The frozen Options instance the build reads (``self.options.threads``): typed, no dict view
+        self.options: Any = options if isinstance(options, self.Options) else self.parse_typed(options or {})
 
     @classmethod
     def parse_typed(cls, raw: dict[str, str]) -> Any:
         """Raw ``key=value`` strings -> ``Options``; an unknown key or a bad value is a one-line UsageError
         naming the target, the option and (for a misspelt key) the closest option."""
-        fields = {f.name: hints for f, hints in _option_types(cls.Options)}
-        values = {}
-        for key, value in raw.items():
-            if key not in fields:
-                close = difflib.get_close_matches(key, list(fields), n=1)
-                hint = f"; did you mean '{close[0]}'?" if close else ""
-                raise UsageError(
-                    f"target '{cls.name}' has no option '{key}'{hint} (options: {', '.join(fields) or 'none'})"
-                )
-            values[key] = _convert(cls.name, key, value, fields[key])
-        try:
-            return cls.Options(**values)
-        except (TypeError, ValueError) as e:
-            raise UsageError(f"target '{cls.name}': {e}") from e
+        return parse(cls.Options, raw, Owner("target", cls.name))
 
     @classmethod
     def parse_options(cls, raw: dict[str, str]) -> dict[str, Any]:
@@ -98,10 +133,7 @@ class Target:
     @classmethod
     def describe_options(cls) -> dict[str, dict[str, Any]]:
         """{option: {default, type, help}} for ``precast targets``."""
-        return {
-            f.name: {"default": f.default, "type": _type_name(tp), "help": f.metadata.get("help", "")}
-            for f, tp in _option_types(cls.Options)
-        }
+        return describe(cls.Options)
 
     def check_options(self) -> None:
         """Checks across options (or of a value's form) that the types cannot say; raise UsageError.
@@ -115,69 +147,28 @@ class Target:
     def can_run(cls) -> Availability:
         return Availability(True)
 
-    def build(self, model: ir.Model, out_dir: Path) -> TargetBlock:
+    def build(self, model: ir.Model, out_dir: Path, ctx: BuildContext) -> BuildResult:
         """Write the target's files into ``out_dir``; return the manifest ``target`` block (the
-        runtime's record for the target's backend, runtime/target_blocks.py)."""
+        runtime's record for the target's backend, runtime/target_blocks.py) and what else the manifest needs."""
         raise NotImplementedError
 
-    def stand_in(self, out_dir: Path, block: TargetBlock):
+    def stand_in(self, out_dir: Path, built: BuildResult) -> Callable[[Feeds], Feeds] | None:
         """For artifacts that cannot run on the build host (a TensorRT build plan): a ``feeds -> outputs``
         callable the driver verifies instead, named in the block's ``verified_as``. None: load the artifact."""
         return None
 
 
-def _option_types(options_cls: type) -> list[tuple[dataclasses.Field, Any]]:
-    hints = typing.get_type_hints(options_cls)
-    return [(f, hints[f.name]) for f in dataclasses.fields(options_cls)]
-
-
-def _type_name(tp: Any) -> str:
-    if get_origin(tp) is Literal:
-        return "|".join(str(a) for a in get_args(tp))
-    return getattr(tp, "__name__", str(tp))
-
-
-def _options_from_defaults(owner: str, defaults: dict[str, Any]) -> type:
-    """A frozen Options dataclass whose field types are the defaults' types."""
-    fields = [(k, type(v), dataclasses.field(default=v)) for k, v in defaults.items()]
-    return dataclasses.make_dataclass(f"{owner}Options", fields, frozen=True)
-
-
-def _convert(target: str, key: str, raw: Any, tp: Any) -> Any:
-    """One ``--target-option`` value (a string on the CLI) to its declared type."""
-    where = f"target '{target}' option '{key}'"
-    if not isinstance(raw, str):
-        raw = str(raw).lower() if isinstance(raw, bool) else str(raw)
-    if get_origin(tp) is Literal:
-        choices = {str(a).lower(): a for a in get_args(tp)}
-        if raw.lower() not in choices:
-            close = difflib.get_close_matches(raw, [str(a) for a in get_args(tp)], n=1)
-            hint = f"; did you mean '{close[0]}'?" if close else ""
-            raise UsageError(f"{where} must be one of {_type_name(tp)}, got '{raw}'{hint}")
-        return choices[raw.lower()]
-    if tp is bool:
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise UsageError(f"{where} must be true or false, got '{raw}'")
-    if tp in (int, float):
-        try:
-            value = tp(raw)
-        except ValueError:
-            raise UsageError(f"{where} expects {tp.__name__}, got '{raw}'") from None
-        # Numeric target options are counts and sizes (threads, batch sizes, MB): never negative.
-        if not 0 <= value < float("inf"):
-            raise UsageError(f"{where} must be >= 0, got {raw}")
-        return value
-    return raw
-
-
-_TARGETS: dict[str, type[Target]] = {}
-_LOADED = False
+_TABLE: PluginTable[type[Target]] = PluginTable("precast.targets", skip=("base",))
+_TARGETS = _TABLE.classes
 
 
 def register_target(name: str):
+    # the one list of target names: the runtime's (which may not import this package)
+    from precast.runtime.hal import TARGET_NAMES
+
+    if name not in TARGET_NAMES:
+        raise ValueError(f"target '{name}' is not in precast.runtime.hal.TARGET_NAMES: add it there first")
+
     def deco(cls: type[Target]) -> type[Target]:
         cls.name = name
         _TARGETS[name] = cls
@@ -186,27 +177,12 @@ def register_target(name: str):
     return deco
 
 
-def _load_all() -> None:
-    global _LOADED
-    if _LOADED:
-        return
-    import precast.targets as pkg
-
-    for info in pkgutil.iter_modules(pkg.__path__):
-        if info.name not in ("base",) and not info.name.startswith("_"):
-            importlib.import_module(f"precast.targets.{info.name}")
-    _LOADED = True
-
-
 def all_targets() -> dict[str, type[Target]]:
-    _load_all()
-    return dict(sorted(_TARGETS.items()))
+    return _TABLE.all()
 
 
 def get_target(name: str) -> type[Target]:
-    _load_all()
-    if name in _TARGETS:
-        return _TARGETS[name]
-    close = difflib.get_close_matches(name, list(_TARGETS), n=1, cutoff=0.5)
-    hint = f"; did you mean '{close[0]}'?" if close else ""
-    raise UnknownTargetError(f"unknown target '{name}'{hint} (targets: {', '.join(_TARGETS)})")
+    return _TABLE.get(
+        name,
+        lambda hint: UnknownTargetError(f"unknown target '{name}'{hint} (targets: {', '.join(_TARGETS)})"),
+    )

@@ -13,16 +13,17 @@ hint decides what the device computes in (f32 by default so parity holds to fp32
 from __future__ import annotations
 
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import onnx_ir as ir
 
+from precast.options import opt
 from precast.runtime.errors import PassFailedError, UsageError, first_line
 from precast.runtime.openvino_backend import openvino_available
-from precast.runtime.target_blocks import OpenVINOBlock
-from precast.targets.base import Availability, Target, register_target
+from precast.targets.base import Availability, BuildContext, BuildResult, Target, register_target
+from precast.targets.openvino_llm import ir_block
 
 __all__ = ["OpenVINO"]
 
@@ -38,24 +39,17 @@ class OpenVINO(Target):
 
     @dataclass(frozen=True)
     class Options:
-        device: str = field(
-            default="CPU", metadata={"help": "OpenVINO device recorded for the runtime (CPU, GPU, NPU)"}
+        device: str = opt("CPU", "OpenVINO device recorded for the runtime (CPU, GPU, NPU)")
+        inference_precision: Literal["f32", "f16", "bf16"] = opt("f32", "OpenVINO's inference precision hint")
+        performance_hint: Literal["LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"] = opt(
+            "LATENCY", "OpenVINO's performance hint"
         )
-        inference_precision: Literal["f32", "f16", "bf16"] = field(
-            default="f32", metadata={"help": "OpenVINO's inference precision hint"}
+        weights: Literal["f32", "int8", "int4"] = opt(
+            "f32", "weight compression through NNCF (int4: symmetric, per group)"
         )
-        performance_hint: Literal["LATENCY", "THROUGHPUT", "CUMULATIVE_THROUGHPUT"] = field(
-            default="LATENCY", metadata={"help": "OpenVINO's performance hint"}
-        )
-        weights: Literal["f32", "int8", "int4"] = field(
-            default="f32", metadata={"help": "weight compression through NNCF (int4: symmetric, per group)"}
-        )
-        group_size: int = field(
-            default=128, metadata={"help": "int4 weights: columns per scale (e.g. 128, 32)"}
-        )
-        kv_cache_precision: Literal["f32", "f16", "u8"] = field(
-            default="f32",
-            metadata={"help": "causal-lm: the paged KV cache's precision (u8: per-block scales)"},
+        group_size: int = opt(128, "int4 weights: columns per scale (e.g. 128, 32)")
+        kv_cache_precision: Literal["f32", "f16", "u8"] = opt(
+            "f32", "causal-lm: the paged KV cache's precision (u8: per-block scales)"
         )
 
     @classmethod
@@ -72,27 +66,28 @@ class OpenVINO(Target):
         return Availability(ok, why)
 
     def check_options(self) -> None:
-        if self.options["group_size"] < 1:
+        if self.options.group_size < 1:
             raise UsageError(
-                f"target 'openvino' option group_size must be >= 1, got {self.options['group_size']}"
+                f"target 'openvino' option group_size must be >= 1, got {self.options.group_size}"
             )
 
-    def build(self, model: ir.Model, out_dir: Path) -> OpenVINOBlock:
+    def build(self, model: ir.Model, out_dir: Path, ctx: BuildContext) -> BuildResult:
         import openvino as ov
 
-        prec, hint = self.options["inference_precision"], self.options["performance_hint"].upper()
+        o = self.options
+        prec, hint = o.inference_precision, o.performance_hint.upper()
         if prec not in _PRECISIONS:
             raise UsageError(
                 f"target 'openvino' option inference_precision must be one of {', '.join(_PRECISIONS)}"
             )
         if hint not in _HINTS:
             raise UsageError(f"target 'openvino' option performance_hint must be one of {', '.join(_HINTS)}")
-        lowering = (getattr(self.context, "extra", None) or {}).get("lowerings", {}).get("openvino")
+        lowering = ctx.lowerings.get("openvino")
         if lowering is not None:  # a causal LM: its own step graph over OpenVINO's PagedAttention
             from precast.targets.openvino_llm import build_causal_lm
 
-            return build_causal_lm(self, lowering, out_dir)
-        if self.options["kv_cache_precision"] != "f32":
+            return build_causal_lm(self, lowering, out_dir, ctx.progress)
+        if o.kv_cache_precision != "f32":
             raise UsageError("target 'openvino' option kv_cache_precision applies to --task causal-lm only")
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             src = Path(tmp) / "model.onnx"
@@ -105,27 +100,19 @@ class OpenVINO(Target):
                 ) from e
             from precast.targets.openvino_llm import compress_weights
 
-            ov_model = compress_weights(ov_model, self.options["weights"], self.options["group_size"])
+            ov_model = compress_weights(ov_model, o.weights, o.group_size)
             ov.save_model(ov_model, str(out_dir / "model.xml"), compress_to_fp16=False)
-        if self.options["weights"] != "f32":
-            self.precision = self.options["weights"]  # held to the accuracy budget
-        return OpenVINOBlock(
-            name=self.name,
-            backend="openvino",
-            model="model.xml",
-            weights="model.bin",
-            device=self.options["device"],
-            precision=_PRECISIONS[prec] if self.options["weights"] == "f32" else self.options["weights"],
-            config={"INFERENCE_PRECISION_HINT": prec, "PERFORMANCE_HINT": hint},
-            requires={"openvino": ov.get_version().split("-")[0]},
+        block = ir_block(
+            self.name, o, _PRECISIONS[prec] if o.weights == "f32" else o.weights, {"PERFORMANCE_HINT": hint}
         )
+        # compressed weights are held to the accuracy budget, not to fp32 tolerances
+        return BuildResult(block, o.weights if o.weights != "f32" else self.precision)
 
-    def stand_in(self, out_dir: Path, block: OpenVINOBlock):
+    def stand_in(self, out_dir: Path, built: BuildResult):
         """A causal-lm step IR is verified on the compile's sample step (the ort-cpu contract) through the
         runtime's OVStepRunner (runtime/llm/ov_contract.py); other IR loads as a user would."""
-        if self.llm is None:
+        if built.llm is None:
             return None
         from precast.runtime.llm.ov_contract import ContractStep
-        from precast.runtime.llm_spec import LLMSpec
 
-        return ContractStep(out_dir, block, LLMSpec.from_json(self.llm, f"target {self.name}"))
+        return ContractStep(out_dir, built.block, built.llm)

@@ -11,13 +11,19 @@ gives logits and every new K/V row for the torch reference; ``precast verify`` r
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from precast.runtime.errors import PassFailedError, UsageError, first_line
+from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.manifest import TensorSpec
+from precast.runtime.progress import ProgressReporter
+from precast.runtime.schema import IOSignature
 from precast.runtime.target_blocks import OpenVINOBlock
+from precast.targets.base import BuildResult, Target
 
-__all__ = ["build_causal_lm", "compress_weights", "step_io"]
+__all__ = ["build_causal_lm", "compress_weights", "ir_block", "step_io"]
 
 KV_PRECISIONS = {"f32": "float32", "f16": "float16", "u8": "uint8"}
 
@@ -62,45 +68,58 @@ def step_io(llm: dict, kv: str) -> tuple[list[TensorSpec], list[TensorSpec]]:
     return ints + pools, [TensorSpec("logits", "float32", ("batch", llm["vocab"]))]
 
 
-def build_causal_lm(target, lowering, out_dir: Path) -> OpenVINOBlock:
-    """The step IR from the source's OpenVINO lowering; sets ``target.llm`` / ``target.io`` for the manifest."""
+def ir_block(name: str, opts: Any, precision: str, config: dict[str, str]) -> OpenVINOBlock:
+    """The block of an IR at model.xml/.bin: ``opts`` (the target's Options) give the device and the
+    inference precision hint, ``config`` the rest of OpenVINO's compile config."""
+    import openvino as ov
+
+    return OpenVINOBlock(
+        name=name,
+        backend="openvino",
+        model="model.xml",
+        weights="model.bin",
+        device=opts.device,
+        precision=precision,
+        config={"INFERENCE_PRECISION_HINT": opts.inference_precision, **config},
+        requires={"openvino": ov.get_version().split("-")[0]},
+    )
+
+
+def build_causal_lm(
+    target: Target, lowering: Callable, out_dir: Path, progress: ProgressReporter | None = None
+) -> BuildResult:
+    """The step IR from the source's OpenVINO lowering, with its own llm block and io for the manifest."""
     import openvino as ov
 
     opts = target.options
-    kv, weights = opts["kv_cache_precision"], opts["weights"]
-    if opts["inference_precision"] == "bf16" and kv == "f32":  # (before minutes of export)
+    kv, weights, prec = opts.kv_cache_precision, opts.weights, opts.inference_precision
+    if prec == "bf16" and kv == "f32":  # (before minutes of export)
         raise UsageError(
             "target 'openvino': inference_precision=bf16 needs kv_cache_precision=u8 or f16 (OpenVINO's "
             "PagedAttention computing in bf16 refuses an f32 cache on a CPU with bf16)"
         )
-    progress = getattr(target.context, "progress", None)
     model, llm = lowering(progress)
-    model = compress_weights(model, weights, int(opts["group_size"]))
+    model = compress_weights(model, weights, int(opts.group_size))
     from precast.compiler.ov_decoder import open_cache_inputs
 
     open_cache_inputs(model)
     ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=False)
-    target.llm = llm
-    target.io = step_io(llm, kv)
-    prec = opts["inference_precision"]
+    precision = target.precision
     if weights != "f32":
-        target.precision = weights  # held to the accuracy budget, not to fp32 tolerances
+        precision = weights  # held to the accuracy budget, not to fp32 tolerances
     elif prec != "f32":  # bf16 / f16 compute: also budget-held (bf16 keeps 8 mantissa bits)
-        target.precision = {"bf16": "bf16", "f16": "fp16"}[prec]
-    return OpenVINOBlock(
-        name=target.name,
-        backend="openvino",
-        model="model.xml",
-        weights="model.bin",
-        device=opts["device"],
-        precision=target.precision if weights == "f32" else weights,
-        config={
-            "INFERENCE_PRECISION_HINT": prec,
-            "KV_CACHE_PRECISION": kv,
-            "PERFORMANCE_HINT": opts["performance_hint"].upper(),
-            # Pinned workers on a shared host wait for cores others hold: measured on a loaded 2-core host,
-            # pinned 47 ms vs unpinned 5.6 ms per b1 decode step, 1.3 s vs 74 ms for a 128-token prefill.
-            "ENABLE_CPU_PINNING": "NO",
-        },
-        requires={"openvino": ov.get_version().split("-")[0]},
+        precision = {"bf16": "bf16", "f16": "fp16"}[prec]
+    config = {
+        "KV_CACHE_PRECISION": kv,
+        "PERFORMANCE_HINT": opts.performance_hint.upper(),
+        # Pinned workers on a shared host wait for cores others hold: measured on a loaded 2-core host,
+        # pinned 47 ms vs unpinned 5.6 ms per b1 decode step, 1.3 s vs 74 ms for a 128-token prefill.
+        "ENABLE_CPU_PINNING": "NO",
+    }
+    inputs, outputs = step_io(llm, kv)
+    return BuildResult(
+        ir_block(target.name, opts, precision, config),
+        precision,
+        llm=LLMSpec.from_json(llm, f"target {target.name}"),
+        io=IOSignature(tuple(inputs), tuple(outputs)),
     )

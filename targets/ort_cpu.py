@@ -9,17 +9,19 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import onnx_ir as ir
 
+from precast.options import opt
 from precast.runtime.backends import ort_session_options
+from precast.runtime.stages_spec import StagesSpec
 from precast.runtime.target_blocks import OrtBlock, SessionSettings
-from precast.targets.base import Target, register_target
+from precast.targets.base import BuildContext, BuildResult, Target, register_target
 
-__all__ = ["OrtCpu", "save_onnx", "save_model"]
+__all__ = ["OrtCpu", "save_onnx", "save_model", "ort_offline_optimize", "cpu_block_fields"]
 
 _EXTERNAL_THRESHOLD = 1 << 30  # bytes of initializers above which weights go to model.onnx.data
 
@@ -41,24 +43,52 @@ def save_onnx(model: ir.Model, path: Path) -> list[str]:
     return [path.name]
 
 
-def save_model(model: ir.Model, out_dir: Path, target: Target, offline=None) -> str | None:
+def ort_offline_optimize(path: Path, level: str) -> None:
+    """Rewrite the single-file model at ``path`` with ONNX Runtime's own graph optimizations at ``level``
+    (a portable one: none|basic|extended), as a CPU session would apply them at load."""
+    import onnxruntime as ort
+
+    so = ort_session_options(SessionSettings(graph_optimization_level=level))
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        optimized = Path(tmp) / "opt.onnx"
+        so.optimized_model_filepath = str(optimized)
+        ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
+        os.replace(optimized, path)
+
+
+def save_model(model: ir.Model, out_dir: Path, level: str = "none") -> tuple[str | None, StagesSpec | None]:
     """The shared save path: ``model.onnx``, or for a split-stages model ``stages/stage_<k>.onnx`` (each
-    with external data past the threshold, as model.onnx) and ``target.stages`` set to the manifest's block.
-    ``offline(path)``: a rewrite applied to each single-file model written (ONNX Runtime's offline level).
-    Returns the block's ``model`` (None for stages: the stages block names the files)."""
+    with external data past the threshold, as model.onnx). ``level``: ONNX Runtime's offline optimization,
+    applied to each single-file model written. Returns the block's ``model`` (None for stages: the stages
+    block names the files) and the manifest's stages block (None for one model)."""
     from precast.compiler.stages import is_staged, write_stages
 
     def save(m: ir.Model, path: Path) -> list[str]:
         files = save_onnx(m, path)
-        if offline is not None and len(files) == 1:
-            offline(path)
+        if level != "none" and len(files) == 1:
+            ort_offline_optimize(path, level)
         return files
 
     if is_staged(model):
-        target.stages = write_stages(model, out_dir, save)
-        return None
+        return None, write_stages(model, out_dir, save)
     save(model, out_dir / "model.onnx")
-    return "model.onnx"
+    return "model.onnx", None
+
+
+def cpu_block_fields(
+    target: Target, model: str | None, *, graph_level: str, threads: int, offline_level: str
+) -> dict[str, Any]:
+    """The fields of every block that runs a saved model on ONNX Runtime's CPU provider (ort-cpu's, and
+    triton's, whose manifest runs the very file Triton serves)."""
+    return {
+        "name": target.name,
+        "model": model,
+        "providers": ["CPUExecutionProvider"],
+        "device": "cpu",
+        "precision": target.precision,
+        "session": SessionSettings(graph_optimization_level=graph_level, intra_op_num_threads=threads),
+        "offline_ort_level": offline_level,
+    }
 
 
 @register_target("ort-cpu")
@@ -78,45 +108,24 @@ class OrtCpu(Target):
 
     @dataclass(frozen=True)
     class Options:
-        ort_level: Literal["none", "basic", "extended"] = field(
-            default="none",
-            metadata={"help": "ONNX Runtime's graph optimizations applied offline (portable levels)"},
+        ort_level: Literal["none", "basic", "extended"] = opt(
+            "none", "ONNX Runtime's graph optimizations applied offline (portable levels)"
         )
-        threads: int = field(
-            default=0, metadata={"help": "intra-op threads at load (0: ONNX Runtime's default)"}
-        )
-        runtime_level: Literal["disable", "basic", "extended", "all"] = field(
-            default="all", metadata={"help": "graph_optimization_level of the session at load"}
+        threads: int = opt(0, "intra-op threads at load (0: ONNX Runtime's default)")
+        runtime_level: Literal["disable", "basic", "extended", "all"] = opt(
+            "all", "graph_optimization_level of the session at load"
         )
 
-    def build(self, model: ir.Model, out_dir: Path) -> OrtBlock:
-        level = self.options["ort_level"]
-        if level not in ("none", "basic", "extended"):
+    def build(self, model: ir.Model, out_dir: Path, ctx: BuildContext) -> BuildResult:
+        o = self.options
+        if o.ort_level not in ("none", "basic", "extended"):
             from precast.runtime.errors import UsageError
 
-            raise UsageError(f"target 'ort-cpu' option ort_level must be none|basic|extended, got '{level}'")
-        offline = None if level == "none" else (lambda path: self._ort_offline_optimize(path, level))
-        rel = save_model(model, out_dir, self, offline=offline)
-        return OrtBlock(
-            name=self.name,
-            model=rel,
-            providers=["CPUExecutionProvider"],
-            device="cpu",
-            precision=self.precision,
-            session=SessionSettings(
-                graph_optimization_level=self.options["runtime_level"],
-                intra_op_num_threads=int(self.options["threads"]),
-            ),
-            offline_ort_level=level,
+            raise UsageError(
+                f"target 'ort-cpu' option ort_level must be none|basic|extended, got '{o.ort_level}'"
+            )
+        rel, stages = save_model(model, out_dir, o.ort_level)
+        fields = cpu_block_fields(
+            self, rel, graph_level=o.runtime_level, threads=int(o.threads), offline_level=o.ort_level
         )
-
-    @staticmethod
-    def _ort_offline_optimize(path: Path, level: str) -> None:
-        import onnxruntime as ort
-
-        so = ort_session_options(SessionSettings(graph_optimization_level=level))
-        with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-            optimized = Path(tmp) / "opt.onnx"
-            so.optimized_model_filepath = str(optimized)
-            ort.InferenceSession(str(path), sess_options=so, providers=["CPUExecutionProvider"])
-            os.replace(optimized, path)
+        return BuildResult(OrtBlock(**fields), self.precision, stages=stages)

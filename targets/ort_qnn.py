@@ -25,14 +25,11 @@ feeds. A pipeline that already quantizes (a ``quantize-int8{mode=static,format=q
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import io
-import logging
 import re
 import tempfile
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -40,8 +37,11 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from precast.compiler.calibration import FeedsReader, calibration_batches
+from precast.compiler.calibration import FeedsReader, calibration_batches, used_user_data
 from precast.compiler.isolated import run_isolated
+from precast.compiler.registry import PassContext
+from precast.options import opt
+from precast.passes._quantize_common import quiet
 from precast.runtime.ep_plugin import plugin_available
 from precast.runtime.errors import (
     NativeCrashError,
@@ -51,9 +51,8 @@ from precast.runtime.errors import (
     UsageError,
     first_line,
 )
-from precast.runtime.progress import SILENT
 from precast.runtime.target_blocks import EPPlugin, QnnBlock, SessionSettings
-from precast.targets.base import Availability, Target, register_target
+from precast.targets.base import Availability, BuildContext, BuildResult, Target, register_target
 
 __all__ = ["OrtQnn"]
 
@@ -69,19 +68,6 @@ def _version(pkg: str) -> str:
         return metadata.version(pkg)
     except metadata.PackageNotFoundError:
         return "missing"
-
-
-@contextlib.contextmanager
-def _quiet():
-    # ORT's quantizer prints "consider pre-processing" warnings through the root logger for every model.
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            yield
-    finally:
-        root.setLevel(level)
 
 
 def _has_qdq(model: onnx.ModelProto) -> bool:
@@ -121,33 +107,26 @@ class OrtQnn(Target):
 
     @dataclass(frozen=True)
     class Options:
-        activations: Literal["u16", "u8"] = field(
-            default="u16", metadata={"help": "activation quantization type (u16: A16, the accurate default)"}
+        activations: Literal["u16", "u8"] = opt(
+            "u16", "activation quantization type (u16: A16, the accurate default)"
         )
-        weights: Literal["auto", "u8", "int16"] = field(
-            default="auto",
-            metadata={
-                "help": f"auto: uint8, int16 for weights whose uint8 SQNR is below {WIDE_BELOW_DB:g} dB"
-            },
+        weights: Literal["auto", "u8", "int16"] = opt(
+            "auto", f"auto: uint8, int16 for weights whose uint8 SQNR is below {WIDE_BELOW_DB:g} dB"
         )
-        htp_arch: str = field(
-            default="73", metadata={"help": "HTP arch: 68, 69, 73 (8 Gen 2 / X Elite), 75, 79, 81"}
+        htp_arch: str = opt("73", "HTP arch: 68, 69, 73 (8 Gen 2 / X Elite), 75, 79, 81")
+        soc_model: str = opt("0", "QNN SoC model (0: let QNN pick; 57 = SM8550)")
+        shapes: str = opt("", "NAME=2x8;... (default: the sample feeds' shapes)")
+        timeout_s: int = opt(900, "seconds per vendor step in its child process")
+        buckets: str = opt(
+            "",
+            "sequence lengths, e.g. 64,128: one static model each; the runtime runs the smallest that fits",
         )
-        soc_model: str = field(default="0", metadata={"help": "QNN SoC model (0: let QNN pick; 57 = SM8550)"})
-        shapes: str = field(default="", metadata={"help": "NAME=2x8;... (default: the sample feeds' shapes)"})
-        timeout_s: int = field(default=900, metadata={"help": "seconds per vendor step in its child process"})
-        buckets: str = field(
-            default="",
-            metadata={
-                "help": "sequence lengths, e.g. 64,128: one static model each; the runtime runs the smallest that fits"
-            },
-        )
-        bucket_dim: str = field(default="sequence", metadata={"help": "the symbolic input dim buckets size"})
+        bucket_dim: str = opt("sequence", "the symbolic input dim buckets size")
 
     def check_options(self) -> None:
-        if self.options["weights"] == "int16" and self.options["activations"] == "u8":
+        if self.options.weights == "int16" and self.options.activations == "u8":
             raise UsageError("target 'ort-qnn': weights=int16 needs activations=u16 (the HTP has no A8W16)")
-        parse_shapes(self.options["shapes"])
+        parse_shapes(self.options.shapes)
         self._bucket_sizes()
 
     @classmethod
@@ -159,26 +138,23 @@ class OrtQnn(Target):
     def can_run(cls) -> Availability:
         return cls.can_build()
 
-    def build(self, model: ir.Model, out_dir: Path) -> QnnBlock:
+    def build(self, model: ir.Model, out_dir: Path, ctx: BuildContext) -> BuildResult:
         sizes = self._bucket_sizes()
         if not sizes:
-            return self._build_one(model, out_dir, "model.onnx")
-        dim = self.options["bucket_dim"]
-        axes = self._bucket_axes(dim)
-        inputs = {k: a for k, a in axes.items() if k in (self.context.sample_feeds or {})}
+            block, used = self._build_one(model, out_dir, "model.onnx", ctx.pass_context)
+            return BuildResult(block, self.precision, calibration_used=used)
+        dim = self.options.bucket_dim
+        axes = self._bucket_axes(dim, ctx)
+        inputs = {k: a for k, a in axes.items() if k in ctx.sample_feeds}
         outputs = {k: a for k, a in axes.items() if k not in inputs}
-        context, blocks, models = self.context, {}, {}
-        try:
-            for size in sizes:
-                models[size] = "model.onnx" if size == sizes[-1] else f"model_{dim}{size}.onnx"
-                self.context = _context_at(context, inputs, size)
-                pinned = self._pinned_size(model, inputs)
-                at_size = (
-                    model if pinned == size else context.extra["run_pipeline"](self.context.sample_feeds)
-                )
-                blocks[size] = self._build_one(at_size, out_dir, models[size])
-        finally:
-            self.context = context
+        blocks, models, used = {}, {}, False
+        for size in sizes:
+            models[size] = "model.onnx" if size == sizes[-1] else f"model_{dim}{size}.onnx"
+            at = _context_at(ctx.pass_context, inputs, size)  # the feeds padded or cut to this size
+            pinned = self._pinned_size(model, inputs)
+            at_size = model if pinned == size else ctx.rerun_pipeline(at.sample_feeds)
+            blocks[size], used_here = self._build_one(at_size, out_dir, models[size], at)
+            used = used or used_here
         block = blocks[sizes[-1]]
         buckets = {
             "dim": dim,
@@ -189,10 +165,11 @@ class OrtQnn(Target):
             "placement": {str(s): blocks[s].placement for s in sizes},
         }
         notes = [*block.notes, f"sequence buckets {sizes} ({dim}): one EP-context model each"]
-        return dataclasses.replace(block, buckets=buckets, notes=notes)
+        block = dataclasses.replace(block, buckets=buckets, notes=notes)
+        return BuildResult(block, self.precision, calibration_used=used)
 
     def _bucket_sizes(self) -> list[int]:
-        text = str(self.options["buckets"]).strip()
+        text = self.options.buckets.strip()
         if not text:
             return []
         try:
@@ -203,13 +180,14 @@ class OrtQnn(Target):
             raise UsageError(f"target 'ort-qnn' option buckets: expected sizes like 64,128, got '{text}'")
         return sizes
 
-    def _bucket_axes(self, dim: str) -> dict[str, int]:
+    @staticmethod
+    def _bucket_axes(dim: str, ctx: BuildContext) -> dict[str, int]:
         """Input / output name -> the axis of symbolic dim ``dim`` (read by pin-dims before it pinned)."""
-        io = (self.context.extra if self.context else {}).get("symbolic_io")
-        if io is None or "run_pipeline" not in self.context.extra:
+        io = ctx.facts.symbolic_io
+        if io is None or ctx.rerun_pipeline is None:
             raise UsageError("target 'ort-qnn' option buckets needs a pipeline that starts with pin-dims")
         axes = {name: shape.index(dim) for name, shape in io.items() if dim in shape}
-        if not any(name in (self.context.sample_feeds or {}) for name in axes):
+        if not any(name in ctx.sample_feeds for name in axes):
             dims = sorted({d for shape in io.values() for d in shape if isinstance(d, str)})
             raise UsageError(
                 f"target 'ort-qnn' option buckets: no input has a dim '{dim}' (symbolic dims: "
@@ -224,20 +202,25 @@ class OrtQnn(Target):
                 return value.shape[inputs[value.name]]
         return None
 
-    def _build_one(self, model: ir.Model, out_dir: Path, filename: str) -> QnnBlock:
+    def _build_one(
+        self, model: ir.Model, out_dir: Path, filename: str, data: PassContext
+    ) -> tuple[QnnBlock, bool]:
+        """One EP-context model at ``filename``, calibrated on ``data``'s feeds; and whether that was the
+        user's --calibration data."""
         proto = ir.serde.serialize_model(model)
+        used = False
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
             tmpdir = Path(tmp)
             quantization: dict = {"format": "QDQ", "by": "pipeline (quantize pass; see its stats)"}
             if not _has_qdq(proto):
-                proto, info = self._quantize(model, proto, tmpdir)
+                proto, info, used = self._quantize(model, proto, tmpdir, data)
                 quantization = {"format": "QDQ", "by": "ort-qnn build (onnxruntime QNN recipe)", **info}
-            shapes = self._static_shapes(proto)
+            shapes = self._static_shapes(proto, data.sample_feeds or {})
             proto = _fix_shapes(proto, shapes)
             onnx.save(proto, tmpdir / "static_qdq.onnx")
             placement = self._check_placement(tmpdir / "static_qdq.onnx")
             self._compile(tmpdir / "static_qdq.onnx", out_dir / filename)
-        return QnnBlock(
+        block = QnnBlock(
             name=self.name,
             model=filename,
             providers=[EP],
@@ -248,7 +231,7 @@ class OrtQnn(Target):
             session=SessionSettings(config={"session.disable_cpu_ep_fallback": "1"}),
             static_shapes=shapes,
             quantization=quantization,
-            htp={"arch": self.options["htp_arch"], "soc_model": self.options["soc_model"]},
+            htp={"arch": self.options.htp_arch, "soc_model": self.options.soc_model},
             placement=placement,
             requires={
                 "onnxruntime": _version("onnxruntime"),
@@ -259,37 +242,38 @@ class OrtQnn(Target):
                 f"placement check: {placement['on_htp']} of {placement['nodes']} nodes on the HTP"
             ],
         )
+        return block, used
 
-    def _calibration(self, model: ir.Model) -> tuple[list[dict[str, np.ndarray]], str]:
+    @staticmethod
+    def _calibration(model: ir.Model, data: PassContext) -> tuple[list[dict[str, np.ndarray]], str, bool]:
+        """The batches, how the manifest describes them, and whether they are the user's --calibration data."""
         from precast.compiler.parity import io_signature
 
-        if self.context is None:
-            raise UsageError("target 'ort-qnn' needs calibration data: pass --calibration feeds.npz")
-        batches, source = calibration_batches(self.context, io_signature(model)[0])
+        batches, source = calibration_batches(data, io_signature(model)[0])
         how = {
             "calibration": f"calibration data ({len(batches)} batches)",
             "calibration-sentences": f"built-in sentences, tokenized and padded ({len(batches)} batches)",
             "sample-feeds": f"sample feeds ({len(batches)} batches, a padded mask copy included; "
             "pass --calibration for representative ranges)",
         }
-        return batches, how.get(source, source)
+        return batches, how.get(source, source), used_user_data(source)
 
     def _quantize(
-        self, model: ir.Model, proto: onnx.ModelProto, tmpdir: Path
-    ) -> tuple[onnx.ModelProto, dict]:
+        self, model: ir.Model, proto: onnx.ModelProto, tmpdir: Path, data: PassContext
+    ) -> tuple[onnx.ModelProto, dict, bool]:
         from onnxruntime.quantization import QuantType, quantize
         from onnxruntime.quantization.execution_providers.qnn import get_qnn_qdq_config
 
         self.check_options()
-        activations, weights = self.options["activations"], self.options["weights"]
-        batches, how = self._calibration(model)
+        activations, weights = self.options.activations, self.options.weights
+        batches, how, used = self._calibration(model, data)
         wide = wide_weights(proto, weights if activations == "u16" else "u8")
         src, dst = tmpdir / "fp32.onnx", tmpdir / "qdq.onnx"
         onnx.save(proto, src)
-        reader = FeedsReader(batches, getattr(self.context, "progress", SILENT))
+        reader = FeedsReader(batches, data.progress)
         overrides = {name: [{"quant_type": QuantType.QInt16, "symmetric": True}] for name in wide}
         try:
-            with _quiet():
+            with quiet():
                 config = get_qnn_qdq_config(
                     str(src),
                     reader,
@@ -306,13 +290,12 @@ class OrtQnn(Target):
             "int16_weights": sorted(wide),
             "calibration": how,
         }
-        return onnx.load(str(dst)), info
+        return onnx.load(str(dst)), info, used
 
-    def _static_shapes(self, proto: onnx.ModelProto) -> dict[str, list[int]]:
+    def _static_shapes(self, proto: onnx.ModelProto, sample: dict) -> dict[str, list[int]]:
         inits = {i.name for i in proto.graph.initializer}
         names = [i.name for i in proto.graph.input if i.name not in inits]
-        given = parse_shapes(self.options["shapes"])
-        sample = getattr(self.context, "sample_feeds", None) or {}
+        given = parse_shapes(self.options.shapes)
         shapes = {}
         for name in names:
             if name in given:
@@ -331,13 +314,13 @@ class OrtQnn(Target):
         return shapes
 
     def _provider_options(self) -> dict[str, str]:
-        return {"htp_arch": self.options["htp_arch"], "soc_model": self.options["soc_model"]}
+        return {"htp_arch": self.options.htp_arch, "soc_model": self.options.soc_model}
 
     def _isolated(self, entry: str, stage: str, payload: dict):
         """Run a QNN step in a child; a crash or hang is exit 5 naming the stage and QNN's refused nodes."""
         what = f"target 'ort-qnn' stage '{stage}'"
         try:
-            return what, run_isolated(entry, payload, what=what, timeout=self.options["timeout_s"])
+            return what, run_isolated(entry, payload, what=what, timeout=self.options.timeout_s)
         except NativeCrashError as e:
             refused = unsupported_in_log(e.stderr_tail)
             msg = f"{e.message}; QNN listed {_refused(refused)}" if refused else e.message
@@ -467,7 +450,7 @@ def _precision(q: dict) -> str:
     return f" ({q['activations']} activations, {q['weights']} weights)"
 
 
-def _context_at(context, inputs: dict[str, int], size: int):
+def _context_at(context: PassContext, inputs: dict[str, int], size: int) -> PassContext:
     """The pass context at one bucket size: sample and calibration feeds padded (mask 0) or cut to ``size``."""
     from precast.runtime.buckets import pad_to
 

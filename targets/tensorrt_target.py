@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
@@ -23,11 +23,12 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from precast.options import opt
 from precast.runtime.errors import UsageError
 from precast.runtime.target_blocks import TensorRTBlock
 from precast.runtime.tensorrt_backend import tensorrt_available
 from precast.targets import trt_engine_builder
-from precast.targets.base import Availability, Target, register_target
+from precast.targets.base import Availability, BuildContext, BuildResult, Target, register_target
 
 __all__ = ["TensorRT", "parse_profile"]
 
@@ -84,15 +85,10 @@ class TensorRT(Target):
 
     @dataclass(frozen=True)
     class Options:
-        precision: Literal["fp32", "fp16", "bf16", "int8", "fp8"] = field(
-            default="fp16", metadata={"help": "engine precision"}
-        )
-        profile: str = field(
-            default="",
-            metadata={"help": "optimization profile, NAME=MIN:OPT:MAX;... (default: from the sample feeds)"},
-        )
-        workspace_mb: int = field(default=4096, metadata={"help": "builder workspace in MB"})
-        timing_cache: str = field(default="", metadata={"help": "timing cache file to read and update"})
+        precision: Literal["fp32", "fp16", "bf16", "int8", "fp8"] = opt("fp16", "engine precision")
+        profile: str = opt("", "optimization profile, NAME=MIN:OPT:MAX;... (default: from the sample feeds)")
+        workspace_mb: int = opt(4096, "builder workspace in MB")
+        timing_cache: str = opt("", "timing cache file to read and update")
 
     @classmethod
     def can_build(cls) -> Availability:
@@ -105,15 +101,19 @@ class TensorRT(Target):
         ok, why = tensorrt_available()
         return Availability(ok, why)
 
-    def build(self, model: ir.Model, out_dir: Path) -> TensorRTBlock:
-        precision = self.options["precision"]
+    def build(self, model: ir.Model, out_dir: Path, ctx: BuildContext) -> BuildResult:
+        return BuildResult(self._build(model, out_dir, ctx.sample_feeds), self.precision)
+
+    def _build(self, model: ir.Model, out_dir: Path, sample: dict) -> TensorRTBlock:
+        o = self.options
+        precision = o.precision
         if precision not in _PRECISIONS:
             raise UsageError(f"target 'tensorrt' option precision must be one of {', '.join(_PRECISIONS)}")
         prepared_with = prepare_onnx(model, out_dir / "model.onnx")
         plan = {
             "precision": precision,
-            "workspace_mb": int(self.options["workspace_mb"]),
-            "profiles": self._profiles(out_dir / "model.onnx"),
+            "workspace_mb": int(o.workspace_mb),
+            "profiles": self._profiles(out_dir / "model.onnx", sample),
             "prepared_with": prepared_with,
             "engine_tolerance": _ENGINE_TOL[precision],
         }
@@ -126,7 +126,7 @@ class TensorRT(Target):
         }
         ok, why = tensorrt_available()
         if ok:
-            cache = Path(self.options["timing_cache"]) if self.options["timing_cache"] else None
+            cache = Path(o.timing_cache) if o.timing_cache else None
             lock = trt_engine_builder.build_engine(
                 out_dir / "model.onnx", plan, out_dir / "model.engine", cache
             )
@@ -150,9 +150,10 @@ class TensorRT(Target):
             ],
         )
 
-    def stand_in(self, out_dir: Path, block: TensorRTBlock):
+    def stand_in(self, out_dir: Path, built: BuildResult):
         """A build plan cannot run here: the driver verifies its prepared ONNX on ONNX Runtime's CPU EP."""
-        if not block.is_plan:
+        block = built.block
+        if not isinstance(block, TensorRTBlock) or not block.is_plan:
             return None
         import onnxruntime as ort
 
@@ -160,10 +161,10 @@ class TensorRT(Target):
         names = [o.name for o in sess.get_outputs()]
         return lambda feeds: dict(zip(names, sess.run(names, dict(feeds))))
 
-    def _profiles(self, onnx_path: Path) -> dict[str, dict[str, list[int]]]:
-        """One optimization profile: per input, min/opt/max shapes; symbolic dims from the profile option."""
-        given = parse_profile(self.options["profile"])
-        sample = getattr(self.context, "sample_feeds", None) or {}
+    def _profiles(self, onnx_path: Path, sample: dict) -> dict[str, dict[str, list[int]]]:
+        """One optimization profile: per input, min/opt/max shapes; symbolic dims from the profile option
+        and the ``sample`` feeds' sizes."""
+        given = parse_profile(self.options.profile)
         proto = onnx.load(str(onnx_path), load_external_data=False)
         inits = {i.name for i in proto.graph.initializer}
         profiles, used = {}, set()

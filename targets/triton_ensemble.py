@@ -26,6 +26,7 @@ from __future__ import annotations
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
@@ -33,7 +34,7 @@ from precast.compiler.parity import io_signature
 from precast.compiler.stages import Stage, stage_models, stage_plan
 from precast.runtime.errors import UsageError
 from precast.runtime.stages_spec import StagesSpec
-from precast.targets.ort_cpu import OrtCpu, save_onnx
+from precast.targets.ort_cpu import ort_offline_optimize, save_onnx
 from precast.targets.triton_config import (
     EnsembleStep,
     ModelConfig,
@@ -41,6 +42,9 @@ from precast.targets.triton_config import (
     shared_batch_dim,
     tensor_configs,
 )
+
+if TYPE_CHECKING:
+    from precast.targets.triton import Triton
 
 __all__ = ["EnsembleBuild", "build_ensemble", "stage_model_name"]
 
@@ -65,21 +69,21 @@ class EnsembleBuild:
     batch_dim: str | None
 
 
-def build_ensemble(model: ir.Model, repo: Path, repo_rel: str, o: dict) -> EnsembleBuild:
+def build_ensemble(model: ir.Model, repo: Path, repo_rel: str, o: Triton.Options) -> EnsembleBuild:
     """Write the stage models and the ensemble under ``repo`` (``repo_rel``: its path in the artifact).
-    ``o``: the target's checked options."""
-    name, version = o["model_name"], str(o["version"])
+    ``o``: the target's options (checked)."""
+    name, version = o.model_name, str(o.version)
     plan, stages = stage_plan(model), stage_models(model)
     counts = _instance_counts(o, len(stages))
     inputs, outputs = io_signature(model)
-    batch = shared_batch_dim(inputs, outputs) if o["max_batch_size"] > 0 else None
+    batch = shared_batch_dim(inputs, outputs) if o.max_batch_size > 0 else None
     entries, configs = [], []
     for stage, count in zip(stages, counts):
         folder = repo / stage_model_name(name, stage.index) / version
         folder.mkdir(parents=True)
         files = save_onnx(stage.model, folder / "model.onnx")
-        if o["ort_level"] != "none" and len(files) == 1:
-            OrtCpu._ort_offline_optimize(folder / "model.onnx", o["ort_level"])
+        if o.ort_level != "none" and len(files) == 1:
+            ort_offline_optimize(folder / "model.onnx", o.ort_level)
         cfg = _stage_config(stage, batch, count, o)
         (folder.parent / "config.pbtxt").write_text(render_config(cfg), encoding="utf-8")
         if cfg.backend == "python":
@@ -91,7 +95,7 @@ def build_ensemble(model: ir.Model, repo: Path, repo_rel: str, o: dict) -> Ensem
         platform="ensemble",
         inputs=tensor_configs(inputs, drop_batch=batch is not None),
         outputs=tensor_configs(outputs, drop_batch=batch is not None),
-        max_batch_size=o["max_batch_size"] if batch else 0,
+        max_batch_size=o.max_batch_size if batch else 0,
         ensemble_steps=[
             EnsembleStep(
                 cfg.name, {t.name: t.name for t in cfg.inputs}, {t.name: t.name for t in cfg.outputs}
@@ -107,10 +111,10 @@ def build_ensemble(model: ir.Model, repo: Path, repo_rel: str, o: dict) -> Ensem
     return EnsembleBuild(spec, ensemble, configs, batch)
 
 
-def _instance_counts(o: dict, n: int) -> list[int]:
-    counts = o["stage_instances"]
+def _instance_counts(o: Triton.Options, n: int) -> list[int]:
+    counts = o.stage_counts()
     if not counts:
-        return [o["instance_count"]] * n
+        return [o.instance_count] * n
     if len(counts) != n:
         raise UsageError(
             f"target 'triton' option stage_instances lists {len(counts)} counts for a model of {n} stages"
@@ -118,7 +122,7 @@ def _instance_counts(o: dict, n: int) -> list[int]:
     return list(counts)
 
 
-def _stage_config(stage: Stage, batch: str | None, count: int, o: dict) -> ModelConfig:
+def _stage_config(stage: Stage, batch: str | None, count: int, o: Triton.Options) -> ModelConfig:
     """A stage is Triton-batched when all its inputs and outputs lead with the model's batch dim; a stage that
     is not (a boundary tensor without it) takes the ensemble's batch whole, with full dims."""
     ins, outs = io_signature(stage.model)
@@ -128,19 +132,19 @@ def _stage_config(stage: Stage, batch: str | None, count: int, o: dict) -> Model
             f"target 'triton': stage {stage.index} only passes tensors through; use fewer stages"
         )
     batched = batch is not None and shared_batch_dim(ins, outs) == batch
-    max_batch = o["max_batch_size"] if batched else 0
+    max_batch = o.max_batch_size if batched else 0
     common = dict(
-        name=stage_model_name(o["model_name"], stage.index),
+        name=stage_model_name(o.model_name, stage.index),
         inputs=tensor_configs(ins, drop_batch=batched),
         outputs=tensor_configs(outs, drop_batch=batched),
         max_batch_size=max_batch,
-        preferred_batch_sizes=o["preferred_batch_sizes"] if max_batch else (),
-        max_queue_delay_us=o["max_queue_delay_us"] if max_batch else None,
+        preferred_batch_sizes=o.batch_sizes() if max_batch else (),
+        max_queue_delay_us=o.max_queue_delay_us if max_batch else None,
         instance_count=count,
     )
-    if o["stage_backend"] == "onnxruntime":  # a Triton with the onnxruntime backend runs the file itself
-        params = {"intra_op_thread_count": str(o["threads"])} if o["threads"] else {}
-        kind = "KIND_GPU" if o["instance_kind"] == "gpu" else "KIND_CPU"
+    if o.stage_backend == "onnxruntime":  # a Triton with the onnxruntime backend runs the file itself
+        params = {"intra_op_thread_count": str(o.threads)} if o.threads else {}
+        kind = "KIND_GPU" if o.instance_kind == "gpu" else "KIND_CPU"
         return ModelConfig(
             platform="onnxruntime_onnx",
             instance_kind=kind,
@@ -151,7 +155,7 @@ def _stage_config(stage: Stage, batch: str | None, count: int, o: dict) -> Model
     params = {
         "precast_artifact": "../..",
         "precast_stage": str(stage.index),
-        "precast_threads": str(o["threads"]),
+        "precast_threads": str(o.threads),
     }
     # The stub runs the stage on ORT's CPU provider, so its instances are CPU ones (as the precast model's).
     return ModelConfig(backend="python", parameters=params, **common)

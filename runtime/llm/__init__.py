@@ -1,4 +1,4 @@
-"""LLM runtime: paged KV cache, continuous batching scheduler, sampler and engine (numpy + onnxruntime)."""
+"""LLM runtime: paged KV cache, continuous batching scheduler, sampler, engine (numpy + the artifact's backend)."""
 
 from precast.runtime.llm.engine import Engine
 from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent

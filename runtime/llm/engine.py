@@ -7,20 +7,22 @@
 One step: ``out = scheduler.schedule()`` (what changed since the last step: in the steady state "the same
 batch, one token further"), ``runner.execute(out)`` (logits of each row), sample, then
 ``scheduler.update_from_output(out, sampled)`` (tokens appended, finished requests out, their blocks freed),
-then each token is streamed to its handle. All scheduling policy lives in the scheduler and the KV cache
-manager; the engine owns requests' handles, sampling, text and stop strings, and the metrics.
+then ``output.stream(out, sampled, logits)`` (output_processor.py: text, stop strings, logprobs, each
+handle's event). All scheduling policy lives in the scheduler and the KV cache manager; the engine owns the
+step loop, sampling, the lock and the metrics. Besides the step, one scheduling path: the batch-1 burst
+(_burst; docs/llm-step-contract.md), STEADY steps of one plain request run back to back.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import os
 import threading
 import weakref
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 
 import numpy as np
@@ -30,9 +32,10 @@ from precast.runtime.llm.block_pool import BlockPool
 from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.metrics import EngineCounters, EngineMetrics
-from precast.runtime.llm.prompt import prompt_ids
-from precast.runtime.llm.request import Request, Status
-from precast.runtime.llm.sampler import SamplingParams, is_int, sample, token_logprobs
+from precast.runtime.llm.output_processor import OutputProcessor
+from precast.runtime.llm.prompt import prompt_ids, prompt_list
+from precast.runtime.llm.request import Request, Status, check_request_args
+from precast.runtime.llm.sampler import SamplingParams, is_int, sample
 from precast.runtime.llm.scheduler import (
     Scheduler,
     SchedulerConfig,
@@ -46,9 +49,6 @@ __all__ = ["Engine"]
 Prompt = str | Sequence[int]
 
 
-_MAX_UNCOMMITTED = 16  # tokens of a trailing unfinished character held back before they are committed anyway
-
-
 class Engine:
     def __init__(
         self,
@@ -57,6 +57,7 @@ class Engine:
         *,
         config: SchedulerConfig | None = None,
         enable_prefix_caching: bool = True,
+        temp_dir: Path | None = None,
     ):
         spec = runner.spec
         self.runner = runner  # a runner.StepRunner: execute(SchedulerOutput) -> logits
@@ -64,18 +65,22 @@ class Engine:
         self.block_size = int(spec.block_size)
         self.max_context = int(spec.max_context)
         self.vocab = int(spec.vocab)
-        num_blocks = int(runner.key_cache[0].shape[0])
+        num_blocks = int(runner.num_blocks)
         self.pool = BlockPool(num_blocks, self.block_size)
         self.kv = KVCacheManager(self.pool, bool(enable_prefix_caching))
         self.scheduler = Scheduler(self.kv, config, eos_ids=spec.eos_ids or ())
         self.counters = EngineCounters()
-        self._handles: dict[str, RequestHandle] = {}  # unfinished requests (a finished one is the caller's)
-        self._finished_ids: OrderedDict[str, None] = OrderedDict()  # recent finished ids (cancel -> False)
+        self.output = OutputProcessor(tokenizer, self.counters, self.scheduler.finish)
+        self._handles = self.output.handles  # unfinished requests (the output processor's registry)
         self._ids = itertools.count()
         self._cond = threading.Condition(threading.RLock())
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._cleanup: weakref.finalize | None = None  # removes the temp dir load() unpacked into
+        self._cleanup: weakref.finalize | None = None  # removes the temp dir a packed artifact went into
+        if temp_dir is not None:  # (Engine.load's: the HAL unpacked a packed artifact there)
+            from precast.runtime.archive import remove_temp
+
+            self._cleanup = weakref.finalize(self, remove_temp, temp_dir)
         self._plain: SchedulerOutput | None = None  # the steady output whose rows are all plain (_all_plain)
         # Other threads about to take the lock, or waiting on it for a token (deque append/pop are atomic):
         # a burst stops at once when one knocks, so a submit, cancel or reader waits one step as before.
@@ -90,87 +95,63 @@ class Engine:
         config: SchedulerConfig | None = None,
         enable_prefix_caching: bool = True,
         prefer: str | None = None,
+        pubkey: str | os.PathLike | None = None,
+        expect_name: str | None = None,
+        min_version: str | None = None,
+        now: datetime | None = None,
         **runner_kwargs,
     ) -> Engine:
         """Open a causal-lm artifact (a directory, or a file packed by ``precast pack``, as
-        precast.runtime.load takes it): its model runner (K/V pools of num_blocks blocks) and tokenizer.
-        ``runner_kwargs``: ModelRunner.from_artifact's ``threads`` and ``verify`` (a staged artifact's
-        StagedRunner also takes ``micro_batches``; its ``threads`` is per stage, default 1). A packed
-        artifact is unpacked into a temp dir the engine owns: ``close()`` removes it (else garbage
-        collection or exit). A multi-target index (a causal LM compiled for ort-cpu and openvino) opens its
-        first target this host can run in the index's order, which the compile measured (the faster first);
-        ``prefer`` names one to put first."""
-        from precast.runtime.llm.model_runner import ModelRunner
-        from precast.runtime.llm.tokenizer import TextTokenizer
-        from precast.runtime.manifest import read_manifest
+        precast.runtime.load takes it, signature policy included: ``pubkey``, ``expect_name``,
+        ``min_version``, ``now``): its step runner (K/V pools of num_blocks blocks) and tokenizer.
+        ``runner_kwargs``: open_runner.RunnerOptions' ``threads``, ``verify``, ``spinning`` and a staged
+        artifact's ``micro_batches`` (its ``threads`` is per stage, default 1). A packed artifact is unpacked
+        into a temp dir the engine owns: ``close()`` removes it (else garbage collection or exit). A
+        multi-target index (a causal LM compiled for ort-cpu and openvino) opens its first target this host
+        can run in the index's order, which the compile measured (the faster first); ``prefer`` names one
+        to put first (runtime/hal.py, as load's)."""
+        from precast.runtime.hal import resolve
+        from precast.runtime.llm.open_runner import RunnerOptions
 
         if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
             raise UsageError(f"num_blocks must be a positive integer (or None), got {num_blocks!r}")
         checked_config(config)  # before a model is loaded for nothing
-        known = sorted(
-            {*inspect.signature(ModelRunner.from_artifact).parameters, "micro_batches"}
-            - {"path", "num_blocks"}
+        options = RunnerOptions.from_kwargs(runner_kwargs, "Engine.load")
+
+        def open_target(root: Path, manifest) -> tuple:
+            return _open_llm_target(root, manifest, num_blocks, options, where=path)
+
+        found = resolve(
+            path,
+            open_target,
+            prefer=prefer,
+            pubkey=pubkey,
+            expect_name=expect_name,
+            min_version=min_version,
+            now=now,
+            verify=options.verify,
         )
-        unknown = sorted(set(runner_kwargs) - set(known))
-        if unknown:
-            raise UsageError(f"Engine.load got an unknown option '{unknown[0]}' (known: {', '.join(known)})")
-        root = where = Path(path)
-        unpacked = None
-        if root.is_file():  # a packed artifact: unpacked (every checksum checked) into a private temp dir
-            from precast.runtime.archive import remove_temp, unpack_to_temp
-
-            root = unpacked = unpack_to_temp(root)
+        runner, tokenizer = found.opened
         try:
-            root = _pick_target(root, prefer)  # an index's sub-artifact (else root itself)
-            manifest = read_manifest(root)
-            llm = manifest.llm
-            if llm is None:
-                raise ArtifactError(f"{where}: not a causal-lm artifact (manifest has no 'llm' block)")
-            if manifest.stages is not None:  # one worker per stage, micro-batches pipelined through them
-                from precast.runtime.llm.staged_runner import StagedRunner
-
-                runner = StagedRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
-            elif llm.kv_layout == "ov-paged":  # OpenVINO's PagedAttention over the engine's block tables
-                from precast.runtime.llm.ov_runner import OVStepRunner
-
-                if runner_kwargs.pop("micro_batches", None) is not None:
-                    raise UsageError(
-                        f"{where}: micro_batches applies to staged artifacts; this one has no stages"
-                    )
-                runner = OVStepRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
-            elif runner_kwargs.get("micro_batches") is not None:
-                raise UsageError(
-                    f"{where}: micro_batches applies to staged artifacts; this one has no stages"
-                )
-            else:
-                runner_kwargs.pop("micro_batches", None)
-                runner = ModelRunner.from_artifact(root, num_blocks=num_blocks, **runner_kwargs)
-            tok_file = llm.tokenizer
-            tokenizer = (
-                TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
+            return cls(
+                runner,
+                tokenizer,
+                config=config,
+                enable_prefix_caching=enable_prefix_caching,
+                temp_dir=found.temp,
             )
-            # (a tokenizer id past the vocab would index past the logits, and past the embedding)
-            if tokenizer is not None and tokenizer.vocab_size > llm.vocab:
-                raise ArtifactError(
-                    f"{root}/manifest.json: llm block: vocab={llm.vocab} is smaller than the tokenizer's "
-                    f"{tokenizer.vocab_size} tokens ({tok_file})"
-                )
-            engine = cls(runner, tokenizer, config=config, enable_prefix_caching=enable_prefix_caching)
         except BaseException:
-            if unpacked is not None:
-                remove_temp(unpacked)
+            if found.temp is not None:
+                from precast.runtime.archive import remove_temp
+
+                remove_temp(found.temp)
             raise
-        if unpacked is not None:
-            engine._cleanup = weakref.finalize(engine, remove_temp, unpacked)
-        return engine
 
     def close(self) -> None:
         """Stop the step loop (and a staged runner's stage workers) and remove the temp dir a packed
         artifact was unpacked into. Idempotent."""
         self.stop()
-        shutdown = getattr(self.runner, "shutdown", None)  # runners that own threads join them here
-        if shutdown is not None:
-            shutdown()
+        self.runner.shutdown()  # (a runner that owns threads joins them; its pools stay)
         if self._cleanup is not None:
             self._cleanup()
 
@@ -212,8 +193,8 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         cap = min(self.max_context, self.pool.num_blocks * self.block_size)
         req = Request(rid, ids, params, priority=int(priority), max_total_tokens=cap)
-        handle = RequestHandle(self, req, on_token)
-        self._handles[rid] = handle
+        handle = RequestHandle(req, on_token, wait=self.wait_for)
+        self.output.add(handle)
         self.scheduler.add(req)
         self.counters.requests_submitted += 1
         self.counters.prompt_tokens += len(ids)
@@ -221,17 +202,7 @@ class Engine:
         return handle
 
     def _validate(self, prompt: Prompt, params, priority, request_id, on_token) -> list[int]:
-        if request_id is not None and not isinstance(request_id, str):
-            raise LLMRequestError(f"request_id must be a string, got {type(request_id).__name__}")
-        if not isinstance(params, SamplingParams):
-            raise LLMRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        params.validate()
-        if not is_int(priority):
-            raise LLMRequestError(f"priority must be an integer (lower = more urgent), got {priority!r}")
-        if on_token is not None and not callable(on_token):
-            raise LLMRequestError(f"on_token must be callable, got {type(on_token).__name__}")
-        if params.stop and self.tokenizer is None:
-            raise LLMRequestError("stop strings need a tokenizer")
+        check_request_args(params, priority, request_id, on_token, has_tokenizer=self.tokenizer is not None)
         return prompt_ids(
             prompt,
             self.tokenizer,
@@ -246,12 +217,12 @@ class Engine:
         with self._knocking():
             handle = self._handles.get(request_id)
             if handle is None or handle.finished:
-                if request_id in self._finished_ids or handle is not None:
+                if self.output.recently_finished(request_id) or handle is not None:
                     return False
                 raise LLMRequestError(f"unknown request id '{request_id}'")
             self.scheduler.finish(handle.request, "cancelled")
             handle.cancelled = True
-            self._forget(request_id)
+            self.output.forget(request_id)
             self.counters.requests_cancelled += 1
             self._cond.notify_all()
             return True
@@ -261,16 +232,8 @@ class Engine:
     ) -> list[Completion]:
         """Submit all prompts, run until they finish, return their completions in order.
         One bad prompt rejects the whole call: all are checked before any is queued."""
-        if isinstance(prompts, (str, np.ndarray)) and np.ndim(prompts) <= 1:
-            prompts = [prompts]
-        elif not isinstance(prompts, (Sequence, np.ndarray)):
-            raise LLMRequestError(
-                f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}"
-            )
-        elif len(prompts) and is_int(prompts[0]):
-            prompts = [prompts]
         params = SamplingParams() if params is None else params
-        checked = [self._checked(p, params, priority, None, None) for p in prompts]
+        checked = [self._checked(p, params, priority, None, None) for p in prompt_list(prompts)]
         with self._knocking():
             handles = [self._enqueue(ids, params, priority, None, None) for ids in checked]
         return [h.result() for h in handles]
@@ -303,12 +266,12 @@ class Engine:
                 logits = self.runner.execute(out)
                 if out.kind is StepKind.STEADY and (out is self._plain or self._all_plain(out)):
                     produced = self._steady_tail(out, logits)
-                    if burst and len(out.rows) == 1 and not self._knocks:
+                    if burst and not self._knocks and self.scheduler.burst_steps(out) > 0:
                         produced += self._burst(out.rows[0])
                 else:
                     sampled = self._sample(out, logits)
                     self.scheduler.update_from_output(out, sampled)
-                    produced = self._stream(out, sampled, logits)
+                    produced = self.output.stream(out, sampled, logits)
             self._cond.notify_all()
             return produced
 
@@ -318,13 +281,10 @@ class Engine:
     # sample -> stream path is a per-row dispatch whose every branch is known already: on a small model's
     # ~0.4 ms decode step it cost ~15 us (3-4%, benchmarks/README.md). The decision is made once per
     # steady output object (the scheduler returns the same one until the run ends); the tail below does
-    # what _sample/_stream/_emit do for such rows, nothing else.
+    # what _sample and output.stream do for such rows, nothing else.
     def _all_plain(self, out: SchedulerOutput) -> bool:
-        detok = self.tokenizer is not None
-        for req in out.rows:
-            p = req.params
-            if not req.argmax or p.logprobs is not None or p.stop or (detok and p.detokenize):
-                return False
+        if not all(map(self.output.is_plain, out.rows)):
+            return False
         self._plain = out
         return True
 
@@ -335,40 +295,27 @@ class Engine:
         else:
             sampled = logits[: len(rows)].argmax(axis=1).tolist()
         self.scheduler.update_from_output(out, sampled)
-        handles, produced = self._handles, 0
-        for req, tok in zip(rows, sampled):
-            handle = handles.get(req.request_id)
-            if handle is None:  # an earlier row's callback cancelled it
-                continue
-            produced += 1
-            self._plain_token(handle, req, tok)
-        return produced
-
-    def _plain_token(self, handle: RequestHandle, req: Request, tok: int) -> None:
-        """Stream a plain request's token (the scheduler appended it): counters, then its bare event."""
-        self._count_token(handle, req)
-        handle._push_id(tok)
-        if handle.error is not None:  # its on_token callback raised
-            self._fail(req)
+        return self.output.stream_plain(rows, sampled)
 
     def _burst(self, req: Request) -> int:
-        """The steady decode of one plain request (greedy, no text, stop strings or logprobs), token after
-        token to the end of its block, without the step loop around each: no schedule(), no lock round
-        trip or notify, no dispatch on the step's kind. On a small model's ~0.5 ms step that loop is most of
-        the per-step cost outside the kernels (benchmarks/README.md). Each token goes through the same code
-        those steps would: the scheduler's steady_step (update_from_output's per-row advance), then
-        _plain_token (_steady_tail's counters and event). It stops at the block's end (the next step
-        allocates), when the request finishes, fails or is cancelled from a callback, when a request waits,
-        and as soon as another thread knocks. Returns the tokens produced."""
+        """The batch-1 burst, the step contract's third path (docs/llm-step-contract.md): the steady decode
+        of one plain request (greedy, no text, stop strings or logprobs), token after token to the end of
+        its block, without the step loop around each: no schedule(), no lock round trip or notify, no
+        dispatch on the step's kind. On a small model's ~0.5 ms step that loop is most of the per-step cost
+        outside the kernels (benchmarks/README.md). The scheduler allows it (burst_steps), the runner runs
+        it (its single-row decoder; a runner without one never bursts). Each token goes through the same
+        code those steps would: the scheduler's steady_step (update_from_output's per-row advance), then the
+        output processor's plain_token (_steady_tail's counters and event). It stops at the block's end (the
+        next step allocates), when the request finishes, fails or is cancelled from a callback, when a
+        request waits, and as soon as another thread knocks. Returns the tokens produced."""
         handle = self._handles.get(req.request_id)
         sched = self.scheduler
         if handle is None or handle.error is not None or sched.steady_steps_left() <= 0:
             return 0
-        make = getattr(self.runner, "single_decoder", None)
-        run_one = make() if make is not None else None
+        run_one = self.runner.single_decoder()  # (None: this runner has no batch-1 burst)
         if run_one is None:
             return 0
-        c, tokens, knocks = self.counters, req.token_ids, self._knocks
+        c, tokens, knocks, plain_token = self.counters, req.token_ids, self._knocks, self.output.plain_token
         produced = 0
         # (steady_steps_left() turns 0 at the block's end, when the run ends, or when a request waits: one
         # submitted by this request's own callback is scheduled at the next step)
@@ -378,7 +325,7 @@ class Engine:
             c.computed_tokens += 1
             sched.steady_step(req, tok)
             produced += 1
-            self._plain_token(handle, req, tok)
+            plain_token(handle, req, tok)
             if handle.error is not None:
                 break
         return produced
@@ -393,13 +340,6 @@ class Engine:
         c.cow_copies += len(out.copies)
         c.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         c.prefix_query_tokens = self.scheduler.prefix_query_tokens
-
-    def _forget(self, request_id: str) -> None:
-        """A finished request leaves the engine (a long-running server must not keep every handle)."""
-        self._handles.pop(request_id, None)
-        self._finished_ids[request_id] = None
-        if len(self._finished_ids) > 4096:
-            self._finished_ids.popitem(last=False)
 
     def _sample(self, out: SchedulerOutput, logits: np.ndarray) -> list[int | None]:
         """The next token of each row that reached the end of its known tokens (None: a prefill chunk, or a
@@ -416,90 +356,16 @@ class Engine:
                 sampled.append(sample(row, req.params, req.token_ids, req.rng, len(req.prompt_ids)))
             except LLMRequestError as e:  # (NaN logits)
                 sampled.append(None)
-                handle = self._handles[req.request_id]
-                handle._fail(str(e), e)
-                self._fail(req)
-                handle._end()  # so that an on_token stream hears the end too
+                self.output.fail_unsampled(req, e)
         return sampled
 
-    def _stream(self, out: SchedulerOutput, sampled: list[int | None], logits: np.ndarray) -> int:
-        produced = 0
-        for i, (req, tok) in enumerate(zip(out.rows, sampled)):
-            if tok is not None:
-                handle = self._handles.get(req.request_id)
-                if handle is not None:  # (None: an earlier row's callback cancelled it)
-                    self._emit(handle, req, tok, logits, i)
-                    produced += 1
-        return produced
-
-    def _emit(self, handle: RequestHandle, req: Request, tok: int, logits: np.ndarray, row: int) -> None:
-        """Stream one sampled token (the scheduler appended it, and finished the request if it ended there)."""
-        p = req.params
-        text = self._visible_text(req) if self.tokenizer is not None and p.detokenize else None
-        self._count_token(handle, req)  # (after the text: a stop string in it finishes the request)
-        holdback = max(map(len, p.stop)) - 1 if p.stop else 0
-        # (opt-in: costs a softmax)
-        lp = None if p.logprobs is None else token_logprobs(logits[row], tok, p.logprobs)
-        handle._push(tok, text, holdback, lp)
-        if handle.error is not None:  # its on_token callback raised
-            self._fail(req)
-
-    def _count_token(self, handle: RequestHandle, req: Request) -> None:
-        """The counters of one streamed token (first token: TTFT); a request it finished leaves the engine."""
-        c = self.counters
-        c.generation_tokens += 1
-        if handle.t_first_token is None:
-            c.observe_ttft(handle)
-        if req.finished:
-            c.requests_finished += 1
-            self._forget(req.request_id)
-
-    def _fail(self, req: Request) -> None:
-        """Finish a failed request (its handle says why): its blocks are freed, the others go on."""
-        if req.finish_reason == "cancelled":  # its callback cancelled it, then raised: cancelled it stays
-            return
-        if req.finished:  # it finished on this very token, but its callback failed
-            self.counters.requests_finished -= 1
-        else:
-            self._forget(req.request_id)
-        self.scheduler.finish(req, "error")
-        self.counters.requests_failed += 1
-
-    def _visible_text(self, req: Request) -> str:
-        """The output text so far, cut at the first stop string (which finishes the request)."""
-        searched = len(req.detok[0])  # committed before this token: searched by the earlier steps
-        text = self._detokenize(req)
-        if req.params.stop:
-            hits = [
-                i for i in (text.find(s, max(0, searched - len(s) + 1)) for s in req.params.stop) if i >= 0
-            ]
-            if hits:
-                text = text[: min(hits)]
-                self.scheduler.finish(req, "stop")
-        return text
-
-    def _detokenize(self, req: Request) -> str:
-        """The output decoded so far, incrementally (as vLLM and TGI do): decode the tokens since the last
-        complete piece together with the piece before them (so leading-space rules see their context) and
-        append the difference; a trailing unfinished UTF-8 sequence is shown but not committed (for at most
-        _MAX_UNCOMMITTED tokens: tokens that never complete a character would make every step decode a longer
-        window). Two decodes of a few tokens per step instead of the whole output."""
-        text, prefix, read = req.detok
-        base = len(req.prompt_ids)
-        before = self.tokenizer.decode(req.token_ids[base + prefix : base + read])
-        now = self.tokenizer.decode(req.token_ids[base + prefix :])
-        if now.endswith("\ufffd") and len(req.token_ids) - base - prefix < _MAX_UNCOMMITTED:
-            return text + now[len(before) :]
-        text += now[len(before) :]
-        req.detok = (text, read, len(req.token_ids) - base)
-        return text
-
     # -- waiting / background loop ---------------------------------------------------------------
-    def _wait_for(self, handle: RequestHandle) -> None:
-        """Return once the handle has a new event or has finished: step the engine, or wait for the loop."""
+    def wait_for(self, handle: RequestHandle) -> None:
+        """Return once the handle has a new event or has finished: step the engine, or wait for the loop.
+        (Each handle's iteration and result() call it: the engine gives it to the handle as ``wait``.)"""
         # Under the lock: another thread's step may finish this request between a caller's check and here.
         with self._knocking():
-            if handle._events or handle.finished:
+            if handle.has_events or handle.finished:
                 return
             if self._thread is not None and self._thread.is_alive():
                 # (a waiting reader knocks: the loop's steps stay single, each one notifies)
@@ -561,14 +427,15 @@ class Engine:
                 kv_blocks_used=self.pool.num_used,
                 kv_blocks_free=self.pool.num_free,
                 kv_blocks_touched=self.pool.num_touched,
-                kv_bytes_reserved=int(getattr(self.runner, "kv_bytes", 0)),
-                kv_bytes_resident=int(getattr(self.runner, "kv_resident_bytes", 0)),
+                kv_bytes_reserved=int(self.runner.kv_bytes),
+                kv_bytes_resident=int(self.runner.kv_resident_bytes),
                 block_size=self.block_size,
             )
 
 
 def llm_index_target(root: Path, prefer: str | None = None) -> Path | None:
     """For a multi-target index of a causal LM: the sub-artifact Engine.load opens (else None)."""
+    from precast.runtime.hal import resolve
     from precast.runtime.manifest import read_manifest
 
     manifest = read_manifest(root)
@@ -577,35 +444,38 @@ def llm_index_target(root: Path, prefer: str | None = None) -> Path | None:
     first = next(iter(manifest.target_dirs().values()))
     if read_manifest(root / first).llm is None:
         return None
-    return _pick_target(root, prefer)
+    return resolve(root, lambda sub, m: _check_available(sub, m.target), prefer=prefer, verify=False).root
 
 
-def _pick_target(root: Path, prefer: str | None) -> Path:
-    """``root``, or for a multi-target index the sub-artifact of its first target (runtime.model.target_order:
-    ``prefer``, then the compile's measured order) whose backend this host has."""
-    from precast.runtime.backends import check_target_name
+def _open_llm_target(root: Path, manifest, num_blocks: int | None, options, where) -> tuple:
+    """Engine.load's opener of one target the HAL offers (runtime/hal.py): its backend present on this
+    host (else TargetUnavailableError: the HAL tries the next), then its step runner and its tokenizer."""
+    from precast.runtime.llm.open_runner import open_runner
+    from precast.runtime.llm.tokenizer import TextTokenizer
+
+    if manifest.llm is None:  # (before the backend's question: this is no engine's artifact on any host)
+        raise ArtifactError(f"{where}: not a causal-lm artifact (manifest has no 'llm' block)")
+    _check_available(root, manifest.target)
+    runner = open_runner(root, manifest, num_blocks, options, where=where)
+    llm = manifest.llm
+    tok_file = llm.tokenizer
+    tokenizer = TextTokenizer.from_file(root / tok_file) if tok_file and (root / tok_file).is_file() else None
+    # (a tokenizer id past the vocab would index past the logits, and past the embedding)
+    if tokenizer is not None and tokenizer.vocab_size > llm.vocab:
+        raise ArtifactError(
+            f"{root}/manifest.json: llm block: vocab={llm.vocab} is smaller than the tokenizer's "
+            f"{tokenizer.vocab_size} tokens ({tok_file})"
+        )
+    return runner, tokenizer
+
+
+def _check_available(root: Path, block) -> None:
+    """TargetUnavailableError when this host lacks the block's backend (checked before a model loads)."""
     from precast.runtime.errors import TargetUnavailableError
-    from precast.runtime.manifest import read_manifest
-    from precast.runtime.model import target_order
 
-    if prefer is not None:
-        check_target_name(prefer)
-    manifest = read_manifest(root)
-    if not manifest.is_multi_target:
-        if prefer is not None and prefer != manifest.target.name:
-            raise ArtifactError(
-                f"{root}: no target '{prefer}' in this artifact (has: {manifest.target.name})"
-            )
-        return root
-    entries, skipped = manifest.target_dirs(), []
-    for name in target_order(root, manifest, prefer):
-        why = _unavailable(read_manifest(root / entries[name]).target)
-        if why is None:
-            return root / entries[name]
-        skipped.append(f"{name}: {why}")
-    raise TargetUnavailableError(
-        f"{root}: no target of this artifact can run on this host ({'; '.join(skipped)})"
-    )
+    why = _unavailable(block)
+    if why is not None:  # (worded as the backend's own session factory words it)
+        raise TargetUnavailableError(f"artifact {root}: {why}")
 
 
 def _unavailable(block) -> str | None:

@@ -14,13 +14,10 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 from precast.runtime.errors import LLMRequestError, RequestCancelledError
 from precast.runtime.llm.request import Request
-
-if TYPE_CHECKING:
-    from precast.runtime.llm.engine import Engine
 
 __all__ = ["Completion", "RequestHandle", "TokenEvent"]
 
@@ -31,12 +28,8 @@ class TokenEvent(NamedTuple):  # (a NamedTuple: built once per token per request
     index: int  # 0-based index among the output tokens
     finish_reason: str | None = None  # set on the last event
     # With SamplingParams.logprobs = k: (logprob of token_id, ((id, logprob) of the top k, best first)), on
-    # a _LogprobEvent; a plain event says None (and stays the 4-tuple it always was).
+    # an output_processor.LogprobEvent; a plain event says None (and stays the 4-tuple it always was).
     logprobs = None
-
-
-class _LogprobEvent(TokenEvent):
-    """A TokenEvent carrying ``logprobs`` (only requests that ask for them pay for the attribute)."""
 
 
 @dataclass(frozen=True)
@@ -52,13 +45,22 @@ class Completion:
 
 
 class RequestHandle:
-    def __init__(self, engine: Engine, req: Request, on_token: Callable[[TokenEvent], None] | None = None):
-        self._engine = engine
+    """One request as its caller sees it. The engine's side is ``push`` / ``fail`` / ``end`` (called by the
+    engine and its output processor, under the engine's lock); ``wait`` is the engine's ``wait_for``, given
+    here so that a handle needs nothing else of the engine."""
+
+    def __init__(
+        self,
+        req: Request,
+        on_token: Callable[[TokenEvent], None] | None = None,
+        *,
+        wait: Callable[[RequestHandle], None],
+    ):
         self.request = req
         self.on_token = on_token
+        self._wait = wait
         self._events: deque[TokenEvent] = deque()
-        self.text = ""
-        self._emitted = 0  # chars of self.text already streamed
+        self.text = ""  # the visible output text so far (the output processor's; '' without text)
         self.t_submit = time.perf_counter()
         self.t_first_token: float | None = None
         self.cancelled = False
@@ -85,51 +87,32 @@ class RequestHandle:
     def ttft_s(self) -> float | None:
         return None if self.t_first_token is None else self.t_first_token - self.t_submit
 
+    @property
+    def has_events(self) -> bool:
+        """Events produced and not yet read (the engine's wait_for returns at once then)."""
+        return bool(self._events)
+
     # -- engine side ---------------------------------------------------------------------------
-    def _push(self, token_id: int, visible_text: str | None, stop_holdback: int, logprobs=None) -> None:
-        """Record one new output token; visible_text = the decoded output so far (None: no tokenizer)."""
+    def push(self, ev: TokenEvent, text: str | None = None) -> None:
+        """Record one new output token's event (built by the output processor); ``text``: the visible
+        output so far (None: unchanged). Queued for the iterator and handed to the on_token callback."""
         if self.t_first_token is None:
             self.t_first_token = time.perf_counter()
-        if visible_text is not None:
-            self.text = visible_text
-        end = len(self.text)
-        if not self.finished:
-            end -= stop_holdback
-            while end > self._emitted and self.text[end - 1] == "\ufffd":  # an unfinished UTF-8 sequence
-                end -= 1
-        delta = self.text[self._emitted : max(end, self._emitted)]
-        self._emitted = max(end, self._emitted)
-        r = self.request  # (index without slicing the output list every token)
-        index = len(r.token_ids) - len(r.prompt_ids) - 1
-        if logprobs is None:
-            ev = TokenEvent(token_id, delta, index, r.finish_reason)
-        else:
-            ev = _LogprobEvent(token_id, delta, index, r.finish_reason)
-            ev.logprobs = logprobs
-        self._deliver(ev)
-
-    def _push_id(self, token_id: int) -> None:
-        """_push of a token without text (no tokenizer, or detokenize=False), holdback or logprobs: the
-        engine's steady path for plain requests."""
-        if self.t_first_token is None:
-            self.t_first_token = time.perf_counter()
-        r = self.request
-        self._deliver(TokenEvent(token_id, "", len(r.token_ids) - len(r.prompt_ids) - 1, r.finish_reason))
-
-    def _deliver(self, ev: TokenEvent) -> None:
-        """Queue one event for the iterator and hand it to the on_token callback."""
+        if text is not None:
+            self.text = text
         self._events.append(ev)
         if self.on_token is not None:
             try:
                 self.on_token(ev)
             except Exception as e:  # the caller's bug: the engine fails this request, the others go on
-                self._fail(f"its on_token callback raised {type(e).__name__}: {e}", e)
+                self.fail(f"its on_token callback raised {type(e).__name__}: {e}", e)
 
-    def _fail(self, why: str, cause: BaseException) -> None:
+    def fail(self, why: str, cause: BaseException) -> None:
+        """Mark the request failed (the first reason stays); the engine finishes it with "error"."""
         if self.error is None:
             self.error, self._cause = why, cause
 
-    def _end(self) -> None:
+    def end(self) -> None:
         """The last event of a request that failed without a token: token_id -1, finish_reason "error"."""
         r = self.request
         ev = TokenEvent(-1, "", len(r.token_ids) - len(r.prompt_ids), r.finish_reason)
@@ -146,7 +129,7 @@ class RequestHandle:
             self._raise_if_failed()
             if self.finished:
                 return
-            self._engine._wait_for(self)
+            self._wait(self)
 
     def _raise_if_failed(self) -> None:
         if self.cancelled:
@@ -158,8 +141,8 @@ class RequestHandle:
         """Run (or wait) until the request finishes; raise RequestCancelledError if it was cancelled,
         LLMRequestError if it failed (e.g. its on_token callback raised)."""
         while not self.finished:
-            self._events.clear()  # (the result holds every token: _wait_for returns on a new event)
-            self._engine._wait_for(self)
+            self._events.clear()  # (the result holds every token: wait_for returns on a new event)
+            self._wait(self)
         self._events.clear()
         self._raise_if_failed()
         r = self.request

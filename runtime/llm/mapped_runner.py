@@ -25,7 +25,7 @@ from precast.runtime.llm.mapped_kv import MappedKV, page_block_size
 from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
 from precast.runtime.llm.scheduler import SchedulerOutput
 
-__all__ = ["MAPPED_STEP_INPUTS", "MappedModelRunner", "gqa_lengths"]
+__all__ = ["MAPPED_STEP_INPUTS", "MappedModelRunner", "NativeLookup", "gqa_lengths"]
 
 # The mapped step graph's inputs besides input_ids/positions and the KV views: GroupQueryAttention's own
 # lengths (so the graph spends no nodes deriving them) and the row whose logits the step returns.
@@ -67,11 +67,27 @@ class _Binding:
         d["total_sequence_length"][()] = position + 1
 
 
-def _c_session(session):
-    """ORT's C++ session behind an InferenceSession (None for a wrapper: a stand-in, a timer). ORT's Python
+class NativeLookup:
+    """ORT's C++ session under the session a step runs on (ort_session.native_session), looked up again only
+    when that session changes (a spin switch's pick, a stage session a caller replaced). ORT's Python
     run_with_iobinding spends ~6 us a call on WebGPU graph-capture checks, as long as a whole small-model
-    decode step's Python: the runner calls the C++ one directly."""
-    return getattr(session, "__dict__", {}).get("_sess")
+    decode step's Python: the runners call the C++ one directly; a session that wraps ORT's (a stand-in,
+    a timer) is None here, and its own run_with_iobinding runs."""
+
+    __slots__ = ("native", "session")
+
+    def __init__(self):
+        self.session, self.native = _NOT_LOOKED_UP, None
+
+    def __call__(self, session):
+        if session is not self.session:
+            from precast.runtime.ort_session import native_session
+
+            self.session, self.native = session, native_session(session)
+        return self.native
+
+
+_NOT_LOOKED_UP = object()
 
 
 class MappedModelRunner(ModelRunner):
@@ -106,6 +122,7 @@ class MappedModelRunner(ModelRunner):
         self._mapped = [[] for _ in range(slots)]  # kv.mapped as Python lists (the per-step check)
         self._bindings: dict[tuple[int, int], _Binding] = {}  # (first slot, rows) -> its IO binding
         self._io = hasattr(session, "io_binding")
+        self._native = NativeLookup()
         self._again: list[int] | None = None  # slots of the last _decode_rows rows (for _decode_steady)
 
     @property
@@ -179,10 +196,10 @@ class MappedModelRunner(ModelRunner):
         bound = self._bindings.get((0, 1))
         if bound is None or bound.inputs is not bound.decode:
             return None
-        sess = _c_session(self._active_session())  # (once per burst: the spin switch's pick of this step)
+        sess = self._native(self._active_session())  # (once per burst: the spin switch's pick of this step)
         if sess is None:
             return None
-        fill, binding, row = bound.fill_one, bound.io._iobinding, bound.logits[0]
+        fill, binding, row = bound.fill_one, bound.io.native, bound.logits[0]
 
         def run(token: int, position: int) -> np.ndarray:
             fill(token, position)
@@ -278,13 +295,13 @@ class MappedModelRunner(ModelRunner):
         return bound.logits
 
     def _run_bound(self, io) -> None:
-        # The binding's C++ session directly (_c_session); a wrapper keeps its run_with_iobinding.
+        # The binding's C++ session directly (NativeLookup); a wrapper keeps its run_with_iobinding.
         # With a spin switch the binding (made on the calm session) runs on the session it picks: a CPU
         # binding is its names and bound buffers, which both sessions of the one graph take alike.
         session = self._active_session()
-        sess = _c_session(session)
+        sess = self._native(session)
         if sess is not None:
-            sess.run_with_iobinding(io._iobinding, None)
+            sess.run_with_iobinding(io.native, None)
         else:
             session.run_with_iobinding(io)
 

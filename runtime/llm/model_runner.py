@@ -8,13 +8,12 @@ Everything above (which blocks a request owns, scheduling, sampling) belongs to 
 from __future__ import annotations
 
 import operator
-import os
 from pathlib import Path
 
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, InputError, UsageError
-from precast.runtime.llm.runner import StepRunner
+from precast.runtime.llm.runner import RunnerBase
 from precast.runtime.llm_spec import LLMSpec  # the manifest's llm block (re-exported here)
 
 __all__ = ["AUTO_SPIN_MAX_BYTES", "LLMSpec", "ModelRunner"]
@@ -24,28 +23,23 @@ __all__ = ["AUTO_SPIN_MAX_BYTES", "LLMSpec", "ModelRunner"]
 AUTO_SPIN_MAX_BYTES = 1 << 30
 
 
-class ModelRunner(StepRunner):
+class ModelRunner(RunnerBase):
     """Runs the step graph; owns the KV pools (``key_cache[i]``/``value_cache[i]``: [NB, KV, block_size, D]).
 
-    ``ModelRunner(session, spec, ...)`` of a ``kv_layout: "mapped"`` spec builds a MappedModelRunner
-    (mapped_runner.py: the pool mapped into per-request views, read and written in place by the graph);
-    this class runs the ``"paged"`` layout, whose graph gathers blocks itself and returns the new K/V.
-    The engine's entry point is ``execute(SchedulerOutput)`` (runner.StepRunner); ``step`` is the checked
-    low-level call (benchmarks, perplexity).
+    This class runs the ``"paged"`` layout, whose graph gathers blocks itself and returns the new K/V; a
+    ``"mapped"`` one is MappedModelRunner's (mapped_runner.py: the pool mapped into per-request views, read
+    and written in place by the graph). open_runner.py picks between them from the manifest. The engine's
+    entry point is ``execute(SchedulerOutput)`` (runner.StepRunner); ``step`` is the checked low-level call
+    (benchmarks, perplexity).
     """
-
-    def __new__(cls, session=None, spec: LLMSpec | None = None, *args, **kwargs):
-        if cls is ModelRunner and spec is not None and spec.kv_layout == "mapped":
-            from precast.runtime.llm.mapped_runner import MappedModelRunner
-
-            cls = MappedModelRunner
-        return super().__new__(cls)
-
-    spin_switch = None  # a SpinSwitch (spinning="auto"): the session each step runs on
 
     def __init__(self, session, spec: LLMSpec, num_blocks: int, path: Path | None = None):
         if num_blocks < 1:
             raise InputError(f"num_blocks must be >= 1, got {num_blocks}")
+        if spec.kv_layout == "mapped":  # (its graph reads views bound in place: no pools to feed it)
+            raise UsageError(
+                f"{path or 'artifact'}: a 'mapped' step graph runs on MappedModelRunner (open_runner.runner_on)"
+            )
         self.path = path
         self.spec = spec
         self.num_blocks = int(num_blocks)
@@ -61,45 +55,6 @@ class ModelRunner(StepRunner):
         self._pool_feeds = {k: pool for (k, _), pool in zip(spec.kv_inputs, self.key_cache)}
         self._pool_feeds.update({v: pool for (_, v), pool in zip(spec.kv_inputs, self.value_cache)})
         self._outputs = ["logits"] + [n for pair in spec.kv_outputs for n in pair]
-
-    @classmethod
-    def from_artifact(
-        cls,
-        path: str | os.PathLike,
-        num_blocks: int | None = None,
-        threads: int | None = None,
-        verify: bool = True,
-        spinning: bool | str = "auto",
-    ) -> ModelRunner:
-        """Load (integrity-checked) an artifact compiled with ``--task causal-lm``.
-
-        ``num_blocks`` defaults to LLMSpec.default_num_blocks() (4 full-context requests, at most 4 GiB of
-        K/V). ``spinning``: whether ONNX Runtime's idle threads spin-wait between runs. True is fastest on a
-        quiet host (decode b1 1.3-1.5x on bench_llm.py's models) and slowest on a shared one (a spinning
-        thread burns the time slices other processes and the step's own threads need: 1.6x slower with one
-        core busy); False is the reverse. "auto" (the default) holds both sessions and runs each step on the
-        one the host's load calls for (spin_switch.py), for artifacts up to AUTO_SPIN_MAX_BYTES (else False).
-        """
-        from precast.runtime.backends import create_session
-        from precast.runtime.model import load
-
-        if spinning not in (True, False, "auto"):
-            raise UsageError(f"spinning must be True, False or 'auto', got {spinning!r}")
-        auto = spinning == "auto"
-        model = load(path, threads=threads, verify=verify, spinning=False if auto else spinning)
-        spec = LLMSpec.from_manifest(model.manifest, str(path))
-        check_graph_matches_spec(model._session, spec, path)
-        if num_blocks is None:
-            num_blocks = spec.default_num_blocks()
-        root = Path(model.path)
-        runner = cls(model._session, spec, num_blocks, root)
-        if auto and hasattr(model._session, "run_with_iobinding") and _weights_bytes(root) <= AUTO_SPIN_MAX_BYTES:
-            from precast.runtime.llm.spin_switch import SpinSwitch
-
-            # (the files were checked a moment ago by load(); this session reads the same ones)
-            spin = create_session(root, model.manifest.target, threads=threads, spinning=True)
-            runner.spin_switch = SpinSwitch(model._session, spin)
-        return runner
 
     def _active_session(self):
         """The session this step runs on (the spin switch's pick, when there is one)."""
@@ -213,10 +168,6 @@ class ModelRunner(StepRunner):
             self.key_cache[i][blocks, :, offsets] = out[1 + 2 * i][b_idx, :, s_idx]
             self.value_cache[i][blocks, :, offsets] = out[2 + 2 * i][b_idx, :, s_idx]
         return out[0]
-
-
-def _weights_bytes(root: Path) -> int:
-    return sum(p.stat().st_size for p in root.rglob("*") if p.is_file() and p.suffix in (".onnx", ".data", ".bin"))
 
 
 # What each KV layout's step graph takes besides the pools, and where a pool's KV-head / head-size dims sit.

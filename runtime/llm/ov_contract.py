@@ -78,7 +78,7 @@ class ContractStep:
         step = step_feeds([ids[r].tolist() for r in range(b)], past, tables, bs)
         step["positions"] = np.ascontiguousarray(pos.reshape(1, -1), dtype=np.int64)  # pads at 0, as given
         step["logits_indices"] = np.array([r * s + last[r] for r in range(b)], dtype=np.int64)
-        out = {"logits": runner._run(step)}
+        out = {"logits": runner.run_step(step)}
         for i in range(spec.layers):
             for kind, name in enumerate(("key", "value")):
                 new = np.stack([get(_read_rows(pools[kind][i], t, bs, p, s)) for t, p in zip(tables, past)])

@@ -17,19 +17,18 @@ So a mixed step (prefill chunks among decodes) is one call, and the kernel write
 pool blocks itself: no gather, no scatter, no padding. The pool tensors are allocated once at the compiled
 model's cache shapes (KV precision f32 / f16 / u8 with per-block scales: the plugin's layout) and bound with
 ``set_tensor`` once; ``key_cache[i]`` / ``value_cache[i]`` are numpy views of them, so copy-on-write block
-copies (StepRunner.execute) are numpy assignments on the pool. A steady decode run only refills its ids,
+copies (RunnerBase.execute) are numpy assignments on the pool. A steady decode run only refills its ids,
 positions and lengths in place (the bound step tensors share their memory).
 """
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, InputError
-from precast.runtime.llm.runner import StepRunner
+from precast.runtime.llm.runner import RunnerBase
 from precast.runtime.llm.scheduler import SchedulerOutput
 from precast.runtime.llm_spec import LLMSpec
 
@@ -68,7 +67,7 @@ def step_feeds(
     }
 
 
-class OVStepRunner(StepRunner):
+class OVStepRunner(RunnerBase):
     """One OpenVINO infer request over the compiled step; owns the pool tensors (``num_blocks`` blocks)."""
 
     def __init__(self, compiled, spec: LLMSpec, num_blocks: int, path: Path | None = None):
@@ -95,37 +94,12 @@ class OVStepRunner(StepRunner):
         self.value_cache = [self._pool[v].data for _, v in spec.kv_inputs]
         self._steady: dict[str, np.ndarray] | None = None  # the bound arrays of the current decode run
 
-    @classmethod
-    def from_artifact(
-        cls,
-        path: str | os.PathLike,
-        num_blocks: int | None = None,
-        threads: int | None = None,
-        verify: bool = True,
-        spinning: bool | str = "auto",
-    ) -> OVStepRunner:
-        """Load (integrity-checked) an ``--target openvino --task causal-lm`` artifact. ``threads``:
-        OpenVINO's INFERENCE_NUM_THREADS. ``num_blocks`` defaults to LLMSpec.default_num_blocks().
-        ``spinning`` is ModelRunner's (ONNX Runtime's idle threads) and has no counterpart here (accepted,
-        unused)."""
-        del spinning
-        from precast.runtime.model import load
-
-        model = load(path, threads=threads, verify=verify)
-        spec = LLMSpec.from_manifest(model.manifest, str(path))
-        compiled = getattr(model._session, "_compiled", None)
-        if compiled is None or spec.kv_layout != "ov-paged":
-            raise ArtifactError(f"{path}: kv_layout 'ov-paged' needs an OpenVINO artifact")
-        if num_blocks is None:
-            num_blocks = spec.default_num_blocks()
-        return cls(compiled, spec, num_blocks, Path(model.path))
-
     @property
     def kv_bytes(self) -> int:
         """Bytes the pools reserve (all layers, K and V, scales included); see kv_resident_bytes."""
         return sum(int(t.byte_size) for t in self._pool.values())
 
-    def _run(self, feeds: dict[str, np.ndarray] | None, copy: bool = False) -> np.ndarray:
+    def run_step(self, feeds: dict[str, np.ndarray] | None, copy: bool = False) -> np.ndarray:
         """Logits [B, V]: a view of the request's output (execute's contract: valid until the next step; a
         32-row copy is 4 MB a step), or a copy."""
         import openvino as ov
@@ -162,21 +136,21 @@ class OVStepRunner(StepRunner):
             raise InputError(f"input_ids hold token ids outside [0, {self.spec.vocab})")
         self._steady = None
         self._note_written(past, new, tables)
-        return self._run(step_feeds(tokens, past, tables, bs), copy=True)
+        return self.run_step(step_feeds(tokens, past, tables, bs), copy=True)
 
-    # -- the engine's entry points (runner.StepRunner.execute) --------------------------------------
+    # -- the engine's entry points (runner.RunnerBase.execute) --------------------------------------
     def _mixed(self, out: SchedulerOutput) -> np.ndarray:
         self._steady = None
         tokens = [r.token_ids[r.num_computed : r.num_computed + n] for r, n in zip(out.rows, out.num_new)]
         pasts = [r.num_computed for r in out.rows]
-        return self._run(step_feeds(tokens, pasts, out.block_tables, self.spec.block_size))
+        return self.run_step(step_feeds(tokens, pasts, out.block_tables, self.spec.block_size))
 
     def _decode_rows(self, out: SchedulerOutput) -> np.ndarray:
         rows = out.rows
         tokens = [[r.token_ids[r.num_computed]] for r in rows]
         feeds = step_feeds(tokens, [r.num_computed for r in rows], out.block_tables, self.spec.block_size)
         self._steady = feeds  # bound below with shared memory: a steady step refills these in place
-        return self._run(feeds)
+        return self.run_step(feeds)
 
     def _decode_steady(self, out: SchedulerOutput) -> np.ndarray:
         feeds = self._steady
@@ -189,7 +163,7 @@ class OVStepRunner(StepRunner):
         feeds["positions"][0] = past
         feeds["past_lens"][:] = past
         feeds["max_context_len"][...] = max(past) + 1
-        return self._run(None)
+        return self.run_step(None)
 
 
 def _lazy_zero_tensor(element_type, shape: list[int]):

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from precast.runtime.errors import InputError
+from precast.runtime.llm.runner import StepRunner
 from precast.runtime.progress import SILENT, ProgressReporter, reporter
 
 __all__ = [
@@ -84,14 +85,14 @@ def _log_softmax(x: np.ndarray) -> np.ndarray:
 
 
 def score_windows(
-    runner,
+    runner: StepRunner,
     tokens: Sequence[int] | np.ndarray,
     windows: Sequence[tuple[int, int, int]],
     batch: int = 16,
     on_step: Callable[[int], None] | None = None,
     progress: ProgressReporter = SILENT,
 ) -> WindowScores:
-    """Score the windows with ``runner`` (a ModelRunner), ``batch`` windows per step.
+    """Score the windows with ``runner`` (its checked ``step``), ``batch`` windows per step.
 
     ``progress`` hears ``advance(steps done, steps in all, "windows a-b of n")`` after each step."""
     tokens = np.asarray(tokens, dtype=np.int64)
@@ -110,51 +111,59 @@ def score_windows(
     logprobs, argmax = [], []
     steps = 0
     total = sum(_group_steps(windows[g : g + batch]) for g in range(0, len(windows), batch))
+
+    def advanced(what: str) -> None:
+        nonlocal steps
+        steps += 1
+        if on_step:
+            on_step(steps)
+        progress.advance(steps, total, what)
+
     for g in range(0, len(windows), batch):
         # Longest first: requests that run out drop off the end of the batch.
         group = sorted(windows[g : g + batch], key=lambda w: -(w[1] - w[0]))
         what = _windows_label(g + 1, g + len(group), len(windows))
-        seqs = [tokens[b:e] for b, e, _ in group]
-        lens = np.array([len(s) for s in seqs])
-        tables = np.arange(len(group) * maxb, dtype=np.int64).reshape(len(group), maxb)
-        got_lp = [np.zeros(n - 1) for n in lens]  # entry t: log p(seq[t+1] | seq[:t+1])
-        got_am = [np.zeros(n - 1, dtype=np.int64) for n in lens]
-        # Unscored context (all but the first token before first_scored) goes in with one prefill step.
-        ctx = min(f - b for b, _, f in group) - 1
-        done = 0
-        if ctx >= 2:
-            ids = np.stack([s[:ctx] for s in seqs])
-            pos = np.broadcast_to(np.arange(ctx, dtype=np.int64), ids.shape)
-            runner.step(ids, pos, np.zeros(len(group), np.int64), np.full(len(group), ctx, np.int64), tables)
-            done, steps = ctx, steps + 1
-            if on_step:
-                on_step(steps)
-            progress.advance(steps, total, what)
-        for t in range(done, int(lens.max()) - 1):
-            live = int(np.count_nonzero(lens - 1 > t))
-            ids = np.array([[s[t]] for s in seqs[:live]], dtype=np.int64)
-            logits = runner.step(
-                ids,
-                np.full((live, 1), t, np.int64),
-                np.full(live, t, np.int64),
-                np.ones(live, np.int64),
-                tables[:live],
-            )
-            lp = _log_softmax(logits)
-            for r in range(live):
-                got_lp[r][t] = lp[r, seqs[r][t + 1]]
-                got_am[r][t] = int(np.argmax(logits[r]))
-            steps += 1
-            if on_step:
-                on_step(steps)
-            progress.advance(steps, total, what)
-        order = sorted(range(len(group)), key=lambda r: group[r][0])
-        for r in order:
+        got_lp, got_am = _score_group(runner, [tokens[b:e] for b, e, _ in group], group, maxb, advanced, what)
+        for r in sorted(range(len(group)), key=lambda r: group[r][0]):
             b, _, f = group[r]
             logprobs.append(got_lp[r][f - b - 1 :])
             argmax.append(got_am[r][f - b - 1 :])
-    # Groups were scored in window order already; within a group ``order`` restored text order.
+    # Groups were scored in window order already; within a group the sort above restored text order.
     return WindowScores(np.concatenate(logprobs), np.concatenate(argmax))
+
+
+def _score_group(runner: StepRunner, seqs: list, group: list, maxb: int, advanced, what: str) -> tuple:
+    """One group of windows (longest first) as requests of the runner's pool: per window, entry t of its
+    scores is log p(seq[t+1] | seq[:t+1]) and the argmax there. ``advanced(what)`` after each step."""
+    lens = np.array([len(s) for s in seqs])
+    tables = np.arange(len(group) * maxb, dtype=np.int64).reshape(len(group), maxb)
+    got_lp = [np.zeros(n - 1) for n in lens]
+    got_am = [np.zeros(n - 1, dtype=np.int64) for n in lens]
+    # Unscored context (all but the first token before first_scored) goes in with one prefill step.
+    ctx = min(f - b for b, _, f in group) - 1
+    done = 0
+    if ctx >= 2:
+        ids = np.stack([s[:ctx] for s in seqs])
+        pos = np.broadcast_to(np.arange(ctx, dtype=np.int64), ids.shape)
+        runner.step(ids, pos, np.zeros(len(group), np.int64), np.full(len(group), ctx, np.int64), tables)
+        done = ctx
+        advanced(what)
+    for t in range(done, int(lens.max()) - 1):
+        live = int(np.count_nonzero(lens - 1 > t))
+        ids = np.array([[s[t]] for s in seqs[:live]], dtype=np.int64)
+        logits = runner.step(
+            ids,
+            np.full((live, 1), t, np.int64),
+            np.full(live, t, np.int64),
+            np.ones(live, np.int64),
+            tables[:live],
+        )
+        lp = _log_softmax(logits)
+        for r in range(live):
+            got_lp[r][t] = lp[r, seqs[r][t + 1]]
+            got_am[r][t] = int(np.argmax(logits[r]))
+        advanced(what)
+    return got_lp, got_am
 
 
 def _windows_label(first: int, last: int, n: int) -> str:
@@ -170,7 +179,7 @@ def _group_steps(group: Sequence[tuple[int, int, int]]) -> int:
 
 
 def perplexity(
-    runner,
+    runner: StepRunner,
     tokens: Sequence[int],
     window: int | None = None,
     stride: int | None = None,
@@ -210,17 +219,36 @@ def perplexity_of_text(
     progress: ProgressReporter | Callable[[str], None] | None = None,
 ) -> PerplexityResult:
     """Load a causal-lm artifact, tokenize ``text`` with its tokenizer, and measure perplexity."""
-    from precast.runtime.llm.model_runner import LLMSpec, ModelRunner, check_graph_matches_spec
-    from precast.runtime.llm.tokenizer import TextTokenizer
-    from precast.runtime.model import load
+    from precast.runtime.hal import resolve
 
     report = reporter(progress)
     report.step(f"loading {artifact}")
-    model = load(artifact, threads=threads)
-    spec = LLMSpec.from_manifest(model.manifest, str(artifact))
+
+    def open_target(root, manifest) -> tuple:
+        return _runner_for_text(root, manifest, text, window, stride, max_tokens, batch, threads, report)
+
+    found = resolve(artifact, open_target)
+    runner, ids = found.opened
+    try:
+        result, _ = perplexity(runner, ids, window, stride, batch, progress=report)
+    finally:
+        runner.close()
+        if found.temp is not None:
+            from precast.runtime.archive import remove_temp
+
+            remove_temp(found.temp)
+    return result
+
+
+def _runner_for_text(root, manifest, text, window, stride, max_tokens, batch, threads, report) -> tuple:
+    """(the artifact's runner with a pool sized for ``batch`` windows of the text, the text's token ids)."""
+    from precast.runtime.llm.open_runner import RunnerOptions, open_runner
+    from precast.runtime.llm.tokenizer import TextTokenizer
+    from precast.runtime.llm_spec import LLMSpec
+
+    spec = LLMSpec.from_manifest(manifest, str(root))
     report.step(f"tokenizing {len(text)} characters")
-    tok = TextTokenizer.from_file(model.path / spec.tokenizer)
-    ids = tok.encode(text)
+    ids = TextTokenizer.from_file(root / spec.tokenizer).encode(text)
     if max_tokens is not None:
         if max_tokens < 2:
             raise InputError(f"--max-tokens must be >= 2, got {max_tokens}")
@@ -228,12 +256,5 @@ def perplexity_of_text(
     w = int(window if window is not None else min(spec.max_context, 1024))
     s = max(1, int(stride if stride is not None else w))
     nb = max(1, min(batch, -(-len(ids) // s))) * spec.blocks_for(max(2, min(w, len(ids))))
-    if spec.kv_layout == "ov-paged":  # OpenVINO's PagedAttention step (runtime/llm/ov_runner.py)
-        from precast.runtime.llm.ov_runner import OVStepRunner
-
-        runner = OVStepRunner(model._session._compiled, spec, nb, model.path)
-    else:
-        check_graph_matches_spec(model._session, spec, model.path)
-        runner = ModelRunner(model._session, spec, nb, model.path)
-    result, _ = perplexity(runner, ids, window, stride, batch, progress=report)
-    return result
+    # (spinning: ONNX Runtime's default, as a loaded Model runs; one session, no spin switch)
+    return open_runner(root, manifest, nb, RunnerOptions(threads=threads, spinning=True)), ids

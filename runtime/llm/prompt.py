@@ -13,7 +13,19 @@ import numpy as np
 from precast.runtime.errors import LLMRequestError
 from precast.runtime.llm.sampler import is_int
 
-__all__ = ["prompt_ids", "token_ids"]
+__all__ = ["prompt_ids", "prompt_list", "token_ids"]
+
+
+def prompt_list(prompts) -> Sequence:
+    """Engine.generate's prompts: one prompt (text, or a sequence / 1-D array of token ids) -> [it];
+    a list of prompts as it is."""
+    if isinstance(prompts, (str, np.ndarray)) and np.ndim(prompts) <= 1:
+        return [prompts]
+    if not isinstance(prompts, (Sequence, np.ndarray)):
+        raise LLMRequestError(f"prompts must be a prompt or a list of prompts, got {type(prompts).__name__}")
+    if len(prompts) and is_int(prompts[0]):
+        return [prompts]
+    return prompts
 
 
 def prompt_ids(

@@ -4,12 +4,17 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from precast.runtime.llm.sampler import SamplingParams
+from precast.runtime.errors import LLMRequestError
+from precast.runtime.llm.sampler import SamplingParams, is_int
 
-__all__ = ["Request", "Status"]
+if TYPE_CHECKING:
+    from precast.runtime.llm.output_processor import IncrementalDetokenizer
+
+__all__ = ["Request", "Status", "check_request_args"]
 
 
 class Status(enum.Enum):
@@ -35,8 +40,8 @@ class Request:
     num_cached_prompt_tokens: int = 0  # prefix-cache hits on first admission
     t_scheduled: float | None = None  # perf_counter() at first admission (its queue time ends there)
     rng: np.random.Generator | None = None
-    # Incremental detokenization (engine-owned): output text so far, and the output offsets it was decoded at
-    detok: tuple = ("", 0, 0)
+    # The output processor's incremental detokenization of this request (made at its first text token)
+    detokenizer: IncrementalDetokenizer | None = None
     argmax: bool = False  # greedy with no penalty: the next token is the logits' argmax (set from params)
     # Set by Scheduler.add: the token ids that stop it (EOS unless ignored, stop_token_ids), and the length
     # (prompt + output) at which it ends: max_tokens or the context cap
@@ -66,3 +71,19 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status is Status.FINISHED
+
+
+def check_request_args(params, priority, request_id, on_token, *, has_tokenizer: bool) -> None:
+    """LLMRequestError naming the first bad argument of a request (all but its prompt, which
+    prompt.prompt_ids checks). Pure checks: the engine makes them before it takes its lock."""
+    if request_id is not None and not isinstance(request_id, str):
+        raise LLMRequestError(f"request_id must be a string, got {type(request_id).__name__}")
+    if not isinstance(params, SamplingParams):
+        raise LLMRequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+    params.validate()
+    if not is_int(priority):
+        raise LLMRequestError(f"priority must be an integer (lower = more urgent), got {priority!r}")
+    if on_token is not None and not callable(on_token):
+        raise LLMRequestError(f"on_token must be callable, got {type(on_token).__name__}")
+    if params.stop and not has_tokenizer:
+        raise LLMRequestError("stop strings need a tokenizer")

@@ -1,11 +1,18 @@
-"""The model runners' one entry point: ``execute(SchedulerOutput) -> logits`` (one row per scheduled request).
+"""The engine's contract with a model runner (``StepRunner``), and the base the runners share (``RunnerBase``).
+
+``StepRunner`` is everything the Engine and the perplexity scorer call, and nothing they probe for: a runner
+declares its capabilities (``single_decoder()`` returns None where it has no batch-1 burst; ``shutdown()``
+is a no-op where it owns no threads) instead of the caller asking ``getattr``. ``open_runner``
+(runtime/llm/open_runner.py) picks the implementation from the manifest.
+
+``RunnerBase.execute(SchedulerOutput) -> logits`` (one row per scheduled request) dispatches:
 
     execute(out)      block copies (copy on write) first, then by ``out.kind``:
       STEADY          _decode_steady(out): the last decode's rows, one token further, tables unchanged
       DECODE          _decode_rows(out):   one token per row, tables as the scheduler gives them
       MIXED           _mixed(out):         prefill chunks among the rows
 
-A runner subclasses StepRunner and implements ``_step(ids, pos, past, new, tables)`` (valid int64 arrays:
+A runner subclasses RunnerBase and implements ``_step(ids, pos, past, new, tables)`` (valid int64 arrays:
 the step graph's inputs); the defaults here build those arrays (the decode ones once per steady run, then
 only refilled) and split a mixed step so right-padding stays small. The mapped runner overrides the three
 (its decodes run from Python lists over slot views it keeps mapped).
@@ -13,17 +20,62 @@ only refilled) and split a mixed step so right-padding stays small. The mapped r
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from precast.runtime.llm.scheduler import SchedulerOutput, StepKind
 
-__all__ = ["StepRunner", "group_by_length"]
+__all__ = ["RunnerBase", "SingleDecoder", "StepRunner", "group_by_length"]
+
+# run(token, position) -> the logits row of the one request a batch-1 burst decodes (runner-owned buffer)
+SingleDecoder = Callable[[int, int], np.ndarray]
 
 
-class StepRunner:
-    """Base of the model runners: ``spec`` (block_size, vocab, pad_id), ``key_cache`` / ``value_cache`` pools.
+@runtime_checkable
+class StepRunner(Protocol):
+    """What the Engine and the perplexity scorer call on a runner (all of it; runners declare the rest).
+
+    ``spec``: the manifest's llm block (block_size, vocab, max_context, eos_ids, pad_id). ``num_blocks``:
+    the KV pool's blocks, which the engine's BlockPool hands out. ``kv_bytes`` / ``kv_resident_bytes``:
+    what the pools reserve / hold (metrics)."""
+
+    spec: Any
+    num_blocks: int
+
+    @property
+    def kv_bytes(self) -> int: ...
+
+    @property
+    def kv_resident_bytes(self) -> int: ...
+
+    def execute(self, out: SchedulerOutput) -> np.ndarray:
+        """Logits [len(out.rows), V] of each scheduled row's last new token (valid until the next step)."""
+        ...
+
+    def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
+        """The checked low-level step (perplexity, benchmarks): right-padded [B, S] ids -> logits [B, V]."""
+        ...
+
+    def single_decoder(self) -> SingleDecoder | None:
+        """The batch-1 burst's decoder of the row the last decode ran, or None where the runner has none."""
+        ...
+
+    def shutdown(self) -> None:
+        """Join the threads the runner owns (staged runners' stage workers); its pools stay. Idempotent."""
+        ...
+
+    def close(self) -> None:
+        """Release the pools too (after shutdown); the runner is not used again."""
+        ...
+
+
+
+class RunnerBase:
+    """Base of the model runners: ``spec`` (block_size, vocab, pad_id), ``key_cache`` / ``value_cache`` pools of
+    ``num_blocks`` blocks; ``execute`` dispatches on the step's kind (module doc). Defaults for StepRunner's
+    capabilities: no burst, no threads, nothing to release, nothing reserved.
 
     A runner's pools are lazily backed (pages appear when first written), so ``kv_bytes`` is what it reserves
     and ``kv_resident_bytes`` what it holds: the blocks below the highest one any step wrote, which the
@@ -32,11 +84,32 @@ class StepRunner:
 
     _steady_arrays: tuple | None = None  # (ids, past, tables, new) of the last DECODE step
     kv_blocks_touched = 0  # 1 + the highest block id a step has written (or copied into)
+    kv_bytes = 0  # (a property of the runners that own pools)
+    spin_switch = None  # a SpinSwitch (ONNX Runtime runners with spinning="auto"): the session each step runs on
 
     @property
     def kv_resident_bytes(self) -> int:
         """Bytes of the pools' touched blocks (kv_blocks_touched x bytes per block): what the pools hold."""
         return self.kv_blocks_touched * (self.kv_bytes // self.num_blocks)
+
+    @classmethod
+    def from_artifact(cls, path, num_blocks: int | None = None, **options) -> StepRunner:
+        """The runner open_runner picks for the causal-lm artifact at ``path``, whichever class this is called
+        on (ModelRunner.from_artifact of a mapped artifact is a MappedModelRunner). ``num_blocks`` defaults to
+        LLMSpec.default_num_blocks(); ``options``: open_runner.RunnerOptions' fields."""
+        from precast.runtime.llm.open_runner import RunnerOptions, open_artifact_runner
+
+        checked = RunnerOptions.from_kwargs(options, f"{cls.__name__}.from_artifact")
+        return open_artifact_runner(path, num_blocks, checked)
+
+    def single_decoder(self) -> SingleDecoder | None:
+        return None
+
+    def shutdown(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self.shutdown()
 
     def _note_written(self, past, new, tables) -> None:
         """Record the blocks of a checked step() (rows write positions past .. past+new-1)."""

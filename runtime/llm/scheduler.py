@@ -24,6 +24,7 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from precast.options import fields_of, opt
 from precast.runtime.errors import UsageError
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.request import Request, Status
@@ -34,9 +35,12 @@ __all__ = ["Scheduler", "SchedulerConfig", "SchedulerOutput", "StepKind", "check
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_batched_tokens: int = 512  # token budget per step
-    max_num_seqs: int = 64  # requests in the running batch
-    aging_steps: int = 64  # waiting steps that promote a request by one priority class
+    """The scheduler's knobs; `precast serve` takes the first two as flags (--max-num-seqs, ...), generated
+    from these fields (precast/options.py), so their defaults and help are written here only."""
+
+    max_num_batched_tokens: int = opt(512, "token budget of one engine step", min=1)
+    max_num_seqs: int = opt(64, "requests in the running batch at once", min=1)
+    aging_steps: int = opt(64, "waiting steps that promote a request by one priority class", min=1)
 
 
 class StepKind(enum.Enum):
@@ -60,7 +64,8 @@ class SchedulerOutput:
     preempted: list[str] = field(default_factory=list)
     total_tokens: int = 0  # sum(num_new)
 
-    def _add(self, req: Request, n: int, table: list[int], copies: list[tuple[int, int]]) -> None:
+    def add_row(self, req: Request, n: int, table: list[int], copies: list[tuple[int, int]]) -> None:
+        """Schedule ``n`` tokens of ``req`` over ``table``, after the block ``copies`` its allocation made."""
         self.rows.append(req)
         self.num_new.append(n)
         self.block_tables.append(table)
@@ -74,10 +79,10 @@ def checked_config(config: SchedulerConfig | None) -> SchedulerConfig:
     config = SchedulerConfig() if config is None else config
     if not isinstance(config, SchedulerConfig):
         raise UsageError(f"config must be a SchedulerConfig, got {type(config).__name__}")
-    for name in ("max_num_batched_tokens", "max_num_seqs", "aging_steps"):
-        v = getattr(config, name)
-        if not is_int(v) or v <= 0:
-            raise UsageError(f"SchedulerConfig.{name} must be a positive integer, got {v!r}")
+    for f in fields_of(SchedulerConfig):  # every one a count of at least 1
+        v = getattr(config, f.name)
+        if not is_int(v) or v < f.low:
+            raise UsageError(f"SchedulerConfig.{f.name} must be a positive integer, got {v!r}")
     return config
 
 
@@ -176,7 +181,7 @@ class Scheduler:
                 todo.remove(victim)
             if copies is None:
                 continue
-            out._add(req, n, self.kv.block_table(req.request_id), copies)
+            out.add_row(req, n, self.kv.block_table(req.request_id), copies)
             budget -= n
         return budget
 
@@ -200,7 +205,7 @@ class Scheduler:
             req.num_computed = cached
             req.status = Status.RUNNING
             self.running.append(req)
-            out._add(req, n, self.kv.block_table(req.request_id), copies)
+            out.add_row(req, n, self.kv.block_table(req.request_id), copies)
             out.new_requests.append(req)
             budget -= n
 
@@ -254,7 +259,17 @@ class Scheduler:
         self.finish(req, reason)
         return True
 
-    # -- the engine's batch-1 burst --------------------------------------------------------------
+    # -- the batch-1 burst (docs/llm-step-contract.md, "The batch-1 burst") ---------------------------
+    # The one scheduling path besides schedule() -> update_from_output(): while a one-row decode run stays
+    # inside its block and nobody waits, the engine may run the run's STEADY steps back to back with the
+    # runner's single-row decoder (Engine._burst), each token through steady_step() instead of a step.
+    def burst_steps(self, out: SchedulerOutput) -> int:
+        """How many steps after ``out`` (already through update_from_output) may run as a burst: the
+        STEADY steps its decode run has left when ``out`` is a one-row STEADY step, else 0."""
+        if out.kind is not StepKind.STEADY or len(out.rows) != 1:
+            return 0
+        return self.steady_steps_left()
+
     def steady_steps_left(self) -> int:
         """STEADY steps the current decode run has left before a row needs a new block (0: no run, or the
         next schedule() must do more than repeat it, e.g. a request is waiting)."""

@@ -7,7 +7,8 @@
 A job carries one micro-batch's step inputs, the tensors that cross each cut (``boundary``), and its logits
 once the last stage ran. A stage that fails marks the job; later stages pass it on untouched, and
 ``run_jobs`` raises the first error after every job is through (the workers go on serving the next step).
-Shared by the mapped (staged_runner.py) and paged (staged_paged_runner.py) staged runners.
+Shared by the mapped (staged_runner.py) and paged (staged_paged_runner.py) staged runners; the threads and
+queues are runtime/stage_pool.py's StagePool, the stage pipeline's too.
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from precast.runtime.errors import InputError
+from precast.runtime.stage_pool import STOP, StagePool
 
 __all__ = ["Countdown", "Job", "StageWorkers", "chunks"]
-
-_STOP = object()
 
 
 class Countdown:
@@ -50,46 +50,32 @@ class Job:
         self.error: BaseException | None = None
         self.done = done
 
+    @property
+    def settled(self) -> bool:
+        """A stage failed it: the later stages pass it on (StagePool's StageItem)."""
+        return self.error is not None
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+
 
 class StageWorkers:
     """One daemon thread per stage callable ``run(job)``, queues of ``queue_depth`` jobs between them."""
 
     def __init__(self, runs: Sequence[Callable[[Job], None]], queue_depth: int = 4):
-        self._runs = list(runs)
-        self._queues = [queue.Queue(maxsize=queue_depth) for _ in self._runs]
-        self.threads = [
-            threading.Thread(target=self._work, args=(k,), name=f"precast-llm-stage-{k}", daemon=True)
-            for k in range(len(self._runs))
-        ]
+        self._inbox: queue.Queue = queue.Queue(maxsize=queue_depth)
+        self._pool: StagePool[Job] = StagePool(
+            list(runs), self._inbox.get, _tick, queue_size=queue_depth, name="precast-llm-stage"
+        )
+        self.threads = self._pool.threads
         self.closed = False
-        for t in self.threads:
-            t.start()
-
-    def _work(self, k: int) -> None:
-        run, inbox = self._runs[k], self._queues[k]
-        nxt = self._queues[k + 1] if k + 1 < len(self._queues) else None
-        while True:
-            job = inbox.get()
-            if job is _STOP:
-                if nxt is not None:
-                    nxt.put(_STOP)
-                return
-            if job.error is None:
-                try:
-                    run(job)
-                except BaseException as e:  # reported to the step's caller; the worker goes on
-                    job.error = e
-            if nxt is None:
-                job.done.tick()
-            else:
-                nxt.put(job)
 
     def run_jobs(self, jobs: list[Job]) -> None:
         """Put every job of one step (sharing one Countdown) into the pipeline; return when all are done."""
         if self.closed:
             raise InputError("the staged runner is shut down (its engine was closed)")
         for job in jobs:
-            self._queues[0].put(job)
+            self._inbox.put(job)
         jobs[0].done.event.wait()
         for job in jobs:
             if job.error is not None:
@@ -100,9 +86,12 @@ class StageWorkers:
         if self.closed:
             return
         self.closed = True
-        self._queues[0].put(_STOP)
-        for t in self.threads:
-            t.join()
+        self._inbox.put(STOP)
+        self._pool.join()
+
+
+def _tick(job: Job) -> None:
+    job.done.tick()
 
 
 class StageWorkersOwner:

@@ -25,9 +25,22 @@ from precast.runtime.llm.stage_workers import chunks as split_rows
 from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.stages_spec import StageEntry
 
-__all__ = ["PAGED_STEP_INPUTS", "StagedPagedRunner"]
+__all__ = ["PAGED_STEP_INPUTS", "StagedPagedRunner", "checked_micro_batches"]
 
 PAGED_STEP_INPUTS = ("input_ids", "positions", "past_lens", "new_lens", "block_tables")
+
+
+def checked_micro_batches(sessions: list, stages: list[StageEntry], micro_batches: int | None) -> int:
+    """A staged runner's micro-batches a step is split into (default: one per stage), once its sessions are
+    one per stage, two or more (both staged runners check the same)."""
+    if len(sessions) != len(stages) or len(sessions) < 2:
+        raise InputError(
+            f"a staged runner needs one session per stage (>= 2), got {len(sessions)} for {len(stages)}"
+        )
+    n = int(micro_batches or len(stages))
+    if n < 1:
+        raise InputError(f"micro_batches must be >= 1, got {micro_batches}")
+    return n
 
 
 class _PagedStage:
@@ -88,14 +101,8 @@ class StagedPagedRunner(StageWorkersOwner, ModelRunner):
         micro_batches: int | None = None,
         queue_depth: int = 4,
     ):
-        if len(sessions) != len(stages) or len(sessions) < 2:
-            raise InputError(
-                f"a staged runner needs one session per stage (>= 2), got {len(sessions)} for {len(stages)}"
-            )
+        self.micro_batches = checked_micro_batches(sessions, stages, micro_batches)
         super().__init__(sessions[0], spec, num_blocks, path)
-        self.micro_batches = int(micro_batches or len(stages))
-        if self.micro_batches < 1:
-            raise InputError(f"micro_batches must be >= 1, got {micro_batches}")
         n = len(stages)
         self.stages = [
             _PagedStage(k, s, e, self, k == n - 1) for k, (s, e) in enumerate(zip(sessions, stages))

@@ -21,27 +21,28 @@ micro-batches (disjoint slots) never touch each other's KV. Tensors crossing a c
 binding to the next as ONNX Runtime values (no copy). A binding runs once per step (each micro-batch has
 its own (slot, rows) binding), and a step returns only when every micro-batch is through the last stage.
 
-This module runs the mapped KV layout (what ort-cpu compiles Llama-family models to); ``from_artifact`` of a
+This module runs the mapped KV layout (what ort-cpu compiles Llama-family models to); ``open_staged_runner`` of a
 staged paged step graph (GPT-2, the generic decoders) returns staged_paged_runner.StagedPagedRunner.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from pathlib import Path
 
 import numpy as np
 
 from precast.runtime.errors import ArtifactError, InputError
-from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, MappedModelRunner, gqa_lengths
+from precast.runtime.llm.mapped_runner import MAPPED_STEP_INPUTS, MappedModelRunner, NativeLookup, gqa_lengths
 from precast.runtime.llm.stage_workers import Countdown, Job, StageWorkers, StageWorkersOwner
 from precast.runtime.llm.stage_workers import chunks as split_rows
+from precast.runtime.llm.staged_paged_runner import StagedPagedRunner, checked_micro_batches
 from precast.runtime.llm_spec import LLMSpec
+from precast.runtime.manifest import Manifest
 from precast.runtime.stages_spec import StageEntry, StagesSpec
 
-__all__ = ["StagedRunner", "check_stages_match_spec", "staged_llm_block"]
+__all__ = ["StagedRunner", "check_stages_match_spec", "open_staged_runner", "staged_llm_block"]
 
 _STEP_INPUTS = ("input_ids", "positions", *MAPPED_STEP_INPUTS)
 # the step inputs of either layout (paged: staged_paged_runner.PAGED_STEP_INPUTS)
@@ -70,6 +71,7 @@ class _Stage:
             o.name for o in session.get_outputs() if o.name not in kv_names and o.name != "logits"
         ]
         self._bindings: dict[tuple[int, int], tuple] = {}
+        self._native = NativeLookup()
         self.busy_seconds = 0.0  # time inside the session (benchmarks: busy / wall per stage)
 
     def run(self, job: Job) -> None:
@@ -84,9 +86,9 @@ class _Stage:
         for name in self.boundary_out:  # unallocated again: ONNX Runtime allocates this run's (own) tensors
             io.bind_output(name, "cpu")
         t0 = time.perf_counter()
-        sess = getattr(self.session, "__dict__", {}).get("_sess")  # ORT's C++ session (see mapped_runner)
+        sess = self._native(self.session)  # ORT's C++ session (mapped_runner.NativeLookup)
         if sess is not None:
-            sess.run_with_iobinding(io._iobinding, None)
+            sess.run_with_iobinding(io.native, None)
         else:  # a session wrapping ORT's (a stand-in, a timer)
             self.session.run_with_iobinding(io)
         self.busy_seconds += time.perf_counter() - t0
@@ -137,62 +139,14 @@ class StagedRunner(StageWorkersOwner, MappedModelRunner):
             raise InputError(
                 f"{path or 'artifact'}: StagedRunner runs the mapped layout (paged: StagedPagedRunner)"
             )
-        if len(sessions) != len(stages) or len(sessions) < 2:
-            raise InputError(
-                f"a staged runner needs one session per stage (>= 2), got {len(sessions)} for {len(stages)}"
-            )
+        self.micro_batches = checked_micro_batches(sessions, stages, micro_batches)
         super().__init__(sessions[0], spec, num_blocks, path, slots)
-        self.micro_batches = int(micro_batches or len(stages))
-        if self.micro_batches < 1:
-            raise InputError(f"micro_batches must be >= 1, got {micro_batches}")
         n = len(stages)
         self.stages = [
             _Stage(k, s, e, self.spec, self.kv, k == n - 1) for k, (s, e) in enumerate(zip(sessions, stages))
         ]
         self._decode_arrays: dict[tuple[int, int], dict[str, np.ndarray]] = {}
         self._pipe = StageWorkers([stage.run for stage in self.stages], queue_depth)
-
-    @classmethod
-    def from_artifact(
-        cls,
-        path: str | os.PathLike,
-        num_blocks: int | None = None,
-        threads: int | None = None,
-        verify: bool = True,
-        spinning: bool = False,
-        micro_batches: int | None = None,
-    ) -> StagedRunner:
-        """Load a staged causal-lm artifact: one session per stage with ``threads`` intra-op threads each
-        (default 1: the stages' workers are the parallelism); ``spinning`` as ModelRunner.from_artifact's."""
-        from precast.runtime.backends import check_threads, create_session
-        from precast.runtime.manifest import check_integrity, read_manifest
-
-        check_threads(threads)
-        root = Path(path)
-        manifest = read_manifest(root)
-        if verify:
-            check_integrity(root, manifest)
-        spec = LLMSpec.from_manifest(manifest, str(root))
-        if manifest.stages is None:
-            raise ArtifactError(f"{root}: not a staged artifact (manifest has no 'stages' block)")
-        entries = [_with_kv_layers(e, spec) for e in manifest.stages.stages]
-        sessions = [
-            create_session(
-                root,
-                dataclasses.replace(manifest.target, model=e.model),
-                threads=threads or 1,
-                spinning=spinning,
-            )
-            for e in entries
-        ]
-        check_stages_match_spec(sessions, entries, spec, root)
-        if num_blocks is None:
-            num_blocks = spec.default_num_blocks()
-        if spec.kv_layout == "paged":  # the graph gathers the pools itself: ModelRunner's pools and scatter
-            from precast.runtime.llm.staged_paged_runner import StagedPagedRunner
-
-            return StagedPagedRunner(sessions, entries, spec, num_blocks, root, micro_batches=micro_batches)
-        return cls(sessions, entries, spec, num_blocks, root, micro_batches=micro_batches)
 
     def close(self) -> None:
         self.shutdown()
@@ -270,6 +224,42 @@ class StagedRunner(StageWorkersOwner, MappedModelRunner):
         for job, rows in zip(jobs, targets):
             logits[rows] = job.logits
         return logits
+
+
+def open_staged_runner(
+    root: Path,
+    manifest: Manifest,
+    num_blocks: int | None = None,
+    threads: int | None = None,
+    spinning: bool | str = False,
+    micro_batches: int | None = None,
+) -> StagedRunner | StagedPagedRunner:
+    """The runner of a staged causal-lm artifact (open_runner's, once the HAL resolved and checked it): one
+    session per stage with ``threads`` intra-op threads each (default 1: the stages' workers are the
+    parallelism); ``spinning`` as ModelRunner's. A paged step graph (GPT-2, the generic decoders) runs on
+    StagedPagedRunner (ModelRunner's pools and scatter), a mapped one on StagedRunner."""
+    from precast.runtime.backends import check_threads, create_session
+
+    check_threads(threads)
+    spec = LLMSpec.from_manifest(manifest, str(root))
+    if manifest.stages is None:
+        raise ArtifactError(f"{root}: not a staged artifact (manifest has no 'stages' block)")
+    entries = [_with_kv_layers(e, spec) for e in manifest.stages.stages]
+    sessions = [
+        create_session(
+            root,
+            dataclasses.replace(manifest.target, model=e.model),
+            threads=threads or 1,
+            spinning=spinning,
+        )
+        for e in entries
+    ]
+    check_stages_match_spec(sessions, entries, spec, root)
+    if num_blocks is None:
+        num_blocks = spec.default_num_blocks()
+    if spec.kv_layout == "paged":
+        return StagedPagedRunner(sessions, entries, spec, num_blocks, root, micro_batches=micro_batches)
+    return StagedRunner(sessions, entries, spec, num_blocks, root, micro_batches=micro_batches)
 
 
 def _with_kv_layers(entry: StageEntry, spec: LLMSpec) -> StageEntry:

@@ -118,53 +118,68 @@ def check_decode_bounded(path: str | os.PathLike) -> None:
         raise ArtifactError(f"cannot read tokenizer {path}: {first_line(e)}") from e
     if not isinstance(data, dict):
         raise ArtifactError(f"tokenizer {where}: not a JSON object")
-    steps = [0]
-    growth = [1.0]
+    _DecoderChain(where).walk(data.get("decoder"), "decoder")
+    _check_pieces(data, where)
 
-    def walk(dec, field: str) -> None:
+
+class _DecoderChain:
+    """A walk through a decoder and its nested Sequences that counts the steps and how much their
+    replacements can multiply a text, and stops at the first step over a bound."""
+
+    def __init__(self, where: str):
+        self.where = where
+        self.steps = 0
+        self.growth = 1.0
+
+    def walk(self, dec, field: str) -> None:
         if dec is None:
             return
         if not isinstance(dec, dict):
-            raise ArtifactError(f"tokenizer {where}: '{field}' must be an object")
+            raise ArtifactError(f"tokenizer {self.where}: '{field}' must be an object")
         kind = dec.get("type")
         if kind == "Sequence":
             subs = dec.get("decoders")
             if not isinstance(subs, list):
-                raise ArtifactError(f"tokenizer {where}: '{field}.decoders' must be a list")
+                raise ArtifactError(f"tokenizer {self.where}: '{field}.decoders' must be a list")
             for i, sub in enumerate(subs):
-                walk(sub, f"{field}.decoders[{i}]")
+                self.walk(sub, f"{field}.decoders[{i}]")
             return
-        steps[0] += 1
-        if steps[0] > MAX_DECODER_STEPS:
-            raise ArtifactError(f"tokenizer {where}: '{field}': more than {MAX_DECODER_STEPS} decoder steps")
+        self.steps += 1
+        if self.steps > MAX_DECODER_STEPS:
+            raise ArtifactError(
+                f"tokenizer {self.where}: '{field}': more than {MAX_DECODER_STEPS} decoder steps"
+            )
         if kind not in _DECODERS:
-            raise ArtifactError(f"tokenizer {where}: '{field}.type' {kind!r} is not a decoder precast runs")
-        pattern = dec.get("pattern")
+            raise ArtifactError(
+                f"tokenizer {self.where}: '{field}.type' {kind!r} is not a decoder precast runs"
+            )
         if kind == "Replace":
-            if not (isinstance(pattern, dict) and set(pattern) == {"String"}):
-                raise ArtifactError(
-                    f"tokenizer {where}: '{field}.pattern' must be a fixed string (a regex would run on every "
-                    "generated token)"
-                )
-            old, new = pattern["String"], dec.get("content")
-            if (
-                not isinstance(old, str)
-                or not old
-                or not isinstance(new, str)
-                or len(new) > MAX_REPLACE_CHARS
-            ):
-                raise ArtifactError(
-                    f"tokenizer {where}: '{field}' must replace a non-empty string by at most "
-                    f"{MAX_REPLACE_CHARS} characters"
-                )
-            growth[0] *= max(1.0, len(new) / len(old))  # each step can multiply the text by this
-            if growth[0] > MAX_DECODE_GROWTH:
-                raise ArtifactError(
-                    f"tokenizer {where}: '{field}': the decoder's replacements can grow a token's text "
-                    f"{growth[0]:g}-fold (at most {MAX_DECODE_GROWTH})"
-                )
+            self.replace(dec, field)
 
-    walk(data.get("decoder"), "decoder")
+    def replace(self, dec: dict, field: str) -> None:
+        """A Replace step: a fixed string (no regex) by a short one; the chain's growth stays bounded."""
+        where, pattern = self.where, dec.get("pattern")
+        if not (isinstance(pattern, dict) and set(pattern) == {"String"}):
+            raise ArtifactError(
+                f"tokenizer {where}: '{field}.pattern' must be a fixed string (a regex would run on every "
+                "generated token)"
+            )
+        old, new = pattern["String"], dec.get("content")
+        if not isinstance(old, str) or not old or not isinstance(new, str) or len(new) > MAX_REPLACE_CHARS:
+            raise ArtifactError(
+                f"tokenizer {where}: '{field}' must replace a non-empty string by at most "
+                f"{MAX_REPLACE_CHARS} characters"
+            )
+        self.growth *= max(1.0, len(new) / len(old))  # each step can multiply the text by this
+        if self.growth > MAX_DECODE_GROWTH:
+            raise ArtifactError(
+                f"tokenizer {where}: '{field}': the decoder's replacements can grow a token's text "
+                f"{self.growth:g}-fold (at most {MAX_DECODE_GROWTH})"
+            )
+
+
+def _check_pieces(data: dict, where: str) -> None:
+    """Every vocabulary piece and added token at most MAX_PIECE_CHARS characters."""
     model = data.get("model") if isinstance(data.get("model"), dict) else {}
     vocab = model.get("vocab")
     pieces = (

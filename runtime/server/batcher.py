@@ -7,7 +7,8 @@
 
 Only models whose inputs and outputs share one symbolic leading dim can batch; others run request by
 request. Requests may also be "padded" (token inputs of different lengths): they are right-padded along
-dim 1 to the longest one, and outputs of that length are cropped back per request.
+dim 1 to the longest one, and outputs of that length are cropped back per request. Merging, splitting and
+the rerun of a failed batch request by request are runtime/batching.py's ``run_merged``.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
+from functools import partial
 
 import numpy as np
 
-from precast.runtime.errors import InputError, PrecastError
+from precast.runtime.batching import RowMerge, run_merged, shared_leading_dim
+from precast.runtime.errors import PrecastError
 from precast.runtime.feeds import check_feeds
 
 __all__ = ["BatchConfig", "Batcher", "QueueFullError", "WorkItem", "batch_dim"]
@@ -46,37 +49,22 @@ class BatchConfig:
 
 def batch_dim(model) -> str | None:
     """The symbolic leading dim shared by every input and output, or None if the model cannot batch."""
-    specs = list(model.inputs) + list(model.outputs)
-    if not specs or any(s.shape is None or not s.shape for s in specs):
-        return None
-    first = {s.shape[0] for s in specs}
-    if len(first) == 1:
-        (dim,) = first
-        if isinstance(dim, str):
-            return dim
-    return None
+    return shared_leading_dim(list(model.inputs), list(model.outputs))
 
 
 @dataclass
 class WorkItem:
     feeds: dict[str, np.ndarray]
     rows: int
-    pad: Mapping[str, int] | None  # input name -> pad value along dim 1, or None
+    rule: RowMerge  # how it merges: along dim 0, its token inputs padded along dim 1 or not
     loop: asyncio.AbstractEventLoop
     future: asyncio.Future
     enqueued: float = field(default_factory=time.perf_counter)
     cancelled: bool = False
 
-    def key(self) -> tuple:
-        parts = []
-        for name in sorted(self.feeds):
-            a = self.feeds[name]
-            tail = a.shape[2:] if self.pad is not None else a.shape[1:]
-            parts.append((name, a.dtype.str, tail))
-        return (self.pad is not None, tuple(parts))
-
-    def length(self) -> int:
-        return next(iter(self.feeds.values())).shape[1] if self.pad is not None else 0
+    def key(self):
+        """Items with equal keys merge; None: this one merges with no other."""
+        return self.rule.key(self.feeds)
 
 
 class Batcher:
@@ -121,8 +109,8 @@ class Batcher:
     ) -> dict[str, np.ndarray]:
         """Queue one request and wait for its outputs; raises QueueFullError, TimeoutError or the run's error."""
         loop = asyncio.get_running_loop()
-        rows = int(next(iter(feeds.values())).shape[0]) if feeds else 1
-        item = WorkItem(feeds, rows, pad, loop, loop.create_future())
+        rule = RowMerge(pad)
+        item = WorkItem(feeds, rule.rows(feeds), rule, loop, loop.create_future())
         with self._lock:
             if self._stopping:
                 raise QueueFullError(self._pending, 1.0)
@@ -169,7 +157,7 @@ class Batcher:
         deadline = head.enqueued + self.config.max_queue_delay
         # Compatible requests already set aside, then new arrivals until full or the delay runs out.
         for other in list(backlog):
-            if rows >= limit:
+            if rows >= limit or key is None:
                 break
             if other.key() == key and rows + other.rows <= limit:
                 backlog.remove(other)
@@ -184,7 +172,7 @@ class Batcher:
             if nxt is None:
                 self._queue.put(None)  # let the loop above see it after this batch
                 break
-            if nxt.key() == key and rows + nxt.rows <= limit:
+            if key is not None and nxt.key() == key and rows + nxt.rows <= limit:
                 batch.append(nxt)
                 rows += nxt.rows
             else:
@@ -200,18 +188,10 @@ class Batcher:
             if not live:
                 return
             t0 = time.perf_counter()
-            try:
-                results = self._call(model, live)
-            except Exception:
-                if len(live) == 1:
-                    raise
-                # One bad request must not fail its neighbours: run them one by one.
-                results = []
-                for it in live:
-                    try:
-                        results.append(self._call(model, [it])[0])
-                    except Exception as e:  # noqa: BLE001 - handed to that request's caller
-                        results.append(e)
+            results = run_merged([it.feeds for it in live], partial(_run_checked, model), rule=live[0].rule)
+            if len(live) == 1 and isinstance(results[0], Exception):
+                _resolve(live[0], results[0])  # a lone request the model refused: not a batch in the metrics
+                return
             rows = sum(it.rows for it in live)
             self.batches += 1
             self.max_rows_seen = max(self.max_rows_seen, rows)
@@ -225,45 +205,9 @@ class Batcher:
             with self._lock:
                 self._running -= len(live)
 
-    @staticmethod
-    def _call(model, items: list[WorkItem]) -> list[dict[str, np.ndarray]]:
-        if len(items) == 1 and items[0].pad is None:
-            return [model.run(check_feeds(items[0].feeds, model.inputs))]
-        lengths = [it.length() for it in items]
-        longest = max(lengths)
-        feeds = {}
-        for name in items[0].feeds:
-            parts = [it.feeds[name] for it in items]
-            if items[0].pad is not None and name in items[0].pad:
-                value = items[0].pad[name]
-                parts = [_pad_axis1(p, longest, value) for p in parts]
-            feeds[name] = np.concatenate(parts, axis=0)
-        outputs = model.run(check_feeds(feeds, model.inputs))
-        total = sum(it.rows for it in items)
-        for name, arr in outputs.items():
-            if arr.ndim == 0 or arr.shape[0] != total:
-                raise InputError(
-                    f"output '{name}' has leading dim {arr.shape[:1]}, cannot split a batch of {total}"
-                )
-        results, start = [], 0
-        for it, length in zip(items, lengths):
-            res = {}
-            for name, arr in outputs.items():
-                part = arr[start : start + it.rows]
-                if it.pad is not None and part.ndim >= 2 and part.shape[1] == longest:
-                    part = part[:, :length]
-                res[name] = part
-            results.append(res)
-            start += it.rows
-        return results
 
-
-def _pad_axis1(a: np.ndarray, length: int, value: int) -> np.ndarray:
-    if a.shape[1] == length:
-        return a
-    widths = [(0, 0)] * a.ndim
-    widths[1] = (0, length - a.shape[1])
-    return np.pad(a, widths, constant_values=value)
+def _run_checked(model, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return model.run(check_feeds(feeds, model.inputs))
 
 
 def _resolve(item: WorkItem, result) -> None:

@@ -31,21 +31,49 @@ from __future__ import annotations
 
 import ipaddress
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
+
+from precast.options import opt
+from precast.runtime.server.kv_memory import parse_size
 
 if TYPE_CHECKING:
     from precast.runtime.signing import SignaturePolicy
 
-__all__ = ["ADMIN_TOKEN_ENV", "API_KEY_ENV", "LLM_OPTIONS", "ServerConfig", "is_loopback"]
+__all__ = [
+    "ADMIN_TOKEN_ENV",
+    "API_KEY_ENV",
+    "LLM_OPTIONS",
+    "SCHEDULER_OPTIONS",
+    "KVPoolOptions",
+    "ServerConfig",
+    "is_loopback",
+]
 
 ADMIN_TOKEN_ENV = "PRECAST_ADMIN_TOKEN"
 API_KEY_ENV = "PRECAST_API_KEY"
 MiB = 1 << 20
 
+
+@dataclass(frozen=True)
+class KVPoolOptions:
+    """How big the LLM engine's KV pool is: `precast serve` flags that go to the engine (ServerConfig.llm),
+    read by llm_service. Unset (None): the artifact's default."""
+
+    num_blocks: int | None = opt(None, "KV cache blocks in the pool.", min=1)
+    kv_cache_memory: int | None = opt(
+        None,
+        "KV cache size instead of --num-blocks, e.g. 512MiB, 2GiB, 1.5GB (converted to whole blocks).",
+        parse=parse_size,
+        metavar="size",
+    )
+
+
+# The scheduler's options `precast serve` hands the LLM engine (runtime.llm.scheduler.SchedulerConfig fields).
+SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens")
 # `precast serve` flags that go to the LLM engine (ServerConfig.llm) rather than to the server itself.
-LLM_OPTIONS = ("num_blocks", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens")
+LLM_OPTIONS = tuple(f.name for f in fields(KVPoolOptions)) + SCHEDULER_OPTIONS
 
 # Fields that must be positive integers (checked in __post_init__, so a library caller gets one line too).
 _COUNTS = (
@@ -62,63 +90,78 @@ _COUNTS = (
 
 @dataclass
 class ServerConfig:
+    """What `precast serve` runs with. A field with a help is a flag of the command (cli/commands_serve.py
+    generates them from these fields, precast/options.py), so its default, bound and help live here only."""
+
     artifact: Path
-    host: str = "127.0.0.1"
-    port: int = 8000
-    model_name: str | None = None  # default: the artifact folder's name
-    max_batch_size: int = 8
-    max_queue_delay_ms: float = 2.0
-    max_queue: int = 256
-    request_timeout: float = 60.0  # seconds; 504 after that
-    admin_token: str | None = None  # default: $PRECAST_ADMIN_TOKEN (empty there = unset)
-    api_key: str | None = None  # inference endpoints need "Bearer <key>"; default: $PRECAST_API_KEY
-    threads: int | None = None  # ORT intra-op threads per session
-    instances: int = 1  # batcher worker threads (model calls in parallel)
-    drain_timeout: float = 30.0  # graceful shutdown: seconds to finish in-flight requests
+    host: str = opt("127.0.0.1", "Address to bind.")
+    port: int = opt(8000, "Port to bind.", min=0, max=65535)
+    model_name: str | None = opt(None, "Name in the API (default: the artifact folder's name).")
+    max_batch_size: int = opt(8, "Dynamic batching: most rows per model call (1 turns batching off).", min=1)
+    max_queue_delay_ms: float = opt(2.0, "Dynamic batching: how long the oldest request waits for others.")
+    max_queue: int = opt(256, "Queued requests before answering 429.", min=1)
+    request_timeout: float = opt(60.0, "Per-request timeout in seconds (504 after it).", min=0.001)
+    admin_token: str | None = opt(
+        None,
+        "Token for /admin/* (required beyond loopback, and for requests through a proxy; not empty).",
+        env=ADMIN_TOKEN_ENV,
+    )
+    api_key: str | None = opt(
+        None,
+        "Key the inference endpoints (/v1/*, /v2/models/*/infer) require as 'Authorization: Bearer <key>' "
+        "(not empty; /health, /ready, /metrics stay open).",
+        env=API_KEY_ENV,
+    )
+    threads: int | None = None  # ORT intra-op threads per session (--threads: cli/output.py threads_option)
+    instances: int = opt(1, "Model calls that may run at once.", min=1)
+    drain_timeout: float = opt(30.0, "On SIGTERM/SIGINT: seconds to finish in-flight requests.")
     verify: bool = True  # re-run stored parity feeds on load and reload
     # A packed artifact's signed statement, checked at start and on every reload (runtime/signing.py):
     pubkey: Path | None = None  # Ed25519 public key (PEM); None: no signature required
     expect_name: str | None = None  # the signed name must be this
     min_version: str | None = None  # the signed version must be at least this
-    log_level: str = "info"
+    log_level: Literal["critical", "error", "warning", "info", "debug"] = opt("info")
     llm: dict = field(default_factory=dict)  # options handed to the LLM engine (num_blocks, max_tokens, ...)
     # Per-request limits (see the table above).
-    max_request_bytes: int = 8 * MiB
+    max_request_bytes: int = opt(
+        8 * MiB, "Largest request body accepted (413 beyond it, before the body is read).", min=1
+    )
     max_inflight_bytes: int | None = None  # default: 8 x max_request_bytes
-    max_connections: int = 1024
-    max_embedding_inputs: int = 128
-    max_embedding_tokens: int = 8192
-    max_text_chars: int = 256 * 1024
+    max_connections: int = opt(1024, "Open connections and requests at once (503 beyond them).", min=1)
+    max_embedding_inputs: int = opt(128, "Most texts in one /v1/embeddings request.", min=1)
+    max_embedding_tokens: int = opt(
+        8192, "Most tokens one /v1/embeddings request runs (texts x longest text).", min=1
+    )
+    max_text_chars: int = opt(
+        256 * 1024, "Most characters one request hands the tokenizer (embeddings inputs, or a prompt).", min=1
+    )
     max_stop_strings: int = 16
     max_stop_chars: int = 256
     header_timeout: float = 10.0  # seconds a request may take to send its request line and headers
     # The artifact's chat template and tokenizer, per request (text_sandbox.py: a process per call).
-    text_timeout: float = 2.0  # seconds one request's render + tokenization may run (504 past it)
-    text_memory: int = 128 * MiB  # memory one such call may use (a 400 past it)
-    text_workers: int = 64  # such calls at once (more wait, within their request's deadline)
+    text_timeout: float = opt(
+        2.0,
+        "Seconds the artifact's chat template and tokenizer may run on one request (504 past it).",
+        min=0.001,
+    )
+    text_memory: int = opt(
+        128 * MiB,
+        "Memory the chat template and tokenizer may use on one request, e.g. 128MiB (400 past it).",
+        parse=parse_size,
+        metavar="size",
+    )
+    text_workers: int = opt(
+        64, "Requests whose text is rendered and tokenized at once (each in its own process).", min=1
+    )
 
     def __post_init__(self) -> None:
         from precast.runtime.errors import UsageError
 
         self.artifact = Path(self.artifact)
-        if self.admin_token is None:
-            self.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
-        elif not isinstance(self.admin_token, str):
-            raise UsageError(f"admin_token must be a string, got {type(self.admin_token).__name__}")
-        elif not self.admin_token.strip():
-            # An empty token would match an empty Authorization header: admin open to anyone.
-            raise UsageError(
-                "--admin-token must not be empty (an empty token would let anyone in); "
-                "omit it to keep admin endpoints loopback-only"
-            )
-        if self.api_key is None:
-            self.api_key = os.environ.get(API_KEY_ENV) or None
-        elif not isinstance(self.api_key, str):
-            raise UsageError(f"api_key must be a string, got {type(self.api_key).__name__}")
-        elif not self.api_key.strip():
-            raise UsageError(
-                "--api-key must not be empty (an empty key would let anyone in); omit it for open endpoints"
-            )
+        self.admin_token = _secret(
+            "admin_token", self.admin_token, ADMIN_TOKEN_ENV, "token", "to keep admin endpoints loopback-only"
+        )
+        self.api_key = _secret("api_key", self.api_key, API_KEY_ENV, "key", "for open endpoints")
         self._check_signature_options()
         if self.max_inflight_bytes is None and isinstance(self.max_request_bytes, int):
             self.max_inflight_bytes = 8 * self.max_request_bytes
@@ -191,3 +234,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _secret(name: str, value: object, env: str, what: str, instead: str) -> str | None:
+    """A bearer secret (--admin-token, --api-key): None takes ``env`` (empty there = unset); an empty one
+    is refused, since it would match an empty Authorization header and let anyone in."""
+    from precast.runtime.errors import UsageError
+
+    if value is None:
+        return os.environ.get(env) or None
+    if not isinstance(value, str):
+        raise UsageError(f"{name} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        flag = "--" + name.replace("_", "-")
+        raise UsageError(f"{flag} must not be empty (an empty {what} would let anyone in); omit it {instead}")
+    return value

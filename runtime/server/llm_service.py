@@ -108,23 +108,14 @@ class LLMService:
 
     @classmethod
     def from_artifact(
-        cls,
-        path: Path,
-        num_blocks: int | None = None,
-        max_active: int = 256,
-        *,
-        max_num_seqs: int | None = None,
-        max_num_batched_tokens: int | None = None,
-        kv_cache_memory: int | None = None,
-        text_limits: TextLimits | None = None,
-        **_ignored,
+        cls, path: Path, max_active: int = 256, *, text_limits: TextLimits | None = None, **engine_options
     ) -> LLMService:
-        """``kv_cache_memory`` (bytes) sizes the KV pool instead of ``num_blocks``; the two scheduler
-        options override SchedulerConfig's defaults (`precast serve --max-num-seqs ...`)."""
+        """``engine_options``: the serve flags that go to the engine (config.LLM_OPTIONS, by name):
+        ``num_blocks`` or ``kv_cache_memory`` (bytes) sizes the KV pool; ``max_num_seqs`` and
+        ``max_num_batched_tokens`` override SchedulerConfig's defaults (`precast serve --max-num-seqs ...`)."""
         from precast.runtime.llm.engine import Engine
 
-        options = _engine_options(path, num_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_memory)
-        engine = Engine.load(path, **options)
+        engine = Engine.load(path, **_engine_options(path, **engine_options))
         try:
             service = cls(
                 engine, Path(path), read_manifest(path), max_active=max_active, text_limits=text_limits
@@ -246,7 +237,7 @@ class LLMService:
             raise QueueFullError(self.active, 1.0)
         stream = TokenStream(self, asyncio.get_running_loop())
         stream.handle = await asyncio.to_thread(
-            self.engine.submit, prompt, params, priority, request_id=request_id, on_token=stream._on_token
+            self.engine.submit, prompt, params, priority, request_id=request_id, on_token=stream.on_token
         )
         self.active += 1
         return stream
@@ -266,7 +257,8 @@ class TokenStream:
         self._t_last: float | None = None
         self._closed = False
 
-    def _on_token(self, ev) -> None:  # engine thread
+    def on_token(self, ev) -> None:
+        """The engine's on_token callback (called on the engine's thread): hands ``ev`` to the event loop."""
         self._loop.call_soon_threadsafe(self._events.put_nowait, ev)
 
     @property
@@ -317,7 +309,9 @@ class TokenStream:
                     m.llm_queue_time.observe(max(0.0, scheduled - self.handle.t_submit))
 
 
-def _engine_options(path, num_blocks, max_num_seqs, max_num_batched_tokens, kv_cache_memory) -> dict:
+def _engine_options(
+    path, num_blocks=None, kv_cache_memory=None, max_num_seqs=None, max_num_batched_tokens=None, **_ignored
+) -> dict:
     """Engine.load's num_blocks and config from the serve options (UsageError naming a bad one)."""
     from precast.runtime.errors import UsageError
     from precast.runtime.llm.scheduler import SchedulerConfig, checked_config

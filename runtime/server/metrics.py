@@ -42,102 +42,97 @@ METRIC_NAMES = [
 ]
 
 
+class _Maker:
+    """Metric constructors bound to one registry, so that each metric below is declared on one line."""
+
+    def __init__(self, registry) -> None:
+        from prometheus_client import Counter, Gauge, Histogram
+
+        self.registry = registry
+        self.types = Counter, Gauge, Histogram
+
+    def counter(self, name: str, doc: str, labels: tuple[str, ...] = ()):
+        return self.types[0](name, doc, labels, registry=self.registry)
+
+    def gauge(self, name: str, doc: str):
+        return self.types[1](name, doc, registry=self.registry)
+
+    def histogram(self, name: str, doc: str, buckets: tuple, labels: tuple[str, ...] = ()):
+        return self.types[2](name, doc, labels, buckets=buckets, registry=self.registry)
+
+
 class ServerMetrics:
     def __init__(self) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+        from prometheus_client import CollectorRegistry, disable_created_metrics
 
         disable_created_metrics()  # no *_created series: smaller scrapes
 
-        r = self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "precast_requests",
-            "HTTP requests by endpoint and status code",
-            ["endpoint", "status"],
-            registry=r,
+        self.registry = CollectorRegistry()
+        m = _Maker(self.registry)
+        self._request_metrics(m)
+        self._llm_metrics(m)
+
+    def _request_metrics(self, m: _Maker) -> None:
+        """HTTP requests, the queue, dynamic batching, reloads: every server has these."""
+        self.requests = m.counter(
+            "precast_requests", "HTTP requests by endpoint and status code", ("endpoint", "status")
         )
-        self.latency = Histogram(
-            "precast_request_latency_seconds",
-            "End-to-end request latency",
-            ["endpoint"],
-            buckets=_LATENCY,
-            registry=r,
+        self.latency = m.histogram(
+            "precast_request_latency_seconds", "End-to-end request latency", _LATENCY, ("endpoint",)
         )
-        self.queue_wait = Histogram(
-            "precast_queue_wait_seconds",
-            "Time from submit to the start of its batch",
-            buckets=_LATENCY,
-            registry=r,
+        self.queue_wait = m.histogram(
+            "precast_queue_wait_seconds", "Time from submit to the start of its batch", _LATENCY
         )
-        self.queue_depth = Gauge("precast_queue_depth", "Requests queued, not yet running", registry=r)
-        self.queue_capacity = Gauge(
-            "precast_queue_capacity", "Requests the server holds before it answers 429", registry=r
+        self.queue_depth = m.gauge("precast_queue_depth", "Requests queued, not yet running")
+        self.queue_capacity = m.gauge(
+            "precast_queue_capacity", "Requests the server holds before it answers 429"
         )
-        self.inflight = Gauge("precast_inflight_requests", "HTTP requests being handled", registry=r)
-        self.batch_size = Histogram(
-            "precast_batch_size", "Rows per model call (dynamic batching)", buckets=_BATCH, registry=r
+        self.inflight = m.gauge("precast_inflight_requests", "HTTP requests being handled")
+        self.batch_size = m.histogram("precast_batch_size", "Rows per model call (dynamic batching)", _BATCH)
+        self.batch_run = m.histogram("precast_batch_run_seconds", "Model call time per batch", _LATENCY)
+        self.reloads = m.counter("precast_reloads", "Hot reloads by result", ("result",))
+        self.model_version = m.gauge("precast_model_version", "Version number of the model being served")
+
+    def _llm_metrics(self, m: _Maker) -> None:
+        """The LLM engine's: token timing, scheduling, the KV cache, the prefix cache, per-request sizes."""
+        self.ttft = m.histogram("precast_llm_time_to_first_token_seconds", "Time to first token", _LATENCY)
+        self.tpot = m.histogram(
+            "precast_llm_time_per_output_token_seconds", "Time per output token after the first", _LATENCY
         )
-        self.batch_run = Histogram(
-            "precast_batch_run_seconds", "Model call time per batch", buckets=_LATENCY, registry=r
-        )
-        self.reloads = Counter("precast_reloads", "Hot reloads by result", ["result"], registry=r)
-        self.model_version = Gauge(
-            "precast_model_version", "Version number of the model being served", registry=r
-        )
-        self.ttft = Histogram(
-            "precast_llm_time_to_first_token_seconds", "Time to first token", buckets=_LATENCY, registry=r
-        )
-        self.tpot = Histogram(
-            "precast_llm_time_per_output_token_seconds",
-            "Time per output token after the first",
-            buckets=_LATENCY,
-            registry=r,
-        )
-        self.tokens = Counter("precast_llm_tokens", "Tokens processed", ["kind"], registry=r)
-        self.llm_running = Gauge(
-            "precast_llm_requests_running", "LLM requests in the running batch", registry=r
-        )
-        self.llm_waiting = Gauge("precast_llm_requests_waiting", "LLM requests waiting", registry=r)
-        self.kv_used = Gauge("precast_llm_kv_blocks_used", "KV cache blocks in use", registry=r)
-        self.kv_free = Gauge("precast_llm_kv_blocks_free", "KV cache blocks free", registry=r)
-        self.kv_resident = Gauge(
+        self.tokens = m.counter("precast_llm_tokens", "Tokens processed", ("kind",))
+        self.llm_running = m.gauge("precast_llm_requests_running", "LLM requests in the running batch")
+        self.llm_waiting = m.gauge("precast_llm_requests_waiting", "LLM requests waiting")
+        self.kv_used = m.gauge("precast_llm_kv_blocks_used", "KV cache blocks in use")
+        self.kv_free = m.gauge("precast_llm_kv_blocks_free", "KV cache blocks free")
+        self.kv_resident = m.gauge(
             "precast_llm_kv_bytes_resident",
             "KV cache bytes holding memory (blocks ever handed out; the pool grows on demand)",
-            registry=r,
         )
-        self.kv_reserved = Gauge(
-            "precast_llm_kv_bytes_reserved",
-            "KV cache bytes reserved (address space of the whole pool)",
-            registry=r,
+        self.kv_reserved = m.gauge(
+            "precast_llm_kv_bytes_reserved", "KV cache bytes reserved (address space of the whole pool)"
         )
-        self.preemptions = Counter(
-            "precast_llm_preemptions", "Requests preempted because the KV cache ran out of blocks", registry=r
+        self.preemptions = m.counter(
+            "precast_llm_preemptions", "Requests preempted because the KV cache ran out of blocks"
         )
-        self.prefix_queries = Counter(
-            "precast_llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", registry=r
+        self.prefix_queries = m.counter(
+            "precast_llm_prefix_cache_queries", "Prompt tokens looked up in the prefix cache"
         )
-        self.prefix_hits = Counter(
-            "precast_llm_prefix_cache_hits", "Prompt tokens served from the prefix cache", registry=r
+        self.prefix_hits = m.counter(
+            "precast_llm_prefix_cache_hits", "Prompt tokens served from the prefix cache"
         )
-        self.llm_e2e = Histogram(
-            "precast_llm_e2e_request_latency_seconds",
-            "LLM request latency, arrival to last token",
-            buckets=_E2E,
-            registry=r,
+        self.llm_e2e = m.histogram(
+            "precast_llm_e2e_request_latency_seconds", "LLM request latency, arrival to last token", _E2E
         )
-        self.llm_queue_time = Histogram(
+        self.llm_queue_time = m.histogram(
             "precast_llm_request_queue_time_seconds",
             "LLM request time from arrival to its first scheduling",
-            buckets=_LATENCY,
-            registry=r,
+            _LATENCY,
         )
-        self.llm_prompt_tokens = Histogram(
-            "precast_llm_request_prompt_tokens", "Prompt tokens per LLM request", buckets=_TOKENS, registry=r
+        self.llm_prompt_tokens = m.histogram(
+            "precast_llm_request_prompt_tokens", "Prompt tokens per LLM request", _TOKENS
         )
-        self.llm_generation_tokens = Histogram(
-            "precast_llm_request_generation_tokens",
-            "Generated tokens per LLM request",
-            buckets=_TOKENS,
-            registry=r,
+        self.llm_generation_tokens = m.histogram(
+            "precast_llm_request_generation_tokens", "Generated tokens per LLM request", _TOKENS
         )
 
     def on_batch(self, rows: int, waits: list[float], seconds: float) -> None:

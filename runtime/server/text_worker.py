@@ -265,6 +265,161 @@ def _vm_size() -> int:
         return 1 << 30
 
 
+def _failure(status: int) -> dict:
+    """The answer for a child whose pipe closed without a result: it exited (a memory limit, a crash)."""
+    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
+    return {
+        "error": "failed",
+        "message": (
+            f"was killed by signal {sig} (over its memory or CPU limit)"
+            if sig
+            else "ended without an answer (over its memory limit)"
+        ),
+    }
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+_TIMEOUT = {"error": "timeout", "message": "ran past its deadline"}
+_CANCELLED = {"error": "cancelled", "message": "cancelled"}
+
+
+class _Zygote:
+    """The zygote's state between events: the calls waiting, the children running, the children dying.
+
+    One object rather than closures in ``serve`` so that each event (a frame from the server, a child's
+    output, a deadline) is one method that reads on its own.
+    """
+
+    def __init__(self, template, tokenizer, init: dict, stdin: int, stdout: int):
+        self.template, self.tokenizer = template, tokenizer
+        self.stdin, self.stdout = stdin, stdout
+        self.base = _vm_size()
+        self.default_memory = int(init.get("memory", 128 << 20))
+        self.max_live = max(1, int(init.get("max_live", 32)))
+        self.sel = selectors.DefaultSelector()
+        self.incoming = _Frames()
+        self.waiting: deque[tuple[dict, float]] = deque()
+        self.live: dict[int, _Live] = {}  # fd -> child
+        # killed children not waited for yet (a busy nice-19 child takes a while to exit)
+        self.dying: set[int] = set()
+
+    def answer(self, id_, obj) -> None:
+        write_frame(self.stdout, {"id": id_, **obj})
+
+    def start(self, call: dict, deadline: float) -> None:
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(r)
+            memory = self.base + int(call.get("memory", self.default_memory))
+            _child(self.template, self.tokenizer, call, w, memory)
+        os.close(w)
+        os.set_blocking(r, False)
+        self.live[r] = _Live(call["id"], pid, r, deadline)
+        self.sel.register(r, selectors.EVENT_READ, r)
+
+    def reap(self, child: _Live, why: dict | None) -> None:
+        """Stop following a child: answer ``why`` if it did not answer; kill it if it runs. Never blocks on a
+        running child: the killed ones are collected later (collect)."""
+        self.sel.unregister(child.fd)
+        os.close(child.fd)
+        del self.live[child.fd]
+        if why is not None or child.answered:
+            _kill(child.pid)
+            self.dying.add(child.pid)
+        else:  # its pipe closed without an answer: it has exited (a memory limit, a crash)
+            why = _failure(os.waitpid(child.pid, 0)[1])
+        if not child.answered:
+            self.answer(child.id, why)
+
+    def collect(self) -> None:
+        for pid in list(self.dying):
+            try:
+                done, _ = os.waitpid(pid, os.WNOHANG)
+            except ChildProcessError:
+                done = pid
+            if done:
+                self.dying.discard(pid)
+
+    def schedule(self) -> float | None:
+        """Time out what is past its deadline, start what may start; the next instant to wake up at."""
+        now = time.monotonic()
+        for child in [c for c in self.live.values() if c.deadline <= now]:
+            self.reap(child, _TIMEOUT)
+        while self.waiting and self.waiting[0][1] <= now:
+            call, _ = self.waiting.popleft()
+            self.answer(call["id"], _TIMEOUT)
+        while self.waiting and len(self.live) < self.max_live:
+            call, expires = self.waiting.popleft()  # (the reaping above took time: read the clock again)
+            self.start(call, min(expires, time.monotonic() + float(call.get("timeout", 60))))
+        self.collect()
+        nxt = min([c.deadline for c in self.live.values()] + [d for _, d in self.waiting], default=None)
+        if self.dying:
+            soon = time.monotonic() + 0.05
+            nxt = min(nxt, soon) if nxt is not None else soon
+        return nxt
+
+    def on_server(self) -> bool:
+        """Read the server's frames: calls and cancels. False when the server closed our stdin."""
+        data = os.read(self.stdin, 1 << 20)
+        if not data:
+            return False
+        for msg in self.incoming.feed(data):
+            if "cancel" in msg:
+                self.cancel(msg["cancel"])
+            else:  # the whole call must end within "expires" s; its run within "timeout" s
+                expires = time.monotonic() + float(msg.get("expires", msg.get("timeout", 60)))
+                self.waiting.append((msg, expires))
+        return True
+
+    def cancel(self, gone) -> None:
+        for child in [c for c in self.live.values() if c.id == gone]:
+            self.reap(child, _CANCELLED)
+        for item in [w for w in self.waiting if w[0]["id"] == gone]:
+            self.waiting.remove(item)
+            self.answer(gone, _CANCELLED)
+
+    def on_child(self, fd: int) -> None:
+        """Pass a child's result frame on (once), or reap it when its pipe closes."""
+        child = self.live.get(fd)
+        if child is None:
+            return
+        try:
+            data = os.read(child.fd, 1 << 20)
+        except BlockingIOError:
+            return
+        if not data:
+            self.reap(child, None)
+            return
+        for result in child.frames.feed(data):
+            if not child.answered:
+                child.answered = True
+                self.answer(child.id, result)
+
+    def run(self) -> int:
+        os.set_blocking(self.stdin, False)
+        self.sel.register(self.stdin, selectors.EVENT_READ, None)
+        try:
+            while True:
+                nxt = self.schedule()
+                events = self.sel.select(None if nxt is None else max(0.0, nxt - time.monotonic()))
+                for key, _ in events:
+                    if key.data is None:  # the server
+                        if not self.on_server():
+                            return 0
+                    else:
+                        self.on_child(key.data)
+        finally:
+            for pid in [c.pid for c in self.live.values()] + list(self.dying):
+                _kill(pid)
+
+
 def serve(stdin: int = 0, stdout: int = 1) -> int:
     init = read_frame(stdin)
     if init is None:
@@ -274,124 +429,9 @@ def serve(stdin: int = 0, stdout: int = 1) -> int:
     except Exception as e:  # noqa: BLE001  (reported to the server, which names the artifact file)
         write_frame(stdout, {"error": _line(e)})
         return 1
-    base = _vm_size()
-    default_memory = int(init.get("memory", 128 << 20))
-    max_live = max(1, int(init.get("max_live", 32)))
-    write_frame(stdout, {"ready": True, "base": base})
-
-    sel = selectors.DefaultSelector()
-    os.set_blocking(stdin, False)
-    sel.register(stdin, selectors.EVENT_READ, None)
-    incoming = _Frames()
-    waiting: deque[tuple[dict, float]] = deque()
-    live: dict[int, _Live] = {}  # fd -> child
-
-    def answer(id_, obj) -> None:
-        write_frame(stdout, {"id": id_, **obj})
-
-    def start(call: dict, deadline: float) -> None:
-        r, w = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(r)
-            _child(template, tokenizer, call, w, base + int(call.get("memory", default_memory)))
-        os.close(w)
-        os.set_blocking(r, False)
-        live[r] = _Live(call["id"], pid, r, deadline)
-        sel.register(r, selectors.EVENT_READ, r)
-
-    dying: set[int] = set()  # killed children not waited for yet (a busy nice-19 child takes a while to exit)
-
-    def reap(child: _Live, why: dict | None) -> None:
-        """Stop following a child: answer ``why`` if it did not answer; kill it if it runs. Never blocks on a
-        running child: the killed ones are collected later (collect)."""
-        sel.unregister(child.fd)
-        os.close(child.fd)
-        del live[child.fd]
-        if why is not None or child.answered:
-            try:
-                os.kill(child.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            dying.add(child.pid)
-        else:  # its pipe closed without an answer: it has exited (a memory limit, a crash)
-            _, status = os.waitpid(child.pid, 0)
-            sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else None
-            why = {
-                "error": "failed",
-                "message": (
-                    f"was killed by signal {sig} (over its memory or CPU limit)"
-                    if sig
-                    else "ended without an answer (over its memory limit)"
-                ),
-            }
-        if not child.answered:
-            answer(child.id, why)
-
-    def collect() -> None:
-        for pid in list(dying):
-            try:
-                done, _ = os.waitpid(pid, os.WNOHANG)
-            except ChildProcessError:
-                done = pid
-            if done:
-                dying.discard(pid)
-
-    timeout_answer = {"error": "timeout", "message": "ran past its deadline"}
-    cancelled = {"error": "cancelled", "message": "cancelled"}
-    try:
-        while True:
-            now = time.monotonic()
-            for child in [c for c in live.values() if c.deadline <= now]:
-                reap(child, timeout_answer)
-            while waiting and waiting[0][1] <= now:
-                call, _ = waiting.popleft()
-                answer(call["id"], timeout_answer)
-            while waiting and len(live) < max_live:
-                call, expires = waiting.popleft()  # (the reaping above took time: read the clock again)
-                start(call, min(expires, time.monotonic() + float(call.get("timeout", 60))))
-            collect()
-            nxt = min([c.deadline for c in live.values()] + [d for _, d in waiting], default=None)
-            if dying:
-                nxt = min(nxt, time.monotonic() + 0.05) if nxt is not None else time.monotonic() + 0.05
-            events = sel.select(None if nxt is None else max(0.0, nxt - time.monotonic()))
-            for key, _ in events:
-                if key.data is None:  # the server
-                    data = os.read(stdin, 1 << 20)
-                    if not data:
-                        return 0
-                    for msg in incoming.feed(data):
-                        if "cancel" in msg:
-                            gone = msg["cancel"]
-                            for child in [c for c in live.values() if c.id == gone]:
-                                reap(child, cancelled)
-                            for item in [w for w in waiting if w[0]["id"] == gone]:
-                                waiting.remove(item)
-                                answer(gone, cancelled)
-                        else:  # the whole call must end within "expires" s; its run within "timeout" s
-                            expires = time.monotonic() + float(msg.get("expires", msg.get("timeout", 60)))
-                            waiting.append((msg, expires))
-                    continue
-                child = live.get(key.data)
-                if child is None:
-                    continue
-                try:
-                    data = os.read(child.fd, 1 << 20)
-                except BlockingIOError:
-                    continue
-                if data:
-                    for result in child.frames.feed(data):
-                        if not child.answered:
-                            child.answered = True
-                            answer(child.id, result)
-                    continue
-                reap(child, None)
-    finally:
-        for pid in [c.pid for c in live.values()] + list(dying):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+    zygote = _Zygote(template, tokenizer, init, stdin, stdout)
+    write_frame(stdout, {"ready": True, "base": zygote.base})
+    return zygote.run()
 
 
 def main() -> int:

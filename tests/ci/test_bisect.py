@@ -28,8 +28,8 @@ class ScaleInitializer(Pass):
             arr = value.const_value.numpy()
             if arr.dtype == np.float32:
                 value.const_value = ir.tensor(arr * np.float32(1.5), name=value.name)
-                return PassResult(model, {"scaled": 1})
-        return PassResult(model, {"scaled": 0})
+                return PassResult(model, True, {"scaled": 1})
+        return PassResult(model, False, {"scaled": 0})
 
 
 if WRONG not in registry._REGISTRY:

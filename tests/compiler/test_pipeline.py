@@ -87,3 +87,23 @@ def test_print_ir_after(capsys):
     )
     err = capsys.readouterr().err
     assert "IR after eliminate-dead-code" in err and "MatMul" in err
+
+
+def test_pass_result_and_facts_are_frozen_and_facts_merge_in_order():
+    import dataclasses
+
+    from precast.compiler.registry import PassFacts, PassResult
+
+    first = PassFacts(symbolic_io={"x": ("batch",)}, calibration_used=True)
+    merged = first.merge(PassFacts(symbolic_io={"x": (2,)}))
+    assert merged == PassFacts(symbolic_io={"x": (2,)}, calibration_used=True)
+    assert first.merge(PassFacts()) == first
+    result = PassResult(tiny_mlp(), False, {"fused": 0})
+    assert result.facts == PassFacts()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        result.modified = True  # type: ignore[misc]
+
+
+def test_a_fusion_that_finds_nothing_reports_unmodified():
+    result = get_pass("fuse-gelu")()(tiny_mlp())
+    assert result.modified is False and result.stats["fused"] == 0

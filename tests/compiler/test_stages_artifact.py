@@ -51,7 +51,7 @@ def test_staged_artifact_holds_stage_files_and_runs_them_in_order(stack_art, sta
     names = sorted(p.relative_to(stack_art).as_posix() for p in stack_art.rglob("*.onnx"))
     assert names == ["stages/stage_0.onnx", "stages/stage_1.onnx", "stages/stage_2.onnx"]
     model = load(stack_art, threads=1)
-    session = model._session
+    session = model.session
     assert isinstance(session, StagedSession)
     entries = [e for e, _ in session.stages]
     assert [e.model for e in entries] == names
@@ -230,7 +230,7 @@ def test_staged_bert_matches_the_unsplit_artifact(bert, staged):
     plain, model = load(bert["plain"]), load(bert[staged], threads=1)
     spec = model.manifest.stages
     n = 2 if staged == "bytes2" else 4
-    assert spec.n == n and len(model._session.stages) == n
+    assert spec.n == n and len(model.session.stages) == n
     assert [s.layers for s in spec.stages] == ([[0, 2], [2, 4]] if n == 2 else [[k, k + 1] for k in range(4)])
     # between layers: the hidden state and the mask-derived additive mask, nothing else
     assert all(len(b) == 2 for b in spec.boundaries)
@@ -262,8 +262,7 @@ def test_minilm_chained_stages_equal_the_unsplit_graph(minilm_dir):
     feeds = {"input_ids": ids, "attention_mask": mask, "token_type_ids": np.zeros_like(ids)}
     want = dict(zip([o.name for o in optimized.graph.outputs], ort_run(optimized, feeds)))
     for options in ({"n": 3}, {"n": 2, "by": "time"}):
-        p = SplitStages(**options)
-        p.context = PassContext(sample_feeds=feeds)
+        p = SplitStages(context=PassContext(sample_feeds=feeds), **options)
         stages = stage_models(p(clone_model(optimized)).model)
         assert len(stages) == options["n"]
         layers = [s.layers for s in stages]

@@ -9,6 +9,7 @@ import pytest
 
 from precast.runtime.errors import InputError, ModelLoadError
 from precast.runtime.llm import ModelRunner
+from precast.runtime.llm.open_runner import runner_on
 from tests.helpers import run_with_imports_blocked
 
 PROMPTS = ["def wrap(text, width=70):", "import os\nclass Formatter:\n    def __init__(self, fill):", "x"]
@@ -245,7 +246,7 @@ def test_llama_family_paged_math_matches_hf(model_type, head_dim, layout, tmp_pa
     _, module = build_paged_decoder(folder, model_type)
     spec = LLMSpec.from_json(llm_block(folder, config, module))
     assert spec.kv_layout == layout
-    runner = ModelRunner(_TorchSession(module, spec.layers), spec, num_blocks=32)
+    runner = runner_on(_TorchSession(module, spec.layers), spec, num_blocks=32)  # (by its layout)
     prompts = [[5, 9, 33, 7, 100, 41, 2, 8, 19, 300], [77, 3]]
     ours = greedy(runner, prompts, 32, chunk=4)
     for prompt, got in zip(prompts, ours):

@@ -8,6 +8,7 @@ import pytest
 from precast.runtime.errors import InputError
 from precast.runtime.llm import ModelRunner
 from precast.runtime.llm.mapped_kv import MappedKV, mapped_kv_supported, page_block_size
+from precast.runtime.llm.mapped_runner import MappedModelRunner
 
 pytestmark = pytest.mark.skipif(mapped_kv_supported() is not None, reason=str(mapped_kv_supported()))
 
@@ -133,7 +134,7 @@ def test_in_place_steps_match_the_copying_path_under_a_changing_batch(llama_arti
 
     fast = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24)
     model = load(llama_artifact_mapped, verify=False)
-    slow = ModelRunner(_NoBinding(model._session), fast.spec, 24, slots=8)
+    slow = MappedModelRunner(_NoBinding(model.session), fast.spec, 24, slots=8)
     assert type(fast).__name__ == "MappedModelRunner" and fast.kv_bytes == fast.kv.pool.nbytes
     a, b = _mixed_schedule(fast), _mixed_schedule(slow)
     for r in a:
@@ -165,8 +166,8 @@ def test_steps_run_ort_binding_directly_and_a_wrapped_session_through_its_own_ru
 
     direct = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24, spinning=False)
     inner = direct._session._sess = _Counting(direct._session._sess)
-    wrapper = _Counting(load(llama_artifact_mapped, verify=False)._session)
-    wrapped = ModelRunner(wrapper, direct.spec, 24)
+    wrapper = _Counting(load(llama_artifact_mapped, verify=False).session)
+    wrapped = MappedModelRunner(wrapper, direct.spec, 24)
     a, b = _mixed_schedule(direct), _mixed_schedule(wrapped)
     assert inner.calls == wrapper.calls > 9  # every run of both (prefill rows alone, decodes batched)
     for r in a:

@@ -142,7 +142,7 @@ def _teacher_forced_argmax(path, ids: list[int]) -> np.ndarray:
     for a, e in ((0, cut), (cut, len(ids))):
         feeds = step_feeds([ids[a:e]], [a], [table], runner.spec.block_size)
         feeds["logits_indices"] = np.arange(e - a, dtype=np.int64)  # every position's logits
-        out.append(runner._run(feeds).argmax(-1))
+        out.append(runner.run_step(feeds).argmax(-1))
     return np.concatenate(out)
 
 

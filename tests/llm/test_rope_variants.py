@@ -116,7 +116,7 @@ def test_longrope_cap_is_where_hf_switches_for_phi3(top, nested):
 
     import transformers
 
-    from precast.compiler.causal_lm import _max_positions
+    from precast.compiler.decoder_context import max_positions as _max_positions
 
     rope = {**ROPES["longrope"], "rope_theta": 10000.0}
     rope.pop("original_max_position_embeddings")

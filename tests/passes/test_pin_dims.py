@@ -35,9 +35,7 @@ def shape_arithmetic():
 
 
 def run(model, feeds, **options):
-    p = PinDims(**options)
-    p.context = PassContext(sample_feeds=feeds)
-    return p(model)
+    return PinDims(context=PassContext(sample_feeds=feeds), **options)(model)
 
 
 def test_pinned_graph_folds_to_static_and_computes_the_same(rng):
@@ -86,3 +84,18 @@ def test_static_dim_that_disagrees_with_the_feed_is_refused():
 def test_needs_sample_feeds():
     with pytest.raises(PassFailedError, match="needs the compile's sample feeds"):
         PinDims()(shape_arithmetic())
+
+
+def test_symbolic_io_before_pinning_is_a_fact_the_pass_manager_hands_on(rng):
+    from precast.compiler.pipeline import PassManager, parse_pipeline
+
+    feeds = {"x": rng.standard_normal((3, 8)).astype(np.float32)}
+    result = run(shape_arithmetic(), feeds)
+    assert result.modified and result.facts.symbolic_io == {
+        "x": ("batch", 8),
+        "y": ("batch", 2, 4),
+        "r": ("batch",),
+    }
+    pm = PassManager(parse_pipeline("pin-dims,fold-constants"), context=PassContext(sample_feeds=feeds))
+    pm.run(shape_arithmetic())
+    assert pm.facts.symbolic_io == result.facts.symbolic_io and not pm.facts.calibration_used

@@ -19,9 +19,7 @@ LAYER_BYTES = (16 * 16 + 16) * 4  # one residual_stack layer: W [16, 16] + b [16
 
 
 def split(model, feeds=None, **options):
-    p = SplitStages(**options)
-    p.context = PassContext(sample_feeds=feeds)
-    return p(model)
+    return SplitStages(context=PassContext(sample_feeds=feeds), **options)(model)
 
 
 @pytest.mark.parametrize("named", [True, False], ids=["named-layers", "structural"])
@@ -94,8 +92,7 @@ def test_by_time_without_sample_feeds_generates_them():
 
 
 def test_more_stages_than_layers_is_one_line_naming_the_model_and_the_limit():
-    p = SplitStages(n=7)
-    p.context = PassContext(extra={"source_name": "stack6"})
+    p = SplitStages(n=7, context=PassContext(source_name="stack6"))
     with pytest.raises(
         PassOptionError, match=r"model 'stack6' has 6 layers, so at most 6 stages; got n=7"
     ) as e:

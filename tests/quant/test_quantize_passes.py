@@ -14,6 +14,14 @@ def run(pipeline, model, **ctx):
     return pm.run(model), pm.records[-1].stats
 
 
+def test_calibrating_on_the_users_data_is_a_fact(mlp2, correlated):
+    calib = [{"x": correlated(16, s)} for s in range(2)]
+    for ctx, used in (({"calibration_feeds": calib}, True), ({"sample_feeds": calib[0]}, False)):
+        pm = PassManager(parse_pipeline("quantize-int8{mode=static}"), context=PassContext(**ctx))
+        pm.run(mlp2)
+        assert pm.facts.calibration_used is used
+
+
 def rel_err(model, ref_model, feeds):
     got, ref = ort_run(model, feeds)[0], ort_run(ref_model, feeds)[0]
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref)), got

@@ -194,3 +194,28 @@ def test_bench_imports_only_numpy_and_the_backend(tmp_path):
         ),
     )
     assert "BENCH-OK" in r.stdout, r.stderr
+
+
+def test_report_of_run_takes_the_window_and_mode_from_the_options():
+    from pathlib import Path
+
+    from precast.runtime.bench_report import BenchReport, Host
+
+    host = Host(2, "x86_64", "Linux", 0.1, 0.1)
+    options = BenchOptions(duration_s=None, requests=7, warmup_s=0.5)
+    report = BenchReport.of_run(
+        options, Path("a"), None, host, [], kind="model", target="ort-cpu", threads="2"
+    )
+    assert (report.artifact, report.mode, report.url, report.requests) == ("a", "in-process", None, 7)
+    assert (report.duration_s, report.warmup_s, report.host) == (None, 0.5, host)
+    served = BenchReport.of_run(
+        options, Path("a"), "http://127.0.0.1:1", host, [], kind="llm", target="t", threads=""
+    )
+    assert served.mode == "http" and served.url == "http://127.0.0.1:1"
+
+
+def test_level_from_samples_without_tokens_has_no_token_fields():
+    level = level_from_samples(2, [Sample(0.0, 0.5), Sample(0.0, 1.0)], 1, "boom", 0.0, items_per_request=3)
+    assert (level.concurrency, level.requests, level.errors, level.first_error) == (2, 2, 1, "boom")
+    assert level.requests_per_s == pytest.approx(2.0) and level.items_per_s == pytest.approx(6.0)
+    assert level.output_tokens is None and level.ttft is None

@@ -236,7 +236,7 @@ def test_outputs_subset_and_run(art2):
 def test_threads_none_shares_the_models_stage_sessions(art3):
     model = load(art3, threads=1)
     with model.pipeline(threads=None, max_batch=4) as pipe:
-        assert [s.session for s in pipe.stages] == [s for _, s in model._session.stages]
+        assert [s.session for s in pipe.stages] == [s for _, s in model.session.stages]
         futures = [(i, pipe.submit(request(i, rows=2))) for i in range(8)]
         direct = model.run(request(50))  # the Model's own run on the same sessions meanwhile
         for i, fut in futures:

@@ -50,7 +50,7 @@ def test_staged_artifact_is_served_through_its_pipeline(staged):
         model = state.host.current.model
         assert isinstance(model, PipelinedModel) and model.stages == 2
         # the pipeline shares the Model's stage sessions (one copy of the weights), 1 thread each
-        assert [s.session for s in model.pipeline.stages] == [s for _, s in model._session.stages]
+        assert [s.session for s in model.pipeline.stages] == [s for _, s in model.session.stages]
         assert len(state.batcher._threads) == 2  # one batch in flight per stage
         with ThreadPoolExecutor(6) as pool:
             results = list(pool.map(lambda i: call(i, c), range(12)))

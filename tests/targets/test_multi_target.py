@@ -196,7 +196,7 @@ def test_every_target_failing_writes_nothing(mlp_path, tmp_path, child_entry, mo
     from precast.runtime.errors import NativeCrashError, PassFailedError
     from precast.targets.ort_cpu import OrtCpu
 
-    def broken(self, model, out_dir):
+    def broken(self, model, out_dir, ctx):
         raise PassFailedError("target 'ort-cpu': broken on purpose")
 
     child_entry("qnn-compile", "segfault")

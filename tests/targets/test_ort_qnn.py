@@ -35,7 +35,7 @@ def test_artifact_is_one_ep_context_node_all_on_qnn(qnn_art):
     assert [n.op_type for n in onnx.load(str(qnn_art / "model.onnx")).graph.node] == ["EPContext"]
     model = load(qnn_art)
     assert model.providers == ["QNNExecutionProvider"]
-    assert list(model._session.assignment) == ["QNNExecutionProvider"]  # nothing fell back to the CPU EP
+    assert list(model.session.assignment) == ["QNNExecutionProvider"]  # nothing fell back to the CPU EP
 
 
 def test_int8_outputs_track_fp32_on_fresh_inputs(qnn_art, rng):

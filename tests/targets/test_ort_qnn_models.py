@@ -27,7 +27,7 @@ def _assert_all_on_htp(art):
     assert block["placement"]["on_htp"] == block["placement"]["nodes"]
     assert [n.op_type for n in onnx.load(str(art / "model.onnx")).graph.node] == ["EPContext"]
     model = load(art)
-    assert list(model._session.assignment) == ["QNNExecutionProvider"]  # nothing fell back to the CPU EP
+    assert list(model.session.assignment) == ["QNNExecutionProvider"]  # nothing fell back to the CPU EP
     return block
 
 
@@ -87,7 +87,7 @@ def test_minilm_embeddings_match_hugging_face_on_real_sentences(minilm):
         feeds = _text_feeds(tok, sentence)
         assert 8 <= feeds["input_ids"].shape[1] <= 20
         cosines.append(_embedding_cosine(hf, qnn, feeds))
-        assert qnn._session.last_bucket == 64  # the smallest bucket that fits
+        assert qnn.session.last_bucket == 64  # the smallest bucket that fits
     assert min(cosines) >= 0.99, cosines
 
 
@@ -95,7 +95,7 @@ def test_minilm_longer_input_runs_the_128_bucket(minilm):
     tok, hf, qnn = minilm
     feeds = _text_feeds(tok, " ".join(EVAL_SENTENCES))
     assert 64 < feeds["input_ids"].shape[1] <= 128
-    assert _embedding_cosine(hf, qnn, feeds) >= 0.99 and qnn._session.last_bucket == 128
+    assert _embedding_cosine(hf, qnn, feeds) >= 0.99 and qnn.session.last_bucket == 128
 
 
 def test_minilm_input_longer_than_every_bucket_is_refused(minilm):

@@ -6,7 +6,7 @@ the pools through its block table, plus the new tokens. A paging, prefix-sharing
 (wrong block, stale slot, another request's data) changes what is read, hence the tokens.
 `reference_greedy` runs the same function on the plain token list, with no cache at all.
 
-It is a StepRunner, so the engine drives it through the real ``execute(SchedulerOutput)`` dispatch: a steady
+It is a RunnerBase, so the engine drives it through the real ``execute(SchedulerOutput)`` dispatch: a steady
 step reuses the block tables of the decode step before it (as the real runners reuse their arrays and slot
 mappings), so a steady delta sent when a table changed reads the wrong blocks and changes the tokens.
 ``kinds`` records each executed step's kind.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from precast.runtime.llm.runner import StepRunner
+from precast.runtime.llm.runner import RunnerBase
 
 __all__ = ["FakeRunner", "FakeSpec", "reference_greedy", "reference_logits"]
 
@@ -56,9 +56,10 @@ def reference_greedy(prompt: list[int], n: int, vocab: int = 64) -> list[int]:
     return toks[len(prompt) :]
 
 
-class FakeRunner(StepRunner):
+class FakeRunner(RunnerBase):
     def __init__(self, spec: FakeSpec | None = None, num_blocks: int = 64):
         self.spec = spec or FakeSpec()
+        self.num_blocks = num_blocks
         s = self.spec
         shape = (num_blocks, s.kv_heads, s.block_size, s.head_size)
         self.key_cache = [np.zeros(shape, np.float32) for _ in range(s.layers)]

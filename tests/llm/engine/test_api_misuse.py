@@ -184,7 +184,7 @@ def test_wait_for_a_request_another_thread_just_finished():
     eng = fake_engine()
     h = eng.submit([1, 2], GREEDY)
     eng.run_until_done()  # thread B
-    eng._wait_for(h)  # thread A: returns (the check is made again under the engine's lock)
+    eng.wait_for(h)  # thread A: returns (the check is made again under the engine's lock)
     assert h.result().token_ids == reference_greedy([1, 2], 6)
 
 

@@ -1,0 +1,155 @@
+"""The hardware abstraction layer: which target of an artifact this host runs, for every loader.
+
+    resolve(path, open, prefer=..., pubkey=...) -> Resolved(root, manifest, opened, skipped, temp)
+
+``path`` is an artifact directory, a multi-target index, or a packed file (unpacked, checksums and signature
+checked, into a temp dir the caller then owns). An index's targets are tried best first (``prefer``, then
+the compile's measured ``fallback_order``, else PREFERENCE): ``open(root, manifest)`` opens one, and a
+TargetUnavailableError from it passes to the next, its reason kept in ``skipped``. runtime.load opens a
+backend session this way, Engine.load a step runner; both get the same order, signature policy and errors.
+
+The target names live here, on the artifact side: the runtime may not import ``precast.targets``, so the
+compiler's target registry checks its names against TARGET_NAMES instead of keeping a list of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+from typing import Generic, TypeVar
+
+from precast.runtime.errors import ArtifactError, TargetUnavailableError, UnknownTargetError
+from precast.runtime.manifest import Manifest, check_integrity, read_manifest
+from precast.runtime.target_blocks import TargetBlock
+
+__all__ = [
+    "PREFERENCE",
+    "TARGET_NAMES",
+    "Opener",
+    "Resolved",
+    "check_target_name",
+    "preference_order",
+    "resolve",
+    "target_order",
+]
+
+# Every target precast compiles (targets/base.py's register_target refuses a name not listed here).
+TARGET_NAMES = ("ort-cpu", "openvino", "ort-qnn", "tensorrt", "triton")
+
+# Best first: the order when a multi-target artifact offers several (a GPU engine, then NPU execution
+# providers, then OpenVINO, then the portable CPU build).
+PREFERENCE = ["tensorrt", "ort-qnn", "openvino", "ort-cpu"]
+
+T = TypeVar("T")
+Opener = Callable[[Path, Manifest], T]
+
+
+@dataclass(frozen=True)
+class Resolved(Generic[T]):
+    """The target a loader opened: its directory and manifest, what ``open`` returned for it, the better
+    targets passed over (name -> reason), and the temp dir a packed artifact was unpacked into (None for a
+    directory; the caller removes it with archive.remove_temp when done)."""
+
+    root: Path
+    manifest: Manifest
+    opened: T
+    skipped: Mapping[str, str] = field(default_factory=dict)
+    temp: Path | None = None
+
+
+def check_target_name(name: str, what: str = "to prefer") -> None:
+    """A target name the caller typed (``--prefer``): not one precast knows -> UnknownTargetError (exit 4) with
+    the closest known name. Whether the artifact has it is the loader's question."""
+    if name in TARGET_NAMES:
+        return
+    import difflib
+
+    close = difflib.get_close_matches(str(name), TARGET_NAMES, n=1, cutoff=0.5)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise UnknownTargetError(f"unknown target '{name}' {what}{hint} (targets: {', '.join(TARGET_NAMES)})")
+
+
+def preference_order(names: Iterable[str], prefer: str | None = None) -> list[str]:
+    """``names`` best first by PREFERENCE (unknown names last, in their given order); ``prefer`` first of all."""
+    names = list(names)
+    rank = {n: PREFERENCE.index(n) if n in PREFERENCE else len(PREFERENCE) + i for i, n in enumerate(names)}
+    return sorted(names, key=lambda n: (n != prefer, rank[n]))
+
+
+def target_order(root: Path, manifest: Manifest, prefer: str | None = None) -> list[str]:
+    """An index's targets in the order to try: ``prefer`` first, then its ``fallback_order`` (a causal-lm
+    compile ranks its targets by measured speed there), else PREFERENCE's."""
+    entries = manifest.target_dirs()
+    if prefer is not None and prefer not in entries:
+        raise ArtifactError(
+            f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})"
+        )
+    recorded = manifest.fallback_order or []
+    if sorted(recorded) != sorted(entries):  # absent, or not this index's targets: the static order
+        return preference_order(entries, prefer)
+    return sorted(recorded, key=lambda n: n != prefer)
+
+
+def resolve(
+    path: str | os.PathLike,
+    open: Opener[T],
+    *,
+    prefer: str | None = None,
+    pubkey: str | os.PathLike | None = None,
+    expect_name: str | None = None,
+    min_version: str | None = None,
+    now: datetime | None = None,
+    verify: bool = True,
+) -> Resolved[T]:
+    """The target of the artifact at ``path`` that this host runs, opened by ``open`` (see the module doc).
+
+    ``pubkey`` requires a packed artifact's signed statement (runtime/signing.py): a valid Ed25519
+    signature, not expired at ``now``, named ``expect_name`` and at least ``min_version`` when given.
+    ``verify``: the sha256 of every file of the manifests read on the way."""
+    if prefer is not None:  # a typo: exit 4 with the close match, not "no target ... in this artifact"
+        check_target_name(prefer)
+    from precast.runtime.signing import signature_policy
+
+    policy = signature_policy(pubkey, expect_name, min_version)  # requirements without a key: UsageError
+    root = Path(path)
+    if not root.is_file():
+        if policy is not None:
+            raise ArtifactError(
+                f"{root}: signatures live in packed artifacts; pack it, or drop the public key"
+            )
+        return _resolve_dir(root, open, prefer, verify)
+    from precast.runtime.archive import remove_temp, unpack_to_temp
+
+    temp = unpack_to_temp(root, policy=policy, now=now)
+    try:
+        return dataclasses.replace(_resolve_dir(temp, open, prefer, verify), temp=temp)
+    except BaseException:
+        remove_temp(temp)
+        raise
+
+
+def _resolve_dir(root: Path, open: Opener[T], prefer: str | None, verify: bool) -> Resolved[T]:
+    manifest = read_manifest(root)
+    if verify:
+        check_integrity(root, manifest)
+    if manifest.is_multi_target:
+        entries, skipped = manifest.target_dirs(), {}
+        for name in target_order(root, manifest, prefer):
+            try:
+                found = _resolve_dir(root / entries[name], open, None, verify)
+            except TargetUnavailableError as e:
+                skipped[name] = str(e)
+                continue
+            return dataclasses.replace(found, skipped=skipped)
+        reasons = "; ".join(f"{k}: {v}" for k, v in skipped.items())
+        raise TargetUnavailableError(f"{root}: no target of this artifact can run on this host ({reasons})")
+    own = manifest.target.name
+    if prefer is not None and prefer != own:
+        raise ArtifactError(f"{root}: no target '{prefer}' in this artifact (has: {own})")
+    if not isinstance(manifest.target, TargetBlock):
+        raise ArtifactError(f"{root}: target '{own}' is a multi-target index's, but the manifest is no index")
+    return Resolved(root, manifest, open(root, manifest))
