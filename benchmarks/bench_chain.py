@@ -82,7 +82,7 @@ def chain_model(hidden: int, inner: int, layers: int, seed: int = 0):
 
 
 def run_pipeline(model, text: str):
-    from precast.compiler.pipeline import PassManager, parse_pipeline
+    from precast.ir.pipeline import PassManager, parse_pipeline
 
     pm = PassManager(parse_pipeline(text))
     out = pm.run(model)

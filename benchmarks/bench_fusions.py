@@ -32,7 +32,7 @@ BASE_PASSES = "infer-shapes,fold-constants,eliminate-dead-code"
 def _export_dynamo(folder: Path, out: Path) -> None:
     import onnx_ir as ir
 
-    from precast.compiler.hf_source import load_hf_folder
+    from precast.compiler.frontends.hf_source import load_hf_folder
 
     ir.save(load_hf_folder(folder).model, out)
 

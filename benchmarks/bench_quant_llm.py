@@ -57,7 +57,7 @@ def _model_folder(name: str, work: Path) -> Path:
 
 def compile_variants(name: str, folder: Path, work: Path, calib: str) -> dict[str, Path]:
     from precast.compiler.driver import CompileOptions, compile_model
-    from precast.compiler.source import load_source
+    from precast.compiler.frontends.source import load_source
 
     out, source = {}, None
     for variant, passes in VARIANTS.items():

@@ -62,7 +62,7 @@ def build(work: Path, splits: list[str]) -> tuple[Path, dict[str, Path]]:
     if not todo:
         return unsplit, staged
     from precast.compiler.driver import CompileOptions, compile_model
-    from precast.compiler.source import load_source
+    from precast.compiler.frontends.source import load_source
     from precast.targets.base import get_target
 
     t0 = time.perf_counter()
@@ -116,9 +116,9 @@ def no_spin_pipeline(model, options: dict):
     between kernels (ONNX Runtime's ``session.intra_op.allow_spinning=0``): isolates what spinning costs."""
     import onnxruntime as ort
 
+    from precast.artifact.manifest import model_path
     from precast.runtime.backends import ort_session_options
-    from precast.runtime.manifest import model_path
-    from precast.runtime.pipeline import PipelineStage, StagePipeline
+    from precast.runtime.staged.pipeline import PipelineStage, StagePipeline
 
     so = ort_session_options(model.manifest.target.session_settings, threads=2)
     so.add_session_config_entry("session.intra_op.allow_spinning", "0")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 
 __all__ = ["plot_report", "require_matplotlib"]
 

@@ -20,7 +20,7 @@ from precast.cli.output import (
     err_console,
     out_console,
 )
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 
 
 @cli.command()
@@ -28,7 +28,7 @@ from precast.runtime.errors import UsageError
 @click.option("--json", "as_json", is_flag=True, help="Print the manifest as JSON.")
 def inspect(artifact, as_json):
     """Show an artifact's manifest: IO signature, pipeline, pass stats, parity, files."""
-    from precast.runtime.manifest import read_manifest
+    from precast.artifact.manifest import read_manifest
 
     manifest = read_manifest(artifact).to_json()  # shown as the document it is
     if as_json:
@@ -134,17 +134,17 @@ def verify(artifact, as_json, pubkey, expect_name, min_version, junit, quiet):
     ARTIFACT is a directory or a packed file (precast pack); --pubkey also checks a packed file's signed
     statement (signature, expiry, and --expect-name / --min-version when given).
     """
-    from precast.runtime.errors import ParityError, PrecastError
+    from precast.errors import ParityError, PrecastError
     from precast.runtime.verify import verify_artifact
 
     if junit:
         check_output_path(junit, "--junit")
     try:
-        from precast.runtime.signing import signature_policy
+        from precast.artifact.signing import signature_policy
 
         policy = signature_policy(pubkey, expect_name, min_version)
         if Path(artifact).is_file():
-            from precast.runtime.archive import unpack_to_temp
+            from precast.artifact.archive import unpack_to_temp
 
             report = verify_artifact(unpack_to_temp(artifact, policy=policy))
         elif pubkey:
@@ -228,7 +228,7 @@ def run(artifact, input_file, output_file, prefer, threads, as_json):
 @click.option("--json", "as_json", is_flag=True)
 def passes(as_json):
     """List registered passes with their options."""
-    from precast.compiler.registry import all_passes, describe_options
+    from precast.ir.registry import all_passes, describe_options
 
     items = all_passes()
     if as_json:

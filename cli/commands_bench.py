@@ -9,8 +9,15 @@ from rich.markup import escape
 from rich.table import Table
 
 from precast.cli.main import cli
-from precast.cli.output import THREADS, Progress, check_output_path, emit_json, err_console, out_console
-from precast.runtime.errors import UsageError
+from precast.cli.output import (
+    THREADS,
+    Progress,
+    check_output_path,
+    emit_json,
+    err_console,
+    out_console,
+)
+from precast.errors import UsageError
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -93,7 +100,12 @@ def bench_cmd(
     generated from the IO signature. Causal-lm artifacts: time to first token, inter-token latency and
     tokens/s. --url sends the same requests to `precast serve` (loopback only).
     """
-    from precast.runtime.bench import BenchOptions, bench, parse_concurrency, parse_duration
+    from precast.runtime.bench import (
+        BenchOptions,
+        bench,
+        parse_concurrency,
+        parse_duration,
+    )
 
     if requests is not None and duration is not None:
         raise UsageError("give --duration or --requests, not both")

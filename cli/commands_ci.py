@@ -11,8 +11,15 @@ from rich.table import Table
 
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
-from precast.cli.output import THREADS, Progress, check_output_path, emit_json, err_console, out_console
-from precast.runtime.errors import ParityError, UsageError
+from precast.cli.output import (
+    THREADS,
+    Progress,
+    check_output_path,
+    emit_json,
+    err_console,
+    out_console,
+)
+from precast.errors import ParityError, UsageError
 
 __all__ = ["signature_options"]
 
@@ -69,9 +76,9 @@ def bisect(
 
     Exit 0 when every pass keeps parity, 2 when one breaks it.
     """
-    from precast.compiler.bisect import bisect_model
     from precast.compiler.driver import CompileOptions
-    from precast.compiler.source import parse_input_spec
+    from precast.compiler.frontends.source import parse_input_spec
+    from precast.compiler.verification.bisect import bisect_model
 
     opts = CompileOptions(
         targets=(target,),
@@ -135,8 +142,8 @@ def pack(artifact, output, sign_key, name, version, expires, with_build_info, as
     """Pack an artifact directory into one deterministic tar file (checked first; optionally signed)."""
     import tarfile
 
+    from precast.artifact.signing import check_name, parse_expiry, version_key
     from precast.compiler.pack import pack_artifact
-    from precast.runtime.signing import check_name, parse_expiry, version_key
 
     if sign_key is None:
         given = [o for o, v in (("--name", name), ("--version", version), ("--expires", expires)) if v]
@@ -186,8 +193,8 @@ def pack(artifact, output, sign_key, name, version, expires, with_build_info, as
 @click.option("-q", "--quiet", is_flag=True)
 def unpack(packed, output, pubkey, expect_name, min_version, quiet):
     """Unpack a packed artifact safely: no links/devices/unlisted files/size bombs; every sha256 checked."""
-    from precast.runtime.archive import unpack_checked
-    from precast.runtime.signing import signature_policy
+    from precast.artifact.archive import unpack_checked
+    from precast.artifact.signing import signature_policy
 
     policy = signature_policy(pubkey, expect_name, min_version)
     check_output_path(output, "-o", directory=True)
@@ -208,7 +215,7 @@ def unpack(packed, output, pubkey, expect_name, min_version, quiet):
 )
 def keygen(private, public):
     """Generate an Ed25519 key pair for `pack --sign-key` / `verify --pubkey`."""
-    from precast.runtime.signing import generate_keypair
+    from precast.artifact.signing import generate_keypair
 
     public = public or f"{private}.pub"
     check_output_path(private, "-o")
@@ -237,7 +244,7 @@ def keygen(private, public):
 @click.option("--json", "as_json", is_flag=True)
 def profile(artifact, input_file, runs, top, trace, threads, prefer, as_json):
     """Profile an artifact with ONNX Runtime's profiler; print the top operator types by total time."""
-    from precast.runtime.profiling import profile_artifact
+    from precast.runtime.bench.profiling import profile_artifact
 
     if top < 1:
         raise UsageError(f"--top must be at least 1, got {top}")

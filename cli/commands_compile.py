@@ -12,8 +12,14 @@ from rich.table import Table
 from precast.cli.config_file import config_option
 from precast.cli.feeds_io import read_feeds
 from precast.cli.main import cli
-from precast.cli.output import Progress, check_output_path, emit_json, err_console, format_bytes
-from precast.runtime.errors import UsageError
+from precast.cli.output import (
+    Progress,
+    check_output_path,
+    emit_json,
+    err_console,
+    format_bytes,
+)
+from precast.errors import UsageError
 
 __all__ = ["compile_cmd", "print_parity"]
 
@@ -126,9 +132,9 @@ def compile_cmd(
 ):
     """Compile MODEL (.onnx file, Hugging Face folder, or module:callable) into a verified artifact."""
     from precast.compiler.driver import CompileOptions, compile_model
+    from precast.compiler.frontends.source import parse_input_spec
     from precast.compiler.report import CompileReport
-    from precast.compiler.source import parse_input_spec
-    from precast.runtime.errors import PrecastError
+    from precast.errors import PrecastError
 
     _check_output_paths(output, report, junit, cache_dir)
     opts = CompileOptions(
@@ -151,7 +157,7 @@ def compile_cmd(
         junit_path=junit,
     )
     if calibration:
-        from precast.compiler.calibration import load_calibration
+        from precast.ir.calibration import load_calibration
 
         opts.calibration_feeds, opts.calibration_text = load_calibration(calibration)
     try:

@@ -8,7 +8,13 @@ from pathlib import Path
 import click
 
 from precast.cli.main import cli
-from precast.cli.output import THREADS, Progress, check_output_path, emit_json, err_console
+from precast.cli.output import (
+    THREADS,
+    Progress,
+    check_output_path,
+    emit_json,
+    err_console,
+)
 
 
 @cli.command("eval")
@@ -32,7 +38,7 @@ from precast.cli.output import THREADS, Progress, check_output_path, emit_json, 
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 def eval_cmd(artifact, text_file, window, stride, max_tokens, batch, threads, report, as_json, quiet):
     """Measure the perplexity of the language model in ARTIFACT on a text file."""
-    from precast.runtime.errors import InputError, UsageError
+    from precast.errors import InputError, UsageError
     from precast.runtime.llm.perplexity import perplexity_of_text
 
     if report:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import click
 
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 
 __all__ = ["DEFAULT_FILE", "config_keys", "config_option", "read_config"]
 

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import InputError, UsageError, first_line
-from precast.runtime.manifest import TensorSpec
+from precast.artifact.manifest import TensorSpec
+from precast.errors import InputError, UsageError, first_line
 
 __all__ = ["read_feeds"]
 

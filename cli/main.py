@@ -7,7 +7,7 @@ import traceback
 
 import click
 
-from precast.runtime.errors import EXIT_INTERNAL, EXIT_USAGE, PrecastError, first_line
+from precast.errors import EXIT_INTERNAL, EXIT_USAGE, PrecastError, first_line
 
 __all__ = ["cli", "main"]
 

@@ -15,8 +15,8 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, ProgressColumn
 from rich.text import Text
 
+from precast.errors import UsageError
 from precast.runtime.backends import MAX_THREADS
-from precast.runtime.errors import UsageError
 
 __all__ = [
     "err_console",

@@ -13,9 +13,8 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, UsageError
-from precast.runtime.llm_spec import LLMSpec
-from precast.runtime.manifest import (
+from precast.artifact.llm_spec import LLMSpec
+from precast.artifact.manifest import (
     BUILD_INFO_NAME,
     MANIFEST_NAME,
     MULTI_TARGET,
@@ -25,10 +24,11 @@ from precast.runtime.manifest import (
     read_manifest,
     sha256_file,
 )
-from precast.runtime.schema import IOSignature, TargetEntry, TensorSpec
-from precast.runtime.stages_spec import StagesSpec
-from precast.runtime.staging import clean_stale, temp_name
-from precast.runtime.target_blocks import IndexTargetBlock, TargetBlock
+from precast.artifact.schema import IOSignature, TargetEntry, TensorSpec
+from precast.artifact.stages_spec import StagesSpec
+from precast.artifact.staging import clean_stale, temp_name
+from precast.artifact.target_blocks import IndexTargetBlock, TargetBlock
+from precast.errors import ArtifactError, UsageError
 from precast.runtime.verify import SEQUENCE_LENGTH, SEQUENCE_SUFFIX, load_parity_value
 
 __all__ = [
@@ -259,7 +259,7 @@ def write_index(root: Path, index: Manifest) -> dict:
     return _write(root, dataclasses.replace(index, files=files))
 
 
-# Manifest assembly: the typed records of runtime/manifest.py (the runtime owns the schema).
+# Manifest assembly: the typed records of artifact/manifest.py (the runtime owns the schema).
 
 
 def build_manifest(
@@ -281,7 +281,7 @@ def build_manifest(
     llm = source.info.get("llm")
     llm_spec = LLMSpec.from_json(llm, f"source {source.name}") if llm is not None else None
     if llm_spec is not None and stages is not None:  # a staged causal LM: each stage owns its layers' KV
-        from precast.runtime.llm.staged_runner import staged_llm_block
+        from precast.runtime.llm.runners.staged import staged_llm_block
 
         stages = staged_llm_block(stages, llm_spec)
     return Manifest(

@@ -42,9 +42,15 @@ from typing import Any
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, UsageError
-from precast.runtime.manifest import MANIFEST_NAME, Manifest, check_integrity, read_manifest, sha256_file
-from precast.runtime.staging import clean_stale, temp_name
+from precast.artifact.manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    check_integrity,
+    read_manifest,
+    sha256_file,
+)
+from precast.artifact.staging import clean_stale, temp_name
+from precast.errors import ArtifactError, UsageError
 
 __all__ = [
     "ARTIFACT_NAME",

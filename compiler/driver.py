@@ -2,7 +2,7 @@
 
     plan -> (cache hit? return) -> load/export -> passes -> build per target -> verify -> publish
 
-``compiler/plan.py`` validates what the user gave, ``compiler/verify.py`` holds the Verifier (feeds, masks,
+``compiler/plan.py`` validates what the user gave, ``compiler/verification/verify.py`` holds the Verifier (feeds, masks,
 tolerances, budget, bisection), ``compiler/artifact.py`` assembles and writes manifests.
 """
 
@@ -22,6 +22,7 @@ import numpy as np
 import onnx_ir as ir
 
 import precast
+from precast.artifact.manifest import TensorSpec
 from precast.compiler.artifact import (
     build_index,
     build_manifest,
@@ -32,15 +33,20 @@ from precast.compiler.artifact import (
     staging_dir,
     write_index,
 )
-from precast.compiler.parity import io_signature
-from precast.compiler.pipeline import PassManager, PassRecord, format_pipeline
-from precast.compiler.plan import CompileOptions, CompilePlan, TargetPlan, check_loaded, plan_compile
-from precast.compiler.registry import PassContext, PassFacts
+from precast.compiler.frontends.source import Source, load_source
+from precast.compiler.plan import (
+    CompileOptions,
+    CompilePlan,
+    TargetPlan,
+    check_loaded,
+    plan_compile,
+)
 from precast.compiler.report import CompileReport, CompileResult, artifact_size
-from precast.compiler.source import Source, load_source
-from precast.compiler.verify import Verifier, bisect_parity, sample_feeds
-from precast.runtime.errors import InputError, PartialCompileError, PrecastError, UsageError
-from precast.runtime.manifest import TensorSpec
+from precast.compiler.verification.verify import Verifier, bisect_parity, sample_feeds
+from precast.errors import InputError, PartialCompileError, PrecastError, UsageError
+from precast.ir.parity import io_signature
+from precast.ir.pipeline import PassManager, PassRecord, format_pipeline
+from precast.ir.registry import PassContext, PassFacts
 from precast.runtime.progress import ProgressReporter, reporter
 from precast.targets.base import BuildContext, BuildResult, Target
 
@@ -223,7 +229,7 @@ class _Build:
         index = build_index(manifests, precisions, failed)
         speeds = {n: (m.get("parity") or {}).get("speed") for n, m in manifests.items()}
         if len(manifests) > 1 and all(speeds.values()):  # causal LMs: the faster on this host first
-            from precast.compiler.llm_speed import speed_score
+            from precast.compiler.decoder.llm_speed import speed_score
 
             order = sorted(index.fallback_order or list(manifests), key=lambda n: -speed_score(speeds[n]))
             index = dataclasses.replace(index, fallback_order=order)
@@ -271,7 +277,7 @@ class _Build:
         parity = self.verify(tp, target, built, out_dir, context)
         timings[f"{tp.name}:verify"] = time.perf_counter() - t2
         if "llm" in self.source.info and len(self.run.plan.targets) > 1:  # ranks the index's targets
-            from precast.compiler.llm_speed import llm_speed
+            from precast.compiler.decoder.llm_speed import llm_speed
 
             progress.step(f"[{tp.name}] measuring its serving speed on this host")
             parity = {**parity, "speed": llm_speed(out_dir)}
@@ -334,7 +340,7 @@ class _Build:
         return self.verifier.check(tp.name, built.precision, tp.pipeline, actual, text_metrics, context)
 
     def text_metrics(self, bounds, out_dir: Path, context: PassContext) -> dict | None:
-        from precast.compiler.llm_text import llm_text_metrics
+        from precast.ir.llm_text import llm_text_metrics
 
         text = self.run.plan.opts.calibration_text
         metrics = llm_text_metrics(self.source, out_dir, bounds, text, self.run.progress)

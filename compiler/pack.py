@@ -6,8 +6,8 @@
 ``build-info.json`` (wall times, host: the one unhashed file) stays out unless asked for, so two builds
 of the same input pack to the same bytes (Ed25519 signatures are deterministic too) and a packed file
 can be cached and compared by its sha256. A signature covers a statement naming the artifact, its version,
-the manifest's sha256 and an optional expiry (runtime/signing.py). Reading is the runtime's job
-(runtime/archive.py).
+the manifest's sha256 and an optional expiry (artifact/signing.py). Reading is the runtime's job
+(artifact/archive.py).
 """
 
 from __future__ import annotations
@@ -18,10 +18,8 @@ import tarfile
 from datetime import datetime
 from pathlib import Path
 
-from precast.compiler.cache import check_artifact_tree
-from precast.runtime.errors import UsageError
-from precast.runtime.manifest import BUILD_INFO_NAME, MANIFEST_NAME, sha256_file
-from precast.runtime.signing import (
+from precast.artifact.manifest import BUILD_INFO_NAME, MANIFEST_NAME, sha256_file
+from precast.artifact.signing import (
     LEGACY_SIGNATURE_NAME,
     STATEMENT_NAME,
     STATEMENT_SIG_NAME,
@@ -29,7 +27,9 @@ from precast.runtime.signing import (
     check_name,
     sign_statement,
 )
-from precast.runtime.staging import clean_stale, temp_name
+from precast.artifact.staging import clean_stale, temp_name
+from precast.compiler.cache import check_artifact_tree
+from precast.errors import UsageError
 
 __all__ = ["pack_artifact"]
 

@@ -24,14 +24,14 @@ from typing import Any
 
 import numpy as np
 
-from precast.compiler.budget import budget_bounds
-from precast.compiler.parity import Tolerance
-from precast.compiler.pipeline import PassSpec, format_pipeline, parse_pipeline
-from precast.compiler.registry import get_pass
-from precast.compiler.source import Source, locate_source
-from precast.compiler.verify import tolerance_for
-from precast.runtime.errors import TargetUnavailableError, UsageError
-from precast.runtime.manifest import TensorSpec
+from precast.artifact.manifest import TensorSpec
+from precast.compiler.frontends.source import Source, locate_source
+from precast.compiler.verification.budget import budget_bounds
+from precast.compiler.verification.verify import tolerance_for
+from precast.errors import TargetUnavailableError, UsageError
+from precast.ir.parity import Tolerance
+from precast.ir.pipeline import PassSpec, format_pipeline, parse_pipeline
+from precast.ir.registry import get_pass
 from precast.targets.base import Target, all_targets, get_target
 
 __all__ = ["CompileOptions", "CompilePlan", "SourcePlan", "TargetPlan", "plan_compile", "plan_source"]
@@ -168,7 +168,7 @@ class CompilePlan:
         None for ONNX files (cheap to load), torch callables (their hash is the exported graph's) and Sources."""
         if self.source.kind != "hf":
             return None
-        from precast.compiler.hf_source import folder_hash_and_ship
+        from precast.compiler.frontends.hf_source import folder_hash_and_ship
 
         return folder_hash_and_ship(self.source.path, ())[0]
 
@@ -233,7 +233,7 @@ def _check_writable_file(path: str | os.PathLike, option: str) -> None:
 def plan_source(model: str | Source, opts: CompileOptions) -> SourcePlan:
     """The symbolic input dims and the kind of graph ``model`` will give, read without exporting it."""
     if isinstance(model, Source):
-        from precast.compiler.parity import io_signature
+        from precast.ir.parity import io_signature
 
         inputs, _ = io_signature(model.model)
         step = True if "llm" in model.info else _step_graph(inputs, opts)
@@ -255,13 +255,15 @@ def _step_graph(inputs: Sequence[TensorSpec], opts: CompileOptions) -> bool | No
     """Whether ``inputs`` are a causal-lm step graph's; asked only when it matters (text calibration)."""
     if not opts.calibration_text:
         return None
-    from precast.compiler.llm_text import is_step_graph  # imports the LLM runtime: only when needed
+    from precast.ir.llm_text import (
+        is_step_graph,  # imports the LLM runtime: only when needed
+    )
 
     return is_step_graph(inputs)
 
 
 def _plan_hf(folder: Path, opts: CompileOptions) -> SourcePlan:
-    from precast.compiler.hf_source import encoder_dims, read_config
+    from precast.compiler.frontends.hf_source import encoder_dims, read_config
 
     task = opts.task or "feature-extraction"
     if task == "causal-lm":
@@ -314,7 +316,7 @@ def check_source(source: SourcePlan, targets: Sequence[TargetPlan], opts: Compil
             "--calibration text calibrates causal-lm models (--task causal-lm); give this model an .npz of feeds"
         )
     if source.step_graph:  # a causal LM's top1/ppl_delta budget needs text: say so before any work
-        from precast.compiler.llm_text import check_text_budget
+        from precast.ir.llm_text import check_text_budget
 
         for t in targets:
             bounds = budget_bounds(t.pipeline, opts.accuracy_budget, t.target.precision)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from precast.compiler.pipeline import PassRecord
-from precast.runtime.errors import ParityError, PartialCompileError, PrecastError
+from precast.errors import ParityError, PartialCompileError, PrecastError
+from precast.ir.pipeline import PassRecord
 
 __all__ = ["CompileReport", "CompileResult", "artifact_size"]
 

@@ -41,8 +41,8 @@ def minilm_folder() -> Path:
 def artifact_is_usable(path: Path) -> tuple[bool, str]:
     """(ok, why): an existing MiniLM artifact is reused only if its files are intact and parity re-runs."""
     import precast
-    from precast.runtime.errors import PrecastError
-    from precast.runtime.manifest import read_manifest
+    from precast.artifact.manifest import read_manifest
+    from precast.errors import PrecastError
     from precast.runtime.verify import verify_artifact
 
     if not (path / "manifest.json").is_file():
@@ -133,8 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
 
+    from precast.errors import PrecastError
     from precast.runtime import load
-    from precast.runtime.errors import PrecastError
 
     try:
         ok, why = (False, "--force") if args.force else artifact_is_usable(args.output)

@@ -121,7 +121,9 @@ def gptq_model(
     """Replace each MatMul with a constant 2-D fp32 weight by a GPTQ-quantized MatMulNBits.
 
     ``progress`` hears each calibration batch of the Hessians, then ``advance(i, n, MatMul)`` per layer."""
-    from onnxruntime.quantization.neural_compressor.weight_only import make_matmul_weight_only_node
+    from onnxruntime.quantization.neural_compressor.weight_only import (
+        make_matmul_weight_only_node,
+    )
 
     inits = {t.name: t for t in proto.graph.initializer}
     uses: dict[str, int] = {}

@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 import onnx
 import onnx_ir as ir
 
-from precast.runtime.errors import PassOptionError
+from precast.errors import PassOptionError
 
 __all__ = ["quiet", "to_proto", "from_proto", "name_nodes", "resolve_exclude", "QUANTIZE_PASSES", "count_ops"]
 

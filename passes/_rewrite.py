@@ -8,7 +8,7 @@ import onnx_ir as ir
 from onnx_ir.passes.common import RemoveUnusedNodesPass
 from onnxscript.rewriter import pattern
 
-from precast.compiler.registry import Pass, PassResult
+from precast.ir.registry import Pass, PassResult
 
 __all__ = ["RewritePass", "apply_rules", "bind_shape", "dim", "has_rank", "last_dim_vector", "scalar_value"]
 

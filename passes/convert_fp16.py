@@ -12,8 +12,14 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, option, register
-from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
+from precast.ir.registry import Pass, PassResult, option, register
+from precast.passes._quantize_common import (
+    count_ops,
+    from_proto,
+    quiet,
+    resolve_exclude,
+    to_proto,
+)
 
 __all__ = ["ConvertFp16", "SENSITIVE_OPS"]
 
@@ -38,7 +44,10 @@ class ConvertFp16(Pass):
         exclude: tuple[str, ...] = option((), "node names or op types to keep fp32")
 
     def call(self, model: ir.Model) -> PassResult:
-        from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+        from onnxruntime.transformers.float16 import (
+            DEFAULT_OP_BLOCK_LIST,
+            convert_float_to_float16,
+        )
 
         o = self.options
         excluded = resolve_exclude(model, o.exclude, self.name)

@@ -13,8 +13,8 @@ from onnx_ir.passes.common import (
     RemoveUnusedOpsetsPass,
 )
 
-from precast.compiler.pipeline import count_nodes
-from precast.compiler.registry import Pass, PassResult, option, register
+from precast.ir.pipeline import count_nodes
+from precast.ir.registry import Pass, PassResult, option, register
 
 
 def _distinct_outputs(model: ir.Model) -> int:

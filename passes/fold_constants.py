@@ -8,10 +8,10 @@ import onnx_ir as ir
 from onnx_ir.passes.common import LiftConstantsToInitializersPass, RemoveUnusedNodesPass
 from onnxscript.optimizer import fold_constants
 
-from precast.compiler.pipeline import count_nodes
-from precast.compiler.registry import Pass, PassResult, option, register
+from precast.errors import PassFailedError, first_line
+from precast.ir.pipeline import count_nodes
+from precast.ir.registry import Pass, PassResult, option, register
 from precast.passes._opset_compat import axes_as_attributes
-from precast.runtime.errors import PassFailedError, first_line
 
 
 @register("fold-constants")

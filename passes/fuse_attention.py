@@ -15,11 +15,14 @@ from onnxscript.rewriter.ort_fusions.gqa_packed_qkv import fuse_qkv_gqa_rules
 from onnxscript.rewriter.ort_fusions.mha import mha_rules_no_past, mha_rules_with_past
 from onnxscript.rewriter.ort_fusions.mha_bias import mha_bias_rules
 from onnxscript.rewriter.ort_fusions.mha_scale import fuse_mha_scale
-from onnxscript.rewriter.ort_fusions.rotary_embedding import partial_embedding_rules, rotary_embedding_rules
+from onnxscript.rewriter.ort_fusions.rotary_embedding import (
+    partial_embedding_rules,
+    rotary_embedding_rules,
+)
 from onnxscript.rewriter.ort_fusions.sdpa import sdpa_rules
 from onnxscript.rewriter.ort_fusions.sdpa_via_mha import replace_sdpa_by_mha
 
-from precast.compiler.registry import Pass, PassResult, option, register
+from precast.ir.registry import Pass, PassResult, option, register
 from precast.passes._decoder_rules import cos_sin_cache_mul_rules, gqa_no_past_rules
 from precast.passes._rewrite import apply_rules
 

@@ -6,7 +6,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from precast.compiler.registry import register
+from precast.ir.registry import register
 from precast.passes._rewrite import RewritePass
 
 __all__ = ["FuseEmbedLayerNorm"]

@@ -10,7 +10,7 @@ from onnxscript.rewriter.ort_fusions.bias_gelu import bias_gelu_rules
 from onnxscript.rewriter.ort_fusions.erfgelu import rules as erf_gelu_rules
 from onnxscript.rewriter.ort_fusions.gelu import gelu_rules
 
-from precast.compiler.registry import PassResult, option, register
+from precast.ir.registry import PassResult, option, register
 from precast.passes._rewrite import RewritePass, apply_rules
 
 

@@ -7,8 +7,13 @@ from dataclasses import dataclass
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from precast.compiler.registry import PassResult, register
-from precast.passes._rewrite import RewritePass, apply_rules, last_dim_vector, scalar_value
+from precast.ir.registry import PassResult, register
+from precast.passes._rewrite import (
+    RewritePass,
+    apply_rules,
+    last_dim_vector,
+    scalar_value,
+)
 
 # LayerNormalization's stash_type (the precision it normalizes in), opset 17.
 _COMPUTE_TYPES = frozenset([ir.DataType.FLOAT, ir.DataType.DOUBLE])

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
-from onnxscript.rewriter.ort_fusions.fused_matmul_rule_sets import fused_matmul_rule_sets
+from onnxscript.rewriter.ort_fusions.fused_matmul_rule_sets import (
+    fused_matmul_rule_sets,
+)
 
-from precast.compiler.registry import Pass, PassResult, option, register
+from precast.ir.registry import Pass, PassResult, option, register
 from precast.passes._rewrite import apply_rules
 
 _GEMM_TYPES = {ir.DataType.FLOAT, ir.DataType.DOUBLE, ir.DataType.FLOAT16}

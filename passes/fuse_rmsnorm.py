@@ -8,7 +8,7 @@ import onnx_ir as ir
 from onnxscript.rewriter import pattern
 from onnxscript.rewriter.ort_fusions.rms_normalization import RmsNormFusion
 
-from precast.compiler.registry import PassResult, register
+from precast.ir.registry import PassResult, register
 from precast.passes._rewrite import RewritePass, apply_rules, last_dim_vector
 
 

@@ -10,7 +10,7 @@ from onnxscript.rewriter.ort_fusions.skip_normalization import (
     skip_rms_normalization_ruleset,
 )
 
-from precast.compiler.registry import PassResult, option, register
+from precast.ir.registry import PassResult, option, register
 from precast.passes._rewrite import RewritePass, apply_rules
 
 

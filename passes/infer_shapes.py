@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import onnx
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, option, register
+from precast.ir.registry import Pass, PassResult, option, register
 
 logger = logging.getLogger(__name__)
 

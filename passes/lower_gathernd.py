@@ -8,7 +8,7 @@ import numpy as np
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
 
-from precast.compiler.registry import PassResult, register
+from precast.ir.registry import PassResult, register
 from precast.passes._rewrite import RewritePass, apply_rules
 
 __all__ = ["LowerGatherND"]

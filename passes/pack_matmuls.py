@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, option, register
+from precast.ir.registry import Pass, PassResult, option, register
 
 __all__ = ["PackMatMuls"]
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassFacts, PassResult, option, register
+from precast.errors import PassFailedError
+from precast.ir.registry import Pass, PassFacts, PassResult, option, register
 from precast.passes.infer_shapes import InferShapes
-from precast.runtime.errors import PassFailedError
 
 __all__ = ["PinDims"]
 

@@ -22,10 +22,16 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from precast.compiler.calibration import used_user_data
-from precast.compiler.registry import Pass, PassFacts, PassResult, option, register
-from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
-from precast.runtime.errors import PassOptionError
+from precast.errors import PassOptionError
+from precast.ir.calibration import used_user_data
+from precast.ir.registry import Pass, PassFacts, PassResult, option, register
+from precast.passes._quantize_common import (
+    count_ops,
+    from_proto,
+    quiet,
+    resolve_exclude,
+    to_proto,
+)
 
 __all__ = ["QuantizeInt4"]
 
@@ -91,8 +97,8 @@ class QuantizeInt4(Pass):
 
             untied, tied = find_tables(proto, _EMBED_MIN_ELEMENTS, excluded)
         if o.algo == "gptq":
-            from precast.compiler.calibration import calibration_batches
-            from precast.compiler.parity import io_signature
+            from precast.ir.calibration import calibration_batches
+            from precast.ir.parity import io_signature
             from precast.passes._gptq import gptq_model
 
             batches, source = calibration_batches(self.context, io_signature(model)[0])

@@ -16,9 +16,15 @@ from typing import Literal
 import onnx
 import onnx_ir as ir
 
-from precast.compiler.calibration import used_user_data
-from precast.compiler.registry import Pass, PassFacts, PassResult, option, register
-from precast.passes._quantize_common import count_ops, from_proto, quiet, resolve_exclude, to_proto
+from precast.ir.calibration import used_user_data
+from precast.ir.registry import Pass, PassFacts, PassResult, option, register
+from precast.passes._quantize_common import (
+    count_ops,
+    from_proto,
+    quiet,
+    resolve_exclude,
+    to_proto,
+)
 from precast.passes._unpack_attention import unpack_attention
 
 __all__ = ["QuantizeInt8"]
@@ -143,10 +149,14 @@ class QuantizeInt8(Pass):
     def _static(
         self, model: ir.Model, proto: onnx.ModelProto, out: Path, extra: dict, common: dict, qtype: dict
     ) -> dict:
-        from onnxruntime.quantization import CalibrationMethod, QuantFormat, quantize_static
+        from onnxruntime.quantization import (
+            CalibrationMethod,
+            QuantFormat,
+            quantize_static,
+        )
 
-        from precast.compiler.calibration import FeedsReader, calibration_batches
-        from precast.compiler.parity import io_signature
+        from precast.ir.calibration import FeedsReader, calibration_batches
+        from precast.ir.parity import io_signature
 
         o = self.options
         inputs, _ = io_signature(model)

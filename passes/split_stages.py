@@ -5,11 +5,11 @@
 
 The pass cuts nothing: it *annotates*. Every top-level node gets ``metadata_props["precast.stage"] = "k"``
 and the model gets ``metadata_props["precast.stages"]``, the plan as JSON (n, by, per stage: layers,
-bytes, time). ``precast.compiler.stages.stage_models`` then materialises the N standalone stage graphs,
+bytes, time). ``precast.ir.stages.stage_models`` then materialises the N standalone stage graphs,
 and targets that run stages write them (``stages/stage_<k>.onnx``). Because a later pass would add nodes
 without a stage, the pipeline refuses any pass after this one.
 
-Cut points (passes/_stage_cuts.py) sit where the fewest tensors cross, between layers when initializer
+Cut points (ir/stage_cuts.py) sit where the fewest tensors cross, between layers when initializer
 names number them (a transformer's hidden state and its mask-derived tensors cross), else at the
 structural narrowest points. The N stages are balanced by initializer bytes (``by=bytes``) or by per-node
 time from an ONNX Runtime profile of the graph on the compile's sample feeds (``by=time``).
@@ -28,14 +28,13 @@ from typing import Literal
 import numpy as np
 import onnx_ir as ir
 
-from precast.compiler.registry import Pass, PassResult, option, register
-from precast.passes._stage_cuts import CutAnalysis, analyse, balance
-from precast.runtime.errors import PassOptionError
+from precast.errors import PassOptionError
+from precast.ir.registry import Pass, PassResult, option, register
+from precast.ir.stage_cuts import CutAnalysis, analyse, balance
+from precast.ir.stages import PLAN_KEY, STAGE_KEY
 
 __all__ = ["SplitStages", "STAGE_KEY", "PLAN_KEY"]
 
-STAGE_KEY = "precast.stage"
-PLAN_KEY = "precast.stages"
 
 
 @register("split-stages")
@@ -80,7 +79,9 @@ class SplitStages(Pass):
                 node.metadata_props[STAGE_KEY] = str(k)
         plan = _plan(self.options, cuts, starts, ends, times)
         model.metadata_props[PLAN_KEY] = json.dumps(plan, sort_keys=True)
-        from precast.compiler.stages import stage_models  # the exact bytes (with duplicates) and boundaries
+        from precast.ir.stages import (
+            stage_models,  # the exact bytes (with duplicates) and boundaries
+        )
 
         stages = stage_models(model)
         plan["bytes"] = [s.bytes for s in stages]
@@ -91,7 +92,7 @@ class SplitStages(Pass):
         )
 
     def _node_times(self, model: ir.Model) -> np.ndarray:
-        from precast.compiler.parity import io_signature, make_sample_feeds
+        from precast.ir.parity import io_signature, make_sample_feeds
         from precast.passes._stage_profile import node_times_us
 
         feeds = self.context.sample_feeds

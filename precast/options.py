@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 
 __all__ = [
     "OptionField",

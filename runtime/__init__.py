@@ -1,6 +1,7 @@
 """precast's thin runtime: numpy + the artifact's backend, each imported lazily (never torch, onnx_ir or the compiler)."""
 
-from precast.runtime.errors import (
+from precast.artifact.manifest import SCHEMA_VERSION, TensorSpec
+from precast.errors import (
     ArtifactError,
     InputError,
     IntegrityError,
@@ -8,7 +9,6 @@ from precast.runtime.errors import (
     SchemaVersionError,
     TargetUnavailableError,
 )
-from precast.runtime.manifest import SCHEMA_VERSION, TensorSpec
 from precast.runtime.model import Model, load
 
 __all__ = [

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 from precast.runtime.option_text import option_groups
 
 __all__ = ["Bound", "parse_budget", "format_budget", "measure", "check_budget", "DEFAULT_QUANT_BUDGET"]

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from precast.runtime.errors import InputError
-from precast.runtime.manifest import TensorSpec
+from precast.artifact.manifest import TensorSpec
+from precast.errors import InputError
 
 __all__ = [
     "ROWS",

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, InputError
-from precast.runtime.manifest import artifact_path
+from precast.artifact.manifest import artifact_path
+from precast.errors import ArtifactError, InputError
 
 __all__ = ["BucketedSession", "bucket_shapes", "pad_to", "parse_buckets"]
 

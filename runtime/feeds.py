@@ -6,8 +6,8 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
-from precast.runtime.errors import InputError, first_line
-from precast.runtime.manifest import TensorSpec
+from precast.artifact.manifest import TensorSpec
+from precast.errors import InputError, first_line
 
 __all__ = ["check_feeds"]
 

@@ -22,9 +22,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Generic, TypeVar
 
-from precast.runtime.errors import ArtifactError, TargetUnavailableError, UnknownTargetError
-from precast.runtime.manifest import Manifest, check_integrity, read_manifest
-from precast.runtime.target_blocks import TargetBlock
+from precast.artifact.manifest import Manifest, check_integrity, read_manifest
+from precast.artifact.target_blocks import TargetBlock
+from precast.errors import ArtifactError, TargetUnavailableError, UnknownTargetError
 
 __all__ = [
     "PREFERENCE",
@@ -107,12 +107,12 @@ def resolve(
 ) -> Resolved[T]:
     """The target of the artifact at ``path`` that this host runs, opened by ``open`` (see the module doc).
 
-    ``pubkey`` requires a packed artifact's signed statement (runtime/signing.py): a valid Ed25519
+    ``pubkey`` requires a packed artifact's signed statement (artifact/signing.py): a valid Ed25519
     signature, not expired at ``now``, named ``expect_name`` and at least ``min_version`` when given.
     ``verify``: the sha256 of every file of the manifests read on the way."""
     if prefer is not None:  # a typo: exit 4 with the close match, not "no target ... in this artifact"
         check_target_name(prefer)
-    from precast.runtime.signing import signature_policy
+    from precast.artifact.signing import signature_policy
 
     policy = signature_policy(pubkey, expect_name, min_version)  # requirements without a key: UsageError
     root = Path(path)
@@ -122,7 +122,7 @@ def resolve(
                 f"{root}: signatures live in packed artifacts; pack it, or drop the public key"
             )
         return _resolve_dir(root, open, prefer, verify)
-    from precast.runtime.archive import remove_temp, unpack_to_temp
+    from precast.artifact.archive import remove_temp, unpack_to_temp
 
     temp = unpack_to_temp(root, policy=policy, now=now)
     try:

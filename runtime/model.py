@@ -11,15 +11,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from precast.artifact.llm_spec import LLMSpec
+from precast.artifact.manifest import Manifest, TensorSpec
+from precast.errors import ArtifactError, InputError, UsageError, first_line
 from precast.runtime.backends import Session, check_threads, create_session
-from precast.runtime.errors import ArtifactError, InputError, UsageError, first_line
 from precast.runtime.feeds import check_feeds
 from precast.runtime.hal import PREFERENCE, preference_order, resolve, target_order
-from precast.runtime.llm_spec import LLMSpec
-from precast.runtime.manifest import Manifest, TensorSpec
 
 if TYPE_CHECKING:
-    from precast.runtime.pipeline import StagePipeline
+    from precast.runtime.staged.pipeline import StagePipeline
 
 # (PREFERENCE, preference_order, target_order: the HAL's, runtime/hal.py; importable from here as before)
 __all__ = ["PREFERENCE", "Model", "load", "preference_order", "target_order"]
@@ -41,7 +41,7 @@ class Model:
     ):
         self.path = path
         self.manifest = manifest
-        # The backend session (runtime/backends.py's Session): the LLM runners, the stage pipeline and the
+        # The backend session (runtime/backends/__init__.py's Session): the LLM runners, the stage pipeline and the
         # accuracy checks run on it; ``session.native`` is its backend's own handle.
         self.session = session
         self.inputs = inputs
@@ -50,7 +50,7 @@ class Model:
         # a packed artifact's temp dir (runtime/hal.py unpacked it): removed by close(), else with the Model
         self._cleanup: weakref.finalize | None = None
         if temp_dir is not None:
-            from precast.runtime.archive import remove_temp
+            from precast.artifact.archive import remove_temp
 
             self._cleanup = weakref.finalize(self, remove_temp, temp_dir)
 
@@ -69,11 +69,11 @@ class Model:
         return list(self.session.get_providers())
 
     def pipeline(self, **options) -> StagePipeline:
-        """The artifact's stages as a pipeline (runtime/pipeline.py): one worker thread and session per stage,
+        """The artifact's stages as a pipeline (runtime/staged/pipeline.py): one worker thread and session per stage,
         bounded queues, ``submit(feeds) -> Future``. Options: ``threads`` (per stage, default 1),
         ``queue_size``, ``max_batch``, ``batch_wait``. ``run`` stays sequential; close the pipeline (or use
         it as a context manager) when done."""
-        from precast.runtime.pipeline import StagePipeline
+        from precast.runtime.staged.pipeline import StagePipeline
 
         return StagePipeline.from_model(self, **options)
 
@@ -115,7 +115,7 @@ def load(
     """Load an artifact directory: schema check, sha256 of every file, then a backend session.
 
     ``path`` may also be a packed artifact (``precast pack``): it is unpacked safely, every checksum
-    checked, into a private temp dir. ``pubkey`` requires its signed statement (runtime/signing.py): a valid
+    checked, into a private temp dir. ``pubkey`` requires its signed statement (artifact/signing.py): a valid
     Ed25519 signature, not expired at ``now`` (default: the wall clock), named ``expect_name`` and at least
     ``min_version`` when given; anything else is a SignatureError (exit 3).
 
@@ -158,7 +158,7 @@ def load(
 def _open_session(root: Path, manifest: Manifest, threads: int | None, spinning: bool | None) -> Session:
     """The backend session of one (resolved) target, checked against the manifest's io and llm blocks."""
     if manifest.stages is not None:  # split-stages: one session per stage, run in order (threads: per stage)
-        from precast.runtime.staged_session import open_staged
+        from precast.runtime.staged.session import open_staged
 
         session = open_staged(root, manifest.target, manifest.stages, threads=threads)
     else:
@@ -172,11 +172,11 @@ def _open_session(root: Path, manifest: Manifest, threads: int | None, spinning:
 def _check_llm_matches(root: Path, session, spec: LLMSpec) -> None:
     """A causal LM's ``llm`` block against the step graph it describes (names, layers, KV dims, vocab): an
     edited block is refused (exit 3) by every command that loads the artifact, not by the engine's first step
-    (staged artifacts: runtime/llm/staged_runner.py checks each stage)."""
-    from precast.runtime.openvino_backend import OpenVINOSession
+    (staged artifacts: runtime/llm/runners/staged.py checks each stage)."""
+    from precast.runtime.backends.openvino import OpenVINOSession
 
     if isinstance(session, OpenVINOSession):
-        from precast.runtime.llm.ov_runner import check_compiled_matches_spec
+        from precast.runtime.llm.runners.openvino import check_compiled_matches_spec
 
         if spec.kv_layout != "ov-paged":
             raise ArtifactError(
@@ -185,7 +185,7 @@ def _check_llm_matches(root: Path, session, spec: LLMSpec) -> None:
             )
         check_compiled_matches_spec(session.native, spec, root)
     elif hasattr(session, "get_inputs"):  # ONNX Runtime (TensorRT keeps its own checks)
-        from precast.runtime.llm.model_runner import check_graph_matches_spec
+        from precast.runtime.llm.runners.gather import check_graph_matches_spec
 
         check_graph_matches_spec(session, spec, root)
 

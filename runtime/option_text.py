@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 
 __all__ = ["option_groups"]
 

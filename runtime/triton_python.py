@@ -18,8 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from precast.errors import InputError
 from precast.runtime.batching import ROWS, Feeds, Result, run_merged
-from precast.runtime.errors import InputError
 
 __all__ = ["StubConfig", "drop_pycache", "request_feeds", "run_requests"]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, TargetUnavailableError
-from precast.runtime.manifest import artifact_path, check_integrity, read_manifest
+from precast.artifact.manifest import artifact_path, check_integrity, read_manifest
+from precast.errors import ArtifactError, TargetUnavailableError
 
 __all__ = [
     "SEQUENCE_LENGTH",
@@ -208,7 +208,7 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     expected = {n: load_parity_value(root, rel) for n, rel in parity["expected"].items()}
     tol = Tolerance(**parity.get("tolerance", {}))
     if manifest.llm is not None and manifest.llm.kv_layout == "ov-paged":  # feeds: the ort-cpu contract
-        from precast.runtime.llm.ov_contract import ContractStep
+        from precast.runtime.llm.runners.ov_contract import ContractStep
 
         run = ContractStep(model.path, manifest.target, manifest.llm, threads)
     else:

@@ -14,7 +14,7 @@ trap 'rm -rf "$WORK"' EXIT
 
 echo "== 1. host"
 python - <<'PY'
-from precast.runtime.tensorrt_backend import gpu_info, tensorrt_available
+from precast.runtime.backends.tensorrt import gpu_info, tensorrt_available
 ok, why, cc = gpu_info()
 print(f"gpu: {ok} {why} compute capability {cc}")
 ok2, why2 = tensorrt_available()

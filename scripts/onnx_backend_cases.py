@@ -113,8 +113,8 @@ def run_case(case) -> dict:
     if not ok:
         return {"case": name, "outcome": "ort-wrong"}
     from precast.compiler.driver import CompileOptions, compile_model
+    from precast.errors import PrecastError
     from precast.runtime import load
-    from precast.runtime.errors import PrecastError
 
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "model.onnx"

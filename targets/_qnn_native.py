@@ -1,6 +1,6 @@
 """The ort-qnn steps that call into Qualcomm's QNN libraries; each runs in a child process.
 
-``precast.compiler.isolated`` runs these (entries ``qnn-placement`` and ``qnn-compile``): the HTP compiler
+``precast.ir.isolated`` runs these (entries ``qnn-placement`` and ``qnn-compile``): the HTP compiler
 segfaults on some graphs, and a crash must cost the child, not the compile. Payloads and results are JSON.
 Everything here imports only onnxruntime and precast.runtime, so the child starts in about a second.
 """
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from precast.runtime.ep_plugin import node_assignment, plugin_session_options
-from precast.runtime.errors import first_line
+from precast.errors import first_line
+from precast.runtime.backends.ep_plugin import node_assignment, plugin_session_options
 
 __all__ = ["placement", "compile_ep_context"]
 

@@ -24,8 +24,8 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 def _verify(root: Path) -> None:
     """sha256 of every file the manifest lists. (precast.runtime.load(verify=True) also refuses unlisted
     files, and another instance's stub may be writing __pycache__ beside this file right now.)"""
-    from precast.runtime.errors import IntegrityError
-    from precast.runtime.manifest import read_manifest, sha256_file
+    from precast.artifact.manifest import read_manifest, sha256_file
+    from precast.errors import IntegrityError
 
     for rel, digest in sorted(read_manifest(root)["files"].items()):
         path = root / rel
@@ -82,7 +82,7 @@ class TritonPythonModel:
 
     # -- LLMs (decoupled): one response per generated token, the last one flagged final ------------
     def _submit(self, request):
-        from precast.runtime.errors import PrecastError
+        from precast.errors import PrecastError
         from precast.runtime.llm import SamplingParams
 
         sender = request.get_response_sender()

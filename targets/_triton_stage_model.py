@@ -26,9 +26,9 @@ def _error(message: str):
 
 class TritonPythonModel:
     def initialize(self, args):
+        from precast.artifact.manifest import read_manifest, sha256_file
+        from precast.errors import ArtifactError, IntegrityError
         from precast.runtime.backends import create_session
-        from precast.runtime.errors import ArtifactError, IntegrityError
-        from precast.runtime.manifest import read_manifest, sha256_file
         from precast.runtime.triton_python import StubConfig, drop_pycache
 
         config = StubConfig.from_args(args)
@@ -78,6 +78,6 @@ class TritonPythonModel:
 
 
 def _rejected(where: str, e: Exception) -> Exception:
-    from precast.runtime.errors import InputError, first_line
+    from precast.errors import InputError, first_line
 
     return InputError(f"{where} rejected the request: {first_line(e, with_type=True)}")

@@ -20,14 +20,14 @@ from typing import Any, ClassVar
 import numpy as np
 import onnx_ir as ir
 
-from precast.compiler.registry import PassContext, PassFacts, PluginTable
+from precast.artifact.llm_spec import LLMSpec
+from precast.artifact.schema import IOSignature
+from precast.artifact.stages_spec import StagesSpec
+from precast.artifact.target_blocks import TargetBlock
+from precast.errors import UnknownTargetError
+from precast.ir.registry import PassContext, PassFacts, PluginTable
 from precast.options import Owner, describe, from_defaults, parse
-from precast.runtime.errors import UnknownTargetError
-from precast.runtime.llm_spec import LLMSpec
 from precast.runtime.progress import ProgressReporter
-from precast.runtime.schema import IOSignature
-from precast.runtime.stages_spec import StagesSpec
-from precast.runtime.target_blocks import TargetBlock
 
 __all__ = [
     "Target",
@@ -104,7 +104,7 @@ class Target:
     Options: ClassVar[type] = NoTargetOptions
     # {option: default}, derived from ``Options`` (older targets declare this instead)
     option_defaults: ClassVar[dict[str, Any]] = {}
-    # Whether the target writes a split-stages model as stages (precast.compiler.stages); the plan refuses
+    # Whether the target writes a split-stages model as stages (precast.ir.stages); the plan refuses
     # split-stages in the pipeline of a target that does not.
     runs_stages: ClassVar[bool] = False
 
@@ -149,7 +149,7 @@ class Target:
 
     def build(self, model: ir.Model, out_dir: Path, ctx: BuildContext) -> BuildResult:
         """Write the target's files into ``out_dir``; return the manifest ``target`` block (the
-        runtime's record for the target's backend, runtime/target_blocks.py) and what else the manifest needs."""
+        runtime's record for the target's backend, artifact/target_blocks.py) and what else the manifest needs."""
         raise NotImplementedError
 
     def stand_in(self, out_dir: Path, built: BuildResult) -> Callable[[Feeds], Feeds] | None:

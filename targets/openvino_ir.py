@@ -19,10 +19,16 @@ from typing import Literal
 
 import onnx_ir as ir
 
+from precast.errors import PassFailedError, UsageError, first_line
 from precast.options import opt
-from precast.runtime.errors import PassFailedError, UsageError, first_line
-from precast.runtime.openvino_backend import openvino_available
-from precast.targets.base import Availability, BuildContext, BuildResult, Target, register_target
+from precast.runtime.backends.openvino import openvino_available
+from precast.targets.base import (
+    Availability,
+    BuildContext,
+    BuildResult,
+    Target,
+    register_target,
+)
 from precast.targets.openvino_llm import ir_block
 
 __all__ = ["OpenVINO"]
@@ -110,9 +116,9 @@ class OpenVINO(Target):
 
     def stand_in(self, out_dir: Path, built: BuildResult):
         """A causal-lm step IR is verified on the compile's sample step (the ort-cpu contract) through the
-        runtime's OVStepRunner (runtime/llm/ov_contract.py); other IR loads as a user would."""
+        runtime's OVStepRunner (runtime/llm/runners/ov_contract.py); other IR loads as a user would."""
         if built.llm is None:
             return None
-        from precast.runtime.llm.ov_contract import ContractStep
+        from precast.runtime.llm.runners.ov_contract import ContractStep
 
         return ContractStep(out_dir, built.block, built.llm)

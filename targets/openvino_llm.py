@@ -1,11 +1,11 @@
-"""Target ``openvino`` for ``--task causal-lm``: the PagedAttention step graph (compiler/ov_decoder.py) as IR.
+"""Target ``openvino`` for ``--task causal-lm``: the PagedAttention step graph (compiler/decoder/ov_decoder.py) as IR.
 
     source.lowerings["openvino"]() -> ov.Model (+ its llm block, kv_layout "ov-paged", block 32)
       -> weights: f32 | int8 | int4 (NNCF compress_weights, group_size; what optimum-intel runs)
       -> model.xml/.bin, config: INFERENCE_PRECISION_HINT, KV_CACHE_PRECISION (f32 | f16 | u8 per-block scales)
 
 Verification runs the IR on the compile's sample step, which is the ort-cpu step contract: the runtime's
-ContractStep (runtime/llm/ov_contract.py: past K/V copied into an OVStepRunner pool, new K/V read back out)
+ContractStep (runtime/llm/runners/ov_contract.py: past K/V copied into an OVStepRunner pool, new K/V read back out)
 gives logits and every new K/V row for the torch reference; ``precast verify`` re-runs it the same way.
 """
 
@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from precast.runtime.errors import PassFailedError, UsageError, first_line
-from precast.runtime.llm_spec import LLMSpec
-from precast.runtime.manifest import TensorSpec
+from precast.artifact.llm_spec import LLMSpec
+from precast.artifact.manifest import TensorSpec
+from precast.artifact.schema import IOSignature
+from precast.artifact.target_blocks import OpenVINOBlock
+from precast.errors import PassFailedError, UsageError, first_line
 from precast.runtime.progress import ProgressReporter
-from precast.runtime.schema import IOSignature
-from precast.runtime.target_blocks import OpenVINOBlock
 from precast.targets.base import BuildResult, Target
 
 __all__ = ["build_causal_lm", "compress_weights", "ir_block", "step_io"]
@@ -100,8 +100,6 @@ def build_causal_lm(
         )
     model, llm = lowering(progress)
     model = compress_weights(model, weights, int(opts.group_size))
-    from precast.compiler.ov_decoder import open_cache_inputs
-
     open_cache_inputs(model)
     ov.save_model(model, str(out_dir / "model.xml"), compress_to_fp16=False)
     precision = target.precision
@@ -123,3 +121,14 @@ def build_causal_lm(
         llm=LLMSpec.from_json(llm, f"target {target.name}"),
         io=IOSignature(tuple(inputs), tuple(outputs)),
     )
+
+def open_cache_inputs(model) -> None:
+    """Leave the cache inputs' type and shape to the device plugin (its block size, layout and
+    KV_CACHE_PRECISION). Last, after weight compression: NNCF refuses a graph with dynamic types."""
+    import openvino as ov
+
+    for port in model.inputs:
+        if port.get_any_name().startswith(("key_cache.", "value_cache.")):
+            port.get_node().set_element_type(ov.Type.dynamic)
+            port.get_node().set_partial_shape(ov.PartialShape.dynamic(4))
+    model.validate_nodes_and_infer_types()

@@ -15,10 +15,10 @@ from typing import Any, Literal
 
 import onnx_ir as ir
 
+from precast.artifact.stages_spec import StagesSpec
+from precast.artifact.target_blocks import OrtBlock, SessionSettings
 from precast.options import opt
 from precast.runtime.backends import ort_session_options
-from precast.runtime.stages_spec import StagesSpec
-from precast.runtime.target_blocks import OrtBlock, SessionSettings
 from precast.targets.base import BuildContext, BuildResult, Target, register_target
 
 __all__ = ["OrtCpu", "save_onnx", "save_model", "ort_offline_optimize", "cpu_block_fields"]
@@ -61,7 +61,7 @@ def save_model(model: ir.Model, out_dir: Path, level: str = "none") -> tuple[str
     with external data past the threshold, as model.onnx). ``level``: ONNX Runtime's offline optimization,
     applied to each single-file model written. Returns the block's ``model`` (None for stages: the stages
     block names the files) and the manifest's stages block (None for one model)."""
-    from precast.compiler.stages import is_staged, write_stages
+    from precast.ir.stages import is_staged, write_stages
 
     def save(m: ir.Model, path: Path) -> list[str]:
         files = save_onnx(m, path)
@@ -119,7 +119,7 @@ class OrtCpu(Target):
     def build(self, model: ir.Model, out_dir: Path, ctx: BuildContext) -> BuildResult:
         o = self.options
         if o.ort_level not in ("none", "basic", "extended"):
-            from precast.runtime.errors import UsageError
+            from precast.errors import UsageError
 
             raise UsageError(
                 f"target 'ort-cpu' option ort_level must be none|basic|extended, got '{o.ort_level}'"

@@ -7,7 +7,7 @@ The HTP runs static shapes only, so every symbolic dim is pinned to the compile'
 (``--dim`` picks them). The EP-context binary is compiled offline on x86 Linux with the ``onnxruntime-qnn``
 package (it installs beside plain onnxruntime) and reloads on the device, or on x86 through HTP emulation.
 
-The vendor steps run in child processes (``precast.compiler.isolated``; QNN's HTP compiler segfaults on some
+The vendor steps run in child processes (``precast.ir.isolated``; QNN's HTP compiler segfaults on some
 graphs): first a **placement check** -- a session that may fall back to the CPU, recording which EP each node
 lands on -- and only when every node lands on the HTP the EP-context compile. A refused node, a vendor error
 or a crash in either stage is exit 5 naming the target, the stage (and the signal) and the refused nodes.
@@ -37,13 +37,8 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
-from precast.compiler.calibration import FeedsReader, calibration_batches, used_user_data
-from precast.compiler.isolated import run_isolated
-from precast.compiler.registry import PassContext
-from precast.options import opt
-from precast.passes._quantize_common import quiet
-from precast.runtime.ep_plugin import plugin_available
-from precast.runtime.errors import (
+from precast.artifact.target_blocks import EPPlugin, QnnBlock, SessionSettings
+from precast.errors import (
     NativeCrashError,
     PassFailedError,
     TargetUnavailableError,
@@ -51,8 +46,19 @@ from precast.runtime.errors import (
     UsageError,
     first_line,
 )
-from precast.runtime.target_blocks import EPPlugin, QnnBlock, SessionSettings
-from precast.targets.base import Availability, BuildContext, BuildResult, Target, register_target
+from precast.ir.calibration import FeedsReader, calibration_batches, used_user_data
+from precast.ir.isolated import run_isolated
+from precast.ir.registry import PassContext
+from precast.options import opt
+from precast.passes._quantize_common import quiet
+from precast.runtime.backends.ep_plugin import plugin_available
+from precast.targets.base import (
+    Availability,
+    BuildContext,
+    BuildResult,
+    Target,
+    register_target,
+)
 
 __all__ = ["OrtQnn"]
 
@@ -247,7 +253,7 @@ class OrtQnn(Target):
     @staticmethod
     def _calibration(model: ir.Model, data: PassContext) -> tuple[list[dict[str, np.ndarray]], str, bool]:
         """The batches, how the manifest describes them, and whether they are the user's --calibration data."""
-        from precast.compiler.parity import io_signature
+        from precast.ir.parity import io_signature
 
         batches, source = calibration_batches(data, io_signature(model)[0])
         how = {
@@ -462,7 +468,10 @@ def _context_at(context: PassContext, inputs: dict[str, int], size: int) -> Pass
 
 
 def _fix_shapes(proto: onnx.ModelProto, shapes: dict[str, list[int]]) -> onnx.ModelProto:
-    from onnxruntime.tools.onnx_model_utils import fix_output_shapes, make_input_shape_fixed
+    from onnxruntime.tools.onnx_model_utils import (
+        fix_output_shapes,
+        make_input_shape_fixed,
+    )
 
     for name, shape in shapes.items():
         make_input_shape_fixed(proto.graph, name, shape)

@@ -23,12 +23,18 @@ import numpy as np
 import onnx
 import onnx_ir as ir
 
+from precast.artifact.target_blocks import TensorRTBlock
+from precast.errors import UsageError
 from precast.options import opt
-from precast.runtime.errors import UsageError
-from precast.runtime.target_blocks import TensorRTBlock
-from precast.runtime.tensorrt_backend import tensorrt_available
+from precast.runtime.backends.tensorrt import tensorrt_available
 from precast.targets import trt_engine_builder
-from precast.targets.base import Availability, BuildContext, BuildResult, Target, register_target
+from precast.targets.base import (
+    Availability,
+    BuildContext,
+    BuildResult,
+    Target,
+    register_target,
+)
 
 __all__ = ["TensorRT", "parse_profile"]
 

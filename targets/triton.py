@@ -27,13 +27,19 @@ from typing import Literal
 
 import onnx_ir as ir
 
-from precast.compiler.parity import io_signature
+from precast.artifact.manifest import TensorSpec
+from precast.artifact.target_blocks import TritonBlock
+from precast.errors import UsageError
+from precast.ir.parity import io_signature
 from precast.options import opt
-from precast.runtime.errors import UsageError
-from precast.runtime.manifest import TensorSpec
-from precast.runtime.target_blocks import TritonBlock
 from precast.targets.base import BuildContext, BuildResult, Target, register_target
-from precast.targets.ort_cpu import OrtCpu, cpu_block_fields, ort_offline_optimize, save_model, save_onnx
+from precast.targets.ort_cpu import (
+    OrtCpu,
+    cpu_block_fields,
+    ort_offline_optimize,
+    save_model,
+    save_onnx,
+)
 from precast.targets.triton_config import (
     ModelConfig,
     TensorConfig,
@@ -142,14 +148,16 @@ class Triton(Target):
         o.stage_counts()
 
     def build(self, model: ir.Model, out_dir: Path, ctx: BuildContext) -> BuildResult:
-        from precast.compiler.stages import is_staged
+        from precast.ir.stages import is_staged
 
         self.check_options()
         o = self.options
         inputs, outputs = io_signature(model)
         mode = o.mode
         if mode == "auto":
-            from precast.compiler.llm_text import is_step_graph  # a causal-lm step graph is served as an LLM
+            from precast.ir.llm_text import (
+                is_step_graph,  # a causal-lm step graph is served as an LLM
+            )
 
             mode = "llm" if is_step_graph(inputs) else "tensor"
         if is_staged(model):
@@ -221,9 +229,9 @@ class Triton(Target):
 
     def _build_staged_llm(self, model: ir.Model, out_dir: Path) -> BuildResult:
         """A staged causal-LM step graph is no ensemble (the engine binds each stage's KV in place, step by
-        step): the decoupled precast model's Engine runs the stages as a pipeline (runtime/llm/staged_runner.py),
+        step): the decoupled precast model's Engine runs the stages as a pipeline (runtime/llm/runners/staged.py),
         from ``stages/stage_<k>.onnx`` beside the repository, as ort-cpu writes them."""
-        from precast.compiler.stages import STAGES_DIR
+        from precast.ir.stages import STAGES_DIR
 
         o = self.options
         _, stages = save_model(model, out_dir, o.ort_level)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from precast.runtime.errors import UsageError
-from precast.runtime.manifest import TensorSpec
+from precast.artifact.manifest import TensorSpec
+from precast.errors import UsageError
 
 __all__ = [
     "TRITON_DTYPES",

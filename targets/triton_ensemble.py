@@ -16,7 +16,7 @@ the same files in order.
 
 Ensemble tensor names are the ONNX tensor names (unique in the source graph), so a boundary tensor has the
 same name in the stage that writes it, the stages that read it and the ensemble. A tensor that a stage only
-passes through (``compiler/stages.py``: an input and an output of it, for a stage after the next one) is
+passes through (``ir/stages.py``: an input and an output of it, for a stage after the next one) is
 not one of its Triton outputs: an ensemble tensor is written once, and every later step reads it as the
 stage that computed it wrote it.
 """
@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 
 import onnx_ir as ir
 
-from precast.compiler.parity import io_signature
-from precast.compiler.stages import Stage, stage_models, stage_plan
-from precast.runtime.errors import UsageError
-from precast.runtime.stages_spec import StagesSpec
+from precast.artifact.stages_spec import StagesSpec
+from precast.errors import UsageError
+from precast.ir.parity import io_signature
+from precast.ir.stages import Stage, stage_models, stage_plan
 from precast.targets.ort_cpu import ort_offline_optimize, save_onnx
 from precast.targets.triton_config import (
     EnsembleStep,

@@ -27,7 +27,7 @@ def _cache_secret_outside_home(_config_home, monkeypatch):
 @pytest.fixture(scope="session")
 def keys(tmp_path_factory):
     """Two Ed25519 key pairs (k.pem / k.pub, other.pem / other.pub) for the signing tests."""
-    from precast.runtime.signing import generate_keypair
+    from precast.artifact.signing import generate_keypair
 
     d = tmp_path_factory.mktemp("keys")
     generate_keypair(d / "k.pem", d / "k.pub")

@@ -31,7 +31,7 @@ class InProcessText:
         self.running = 0
 
     def _run(self, op, args):
-        from precast.runtime.errors import LLMRequestError
+        from precast.errors import LLMRequestError
 
         if op == "encode":
             return [self.tokenizer.encode(t) for t in args["texts"]]

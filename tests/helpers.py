@@ -107,6 +107,7 @@ COMPILER_MODULES = (
     "onnxscript",
     "onnx",
     "transformers",
+    "precast.ir",
     "precast.compiler",
     "precast.passes",
     "precast.targets",

@@ -104,7 +104,7 @@ def test_padding_does_not_change_an_embedding(artifact):
 
 
 def test_manifest_records_tokenizer_and_parity(artifact):
-    from precast.runtime.manifest import read_manifest
+    from precast.artifact.manifest import read_manifest
 
     m = read_manifest(artifact)
     tokenizer_files = {

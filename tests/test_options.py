@@ -10,8 +10,16 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from precast.options import Owner, click_options, describe, fields_of, format_value, opt, parse
-from precast.runtime.errors import PassOptionError, UsageError
+from precast.errors import PassOptionError, UsageError
+from precast.options import (
+    Owner,
+    click_options,
+    describe,
+    fields_of,
+    format_value,
+    opt,
+    parse,
+)
 
 OWNER = Owner("pass", "demo", PassOptionError)
 
@@ -123,7 +131,14 @@ def test_serve_flags_are_the_config_fields():
 
 
 def test_threads_is_declared_once():
-    from precast.cli import commands, commands_bench, commands_ci, commands_eval, commands_llm, commands_serve
+    from precast.cli import (
+        commands,
+        commands_bench,
+        commands_ci,
+        commands_eval,
+        commands_llm,
+        commands_serve,
+    )
 
     commands_ = (
         commands.run,

@@ -3,7 +3,7 @@
 from precast.runtime.llm.engine import Engine
 from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
 from precast.runtime.llm.metrics import EngineMetrics
-from precast.runtime.llm.model_runner import LLMSpec, ModelRunner
+from precast.runtime.llm.runners.gather import LLMSpec, ModelRunner
 from precast.runtime.llm.sampler import SamplingParams
 from precast.runtime.llm.scheduler import SchedulerConfig
 

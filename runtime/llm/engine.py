@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, LLMRequestError, UsageError
+from precast.errors import ArtifactError, LLMRequestError, UsageError
 from precast.runtime.llm.block_pool import BlockPool
 from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
@@ -78,7 +78,7 @@ class Engine:
         self._stop = False
         self._cleanup: weakref.finalize | None = None  # removes the temp dir a packed artifact went into
         if temp_dir is not None:  # (Engine.load's: the HAL unpacked a packed artifact there)
-            from precast.runtime.archive import remove_temp
+            from precast.artifact.archive import remove_temp
 
             self._cleanup = weakref.finalize(self, remove_temp, temp_dir)
         self._plain: SchedulerOutput | None = None  # the steady output whose rows are all plain (_all_plain)
@@ -111,7 +111,7 @@ class Engine:
         can run in the index's order, which the compile measured (the faster first); ``prefer`` names one
         to put first (runtime/hal.py, as load's)."""
         from precast.runtime.hal import resolve
-        from precast.runtime.llm.open_runner import RunnerOptions
+        from precast.runtime.llm.runners.factory import RunnerOptions
 
         if num_blocks is not None and (not is_int(num_blocks) or num_blocks < 1):
             raise UsageError(f"num_blocks must be a positive integer (or None), got {num_blocks!r}")
@@ -142,7 +142,7 @@ class Engine:
             )
         except BaseException:
             if found.temp is not None:
-                from precast.runtime.archive import remove_temp
+                from precast.artifact.archive import remove_temp
 
                 remove_temp(found.temp)
             raise
@@ -435,8 +435,8 @@ class Engine:
 
 def llm_index_target(root: Path, prefer: str | None = None) -> Path | None:
     """For a multi-target index of a causal LM: the sub-artifact Engine.load opens (else None)."""
+    from precast.artifact.manifest import read_manifest
     from precast.runtime.hal import resolve
-    from precast.runtime.manifest import read_manifest
 
     manifest = read_manifest(root)
     if not manifest.is_multi_target or not manifest.target_dirs():
@@ -450,7 +450,7 @@ def llm_index_target(root: Path, prefer: str | None = None) -> Path | None:
 def _open_llm_target(root: Path, manifest, num_blocks: int | None, options, where) -> tuple:
     """Engine.load's opener of one target the HAL offers (runtime/hal.py): its backend present on this
     host (else TargetUnavailableError: the HAL tries the next), then its step runner and its tokenizer."""
-    from precast.runtime.llm.open_runner import open_runner
+    from precast.runtime.llm.runners.factory import open_runner
     from precast.runtime.llm.tokenizer import TextTokenizer
 
     if manifest.llm is None:  # (before the backend's question: this is no engine's artifact on any host)
@@ -471,7 +471,7 @@ def _open_llm_target(root: Path, manifest, num_blocks: int | None, options, wher
 
 def _check_available(root: Path, block) -> None:
     """TargetUnavailableError when this host lacks the block's backend (checked before a model loads)."""
-    from precast.runtime.errors import TargetUnavailableError
+    from precast.errors import TargetUnavailableError
 
     why = _unavailable(block)
     if why is not None:  # (worded as the backend's own session factory words it)
@@ -483,7 +483,7 @@ def _unavailable(block) -> str | None:
     import importlib.util
 
     if block.backend == "openvino":
-        from precast.runtime.openvino_backend import openvino_available
+        from precast.runtime.backends.openvino import openvino_available
 
         ok, why = openvino_available(block.device or "CPU")
         return None if ok else why

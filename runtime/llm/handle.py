@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from precast.runtime.errors import LLMRequestError, RequestCancelledError
+from precast.errors import LLMRequestError, RequestCancelledError
 from precast.runtime.llm.request import Request
 
 __all__ = ["Completion", "RequestHandle", "TokenEvent"]

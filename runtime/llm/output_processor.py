@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 from precast.runtime.llm.handle import RequestHandle, TokenEvent
 from precast.runtime.llm.metrics import EngineCounters
 from precast.runtime.llm.request import Request

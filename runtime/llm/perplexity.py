@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from precast.runtime.errors import InputError
-from precast.runtime.llm.runner import StepRunner
+from precast.errors import InputError
+from precast.runtime.llm.runners.base import StepRunner
 from precast.runtime.progress import SILENT, ProgressReporter, reporter
 
 __all__ = [
@@ -234,7 +234,7 @@ def perplexity_of_text(
     finally:
         runner.close()
         if found.temp is not None:
-            from precast.runtime.archive import remove_temp
+            from precast.artifact.archive import remove_temp
 
             remove_temp(found.temp)
     return result
@@ -242,9 +242,9 @@ def perplexity_of_text(
 
 def _runner_for_text(root, manifest, text, window, stride, max_tokens, batch, threads, report) -> tuple:
     """(the artifact's runner with a pool sized for ``batch`` windows of the text, the text's token ids)."""
-    from precast.runtime.llm.open_runner import RunnerOptions, open_runner
+    from precast.artifact.llm_spec import LLMSpec
+    from precast.runtime.llm.runners.factory import RunnerOptions, open_runner
     from precast.runtime.llm.tokenizer import TextTokenizer
-    from precast.runtime.llm_spec import LLMSpec
 
     spec = LLMSpec.from_manifest(manifest, str(root))
     report.step(f"tokenizing {len(text)} characters")

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 from precast.runtime.llm.sampler import is_int
 
 __all__ = ["prompt_ids", "prompt_list", "token_ids"]

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 from precast.runtime.llm.sampler import SamplingParams, is_int
 
 if TYPE_CHECKING:

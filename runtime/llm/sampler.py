@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 
 __all__ = ["SamplingParams", "filtered_probs", "is_int", "sample", "token_logprobs"]
 

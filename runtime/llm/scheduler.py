@@ -24,8 +24,8 @@ import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from precast.errors import UsageError
 from precast.options import fields_of, opt
-from precast.runtime.errors import UsageError
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
 from precast.runtime.llm.request import Request, Status
 from precast.runtime.llm.sampler import is_int

@@ -7,7 +7,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from precast.runtime.errors import ArtifactError, first_line
+from precast.errors import ArtifactError, first_line
 
 __all__ = ["MAX_DECODER_STEPS", "MAX_PIECE_CHARS", "TextTokenizer", "check_decode_bounded"]
 

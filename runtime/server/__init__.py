@@ -95,7 +95,7 @@ def uvicorn_config(app, config: ServerConfig, **overrides):
 
 def _bind(host: str, port: int) -> socket.socket:
     """The server's socket, bound here (as uvicorn would) so a bad address is one line, not a traceback."""
-    from precast.runtime.errors import UsageError
+    from precast.errors import UsageError
 
     # IPPROTO_TCP, not 0: asyncio sets TCP_NODELAY on accepted connections only when the listening socket
     # says it is TCP. Without it Nagle held every keep-alive response body until the client's delayed ACK:
@@ -115,7 +115,7 @@ def _bind(host: str, port: int) -> socket.socket:
 
 
 def _require_serve_extra() -> None:
-    from precast.runtime.errors import TargetUnavailableError
+    from precast.errors import TargetUnavailableError
 
     missing = []
     for mod in ("fastapi", "uvicorn", "prometheus_client"):

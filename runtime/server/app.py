@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager, contextmanager
 from fastapi import FastAPI
 from starlette.requests import ClientDisconnect
 
-from precast.runtime.errors import PrecastError
+from precast.errors import PrecastError
 from precast.runtime.server.admin import add_admin_routes
 from precast.runtime.server.batcher import BatchConfig, Batcher
 from precast.runtime.server.bodies import openai_error, read_json, v2_error

@@ -25,8 +25,8 @@ from functools import partial
 
 import numpy as np
 
+from precast.errors import PrecastError
 from precast.runtime.batching import RowMerge, run_merged, shared_leading_dim
-from precast.runtime.errors import PrecastError
 from precast.runtime.feeds import check_feeds
 
 __all__ = ["BatchConfig", "Batcher", "QueueFullError", "WorkItem", "batch_dim"]

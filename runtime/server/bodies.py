@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fastapi.responses import JSONResponse, Response
 
-from precast.runtime.errors import InputError
+from precast.errors import InputError
 
 __all__ = ["error_body", "json_response", "openai_error", "parse_json", "read_json", "v2_error"]
 

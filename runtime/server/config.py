@@ -39,7 +39,7 @@ from precast.options import opt
 from precast.runtime.server.kv_memory import parse_size
 
 if TYPE_CHECKING:
-    from precast.runtime.signing import SignaturePolicy
+    from precast.artifact.signing import SignaturePolicy
 
 __all__ = [
     "ADMIN_TOKEN_ENV",
@@ -116,7 +116,7 @@ class ServerConfig:
     instances: int = opt(1, "Model calls that may run at once.", min=1)
     drain_timeout: float = opt(30.0, "On SIGTERM/SIGINT: seconds to finish in-flight requests.")
     verify: bool = True  # re-run stored parity feeds on load and reload
-    # A packed artifact's signed statement, checked at start and on every reload (runtime/signing.py):
+    # A packed artifact's signed statement, checked at start and on every reload (artifact/signing.py):
     pubkey: Path | None = None  # Ed25519 public key (PEM); None: no signature required
     expect_name: str | None = None  # the signed name must be this
     min_version: str | None = None  # the signed version must be at least this
@@ -155,7 +155,7 @@ class ServerConfig:
     )
 
     def __post_init__(self) -> None:
-        from precast.runtime.errors import UsageError
+        from precast.errors import UsageError
 
         self.artifact = Path(self.artifact)
         self.admin_token = _secret(
@@ -185,7 +185,7 @@ class ServerConfig:
             )
 
     def _check_signature_options(self) -> None:
-        from precast.runtime.errors import UsageError
+        from precast.errors import UsageError
 
         if self.pubkey is not None:
             self.pubkey = Path(self.pubkey)
@@ -199,7 +199,7 @@ class ServerConfig:
     @property
     def signature_policy(self) -> SignaturePolicy | None:
         """The SignaturePolicy a served pack must meet at start and on every reload (None: unsigned is fine)."""
-        from precast.runtime.signing import signature_policy
+        from precast.artifact.signing import signature_policy
 
         return signature_policy(self.pubkey, self.expect_name, self.min_version)
 
@@ -207,7 +207,7 @@ class ServerConfig:
     def from_options(cls, artifact, **options) -> ServerConfig:
         """From `precast serve`'s flags: the artifact path is checked first, the LLM engine's options
         (LLM_OPTIONS; None = unset) go to ``llm``, everything else is a field."""
-        from precast.runtime.errors import UsageError
+        from precast.errors import UsageError
         from precast.runtime.server.host import check_path
 
         check_path(artifact)
@@ -239,7 +239,7 @@ def is_loopback(host: str) -> bool:
 def _secret(name: str, value: object, env: str, what: str, instead: str) -> str | None:
     """A bearer secret (--admin-token, --api-key): None takes ``env`` (empty there = unset); an empty one
     is refused, since it would match an empty Authorization header and let anyone in."""
-    from precast.runtime.errors import UsageError
+    from precast.errors import UsageError
 
     if value is None:
         return os.environ.get(env) or None

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, InputError
+from precast.errors import ArtifactError, InputError
 
 __all__ = [
     "EncoderSpec",
@@ -94,7 +94,7 @@ def encoder_spec(model) -> EncoderSpec | None:
     try:
         tok = Tokenizer.from_file(str(path))
     except Exception as e:  # a malformed file is the artifact's fault: exit 3 naming it
-        from precast.runtime.errors import first_line
+        from precast.errors import first_line
 
         raise ArtifactError(f"cannot read tokenizer {path}: {first_line(e)}") from e
     max_length = 512

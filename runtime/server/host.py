@@ -11,7 +11,7 @@ other inputs is refused (ReloadKindError, HTTP 409), since the routes and client
 first one.
 
 With a SignaturePolicy (``precast serve --pubkey``), every load, the first and each reload, must be a pack
-whose signed statement meets it (runtime/signing.py); a directory is refused (it carries no signature). A
+whose signed statement meets it (artifact/signing.py); a directory is refused (it carries no signature). A
 reload must also keep the signed name and not go back to an older signed version than the one served (a
 replayed older pack); start a new server to roll back.
 """
@@ -28,12 +28,12 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from precast.runtime.errors import ArtifactError, PrecastError, UsageError
-from precast.runtime.manifest import read_manifest
+from precast.artifact.manifest import read_manifest
+from precast.errors import ArtifactError, PrecastError, UsageError
 from precast.runtime.server.pipelined import pipelined_if_staged
 
 if TYPE_CHECKING:
-    from precast.runtime.signing import SignaturePolicy
+    from precast.artifact.signing import SignaturePolicy
 
 __all__ = ["ModelHost", "ReloadBusyError", "ReloadError", "ReloadKindError", "Served", "signed_change"]
 
@@ -98,7 +98,7 @@ class Served:
                 self.encoder.close()
         finally:
             if self.unpacked is not None:
-                from precast.runtime.archive import remove_temp
+                from precast.artifact.archive import remove_temp
 
                 remove_temp(self.unpacked)
 
@@ -133,7 +133,7 @@ def signed_change(old: Served, new: Served) -> str | None:
     """Why a swap from ``old`` to ``new`` would give up the served signed identity (rollback), or None."""
     if old.statement is None or new.statement is None:
         return None
-    from precast.runtime.signing import version_key
+    from precast.artifact.signing import version_key
 
     was, now = old.statement, new.statement
     if now.name != was.name:
@@ -175,7 +175,7 @@ class ModelHost:
             return self._load_dir(path, path, version)
         # A packed artifact: unpacked once (every checksum, and the signed statement, checked) into a temp dir
         # this Served owns.
-        from precast.runtime.archive import remove_temp, unpack_checked
+        from precast.artifact.archive import remove_temp, unpack_checked
 
         unpacked = unpack_checked(path, policy=self.policy)
         try:

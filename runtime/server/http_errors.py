@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from precast.runtime.errors import PrecastError
+from precast.errors import PrecastError
 from precast.runtime.server.batcher import QueueFullError
 from precast.runtime.server.bodies import openai_error, v2_error
 from precast.runtime.server.text_sandbox import TextTimeout, TextUnavailable

@@ -6,7 +6,7 @@ import math
 
 import numpy as np
 
-from precast.runtime.errors import InputError
+from precast.errors import InputError
 
 __all__ = ["DATATYPES", "decode_request", "encode_response", "model_metadata", "requested_outputs"]
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import mmap
 import re
 
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 
 __all__ = ["KV_ITEMSIZE", "block_bytes", "blocks_for_memory", "parse_size"]
 
@@ -47,7 +47,7 @@ def block_bytes(spec) -> int:
     """Bytes of one KV block of ``spec`` (an LLMSpec) on this host."""
     block_size = spec.block_size
     if spec.kv_layout == "mapped" and (block_size * spec.head_size * KV_ITEMSIZE) % mmap.PAGESIZE:
-        from precast.runtime.llm.mapped_kv import page_block_size
+        from precast.runtime.llm.runners.mapped_kv import page_block_size
 
         block_size = page_block_size(spec.head_size, at_least=block_size)
     return spec.layers * 2 * spec.kv_heads * block_size * spec.head_size * KV_ITEMSIZE

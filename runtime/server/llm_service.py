@@ -21,9 +21,9 @@ import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from precast.runtime.errors import LLMRequestError
-from precast.runtime.llm_spec import LLMSpec
-from precast.runtime.manifest import Manifest, artifact_path, read_manifest
+from precast.artifact.llm_spec import LLMSpec
+from precast.artifact.manifest import Manifest, artifact_path, read_manifest
+from precast.errors import LLMRequestError
 from precast.runtime.server.text_sandbox import TextLimits, TextSandbox
 
 __all__ = ["CHAT_ROLES", "DEFAULT_CHAT_TEMPLATE", "PRIORITIES", "LLMService", "TokenStream", "parse_priority"]
@@ -313,7 +313,7 @@ def _engine_options(
     path, num_blocks=None, kv_cache_memory=None, max_num_seqs=None, max_num_batched_tokens=None, **_ignored
 ) -> dict:
     """Engine.load's num_blocks and config from the serve options (UsageError naming a bad one)."""
-    from precast.runtime.errors import UsageError
+    from precast.errors import UsageError
     from precast.runtime.llm.scheduler import SchedulerConfig, checked_config
     from precast.runtime.server.kv_memory import blocks_for_memory
 

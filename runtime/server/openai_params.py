@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 
 __all__ = [
     "MAX_CHOICES",

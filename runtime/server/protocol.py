@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, StrictInt, StrictStr, ValidationError
 
-from precast.runtime.errors import InputError, PrecastError
+from precast.errors import InputError, PrecastError
 
 __all__ = [
     "EmbeddingRequest",

@@ -11,7 +11,7 @@ import base64
 import numpy as np
 from starlette.concurrency import run_in_threadpool
 
-from precast.runtime.errors import InputError, PrecastError
+from precast.errors import InputError, PrecastError
 from precast.runtime.server.bodies import json_response, read_json
 from precast.runtime.server.embeddings import (
     check_dimensions,
@@ -20,7 +20,12 @@ from precast.runtime.server.embeddings import (
     parse_inputs,
 )
 from precast.runtime.server.http_errors import HTTPError
-from precast.runtime.server.kserve import decode_request, encode_response, model_metadata, requested_outputs
+from precast.runtime.server.kserve import (
+    decode_request,
+    encode_response,
+    model_metadata,
+    requested_outputs,
+)
 from precast.runtime.server.protocol import (
     EmbeddingRequest,
     OpenAIRequest,

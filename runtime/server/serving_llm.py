@@ -29,11 +29,16 @@ from dataclasses import dataclass
 
 from fastapi.responses import StreamingResponse
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 from precast.runtime.server.http_errors import HTTPError
 from precast.runtime.server.llm_stream import Choices, Logprobs
 from precast.runtime.server.openai_params import Prepared, prepare
-from precast.runtime.server.protocol import chat_choice, chunk_choice, completion_choice, usage
+from precast.runtime.server.protocol import (
+    chat_choice,
+    chunk_choice,
+    completion_choice,
+    usage,
+)
 from precast.runtime.server.serving import read_openai_request
 
 __all__ = ["ChatServing", "CompletionServing"]

@@ -25,7 +25,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from precast.runtime.errors import ArtifactError, LLMRequestError, PrecastError
+from precast.errors import ArtifactError, LLMRequestError, PrecastError
 from precast.runtime.server.text_worker import read_frame, write_frame
 
 __all__ = ["TextFailed", "TextLimits", "TextSandbox", "TextTimeout", "TextUnavailable"]
@@ -46,7 +46,7 @@ class TextLimits:
     workers: int = 64  # calls running at once (more wait in order, within their deadline)
 
     def __post_init__(self) -> None:
-        from precast.runtime.errors import UsageError
+        from precast.errors import UsageError
 
         if (
             isinstance(self.timeout, bool)

@@ -10,7 +10,13 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
-from bench_llm_requests import TOKENS, mixed_lengths, mixed_prompts, round_ratios, summary  # noqa: E402
+from bench_llm_requests import (  # noqa: E402
+    TOKENS,
+    mixed_lengths,
+    mixed_prompts,
+    round_ratios,
+    summary,
+)
 
 
 def test_mixed_lengths_span_the_range_evenly():

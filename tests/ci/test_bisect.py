@@ -9,11 +9,11 @@ import numpy as np
 import onnx_ir as ir
 import pytest
 
-from precast.compiler import registry
-from precast.compiler.bisect import bisect_model
 from precast.compiler.driver import CompileOptions
-from precast.compiler.registry import Pass, PassResult
-from precast.runtime.errors import EXIT_PARITY
+from precast.compiler.verification.bisect import bisect_model
+from precast.errors import EXIT_PARITY
+from precast.ir import registry
+from precast.ir.registry import Pass, PassResult
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import save, tiny_mlp
 
@@ -98,7 +98,7 @@ def test_compile_with_wrong_pass_fails_and_names_it(model_file, tmp_path, capsys
 
 def test_bisect_reports_each_prefix(model_file):
     from precast.compiler.driver import compile_model
-    from precast.runtime.errors import ParityError
+    from precast.errors import ParityError
     from tests.fake_progress import RecordingProgress
 
     rec = RecordingProgress()

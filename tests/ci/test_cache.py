@@ -8,10 +8,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from precast.artifact.manifest import BUILD_INFO_NAME, sha256_file
 from precast.compiler.cache import ARTIFACT_NAME, cache_key, check_artifact_tree
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import load
-from precast.runtime.manifest import BUILD_INFO_NAME, sha256_file
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import ort_run, save, tiny_mlp
 

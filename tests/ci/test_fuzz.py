@@ -14,13 +14,13 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
+from precast.artifact.archive import unpack_artifact
+from precast.artifact.manifest import Manifest, check_integrity, read_manifest
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.pack import pack_artifact
-from precast.compiler.pipeline import PassSpec, format_pipeline, parse_pipeline
-from precast.compiler.registry import all_passes, option_fields
-from precast.runtime.archive import unpack_artifact
-from precast.runtime.errors import ArtifactError, PipelineError
-from precast.runtime.manifest import Manifest, check_integrity, read_manifest
+from precast.errors import ArtifactError, PipelineError
+from precast.ir.pipeline import PassSpec, format_pipeline, parse_pipeline
+from precast.ir.registry import all_passes, option_fields
 from tests.ci.archive_helpers import tree
 from tests.helpers import save, tiny_mlp
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from precast.artifact.archive import ArchiveError, Limits, unpack_artifact
+from precast.artifact.signing import SignatureError
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.pack import pack_artifact
+from precast.errors import EXIT_ARTIFACT, ArtifactError, IntegrityError
 from precast.runtime import load
-from precast.runtime.archive import ArchiveError, Limits, unpack_artifact
-from precast.runtime.errors import EXIT_ARTIFACT, ArtifactError, IntegrityError
-from precast.runtime.signing import SignatureError
 from tests.ci.archive_helpers import members_of, reg, special, tree, write_tar
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import ort_run, save, tiny_mlp

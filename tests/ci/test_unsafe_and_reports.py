@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from precast import errors
 from precast.cli import main as cli_main
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.runtime import errors
-from precast.runtime.errors import EXIT_ARTIFACT, EXIT_PARITY, EXIT_USAGE
+from precast.errors import EXIT_ARTIFACT, EXIT_PARITY, EXIT_USAGE
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import save, tiny_mlp
 
@@ -124,7 +124,7 @@ def test_verify_junit_and_quiet(built, tmp_path, capsys):
     rel = manifest["parity"]["expected"]["y"]
     y = np.load(art / rel, allow_pickle=False)
     np.save(art / rel, y + 1.0, allow_pickle=False)
-    from precast.runtime.manifest import dump_json, sha256_file
+    from precast.artifact.manifest import dump_json, sha256_file
 
     manifest["files"][rel] = sha256_file(art / rel)
     dump_json(manifest, art / "manifest.json")

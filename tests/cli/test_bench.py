@@ -41,9 +41,9 @@ def _llm_key() -> str:
 
     h = hashlib.sha256(precast.__version__.encode())
     sources = [REPO / "tests" / "llm" / "fixtures.py", REPO / "scripts" / "train_tiny_lm.py"]
-    for folder in ("compiler", "passes", "targets"):
+    for folder in ("compiler", "ir", "passes", "targets"):
         sources += sorted((REPO / folder).rglob("*.py"))
-    sources += [REPO / "runtime" / "manifest.py", REPO / "runtime" / "llm" / "model_runner.py"]
+    sources += [REPO / "artifact" / "manifest.py", REPO / "runtime" / "llm" / "runners" / "gather.py"]
     for p in sources:
         h.update(p.read_bytes())
     return h.hexdigest()[:16]

@@ -31,7 +31,7 @@ def test_compile_inspect_verify_run(cli, mlp_path, tmp_path, rng):
     r = cli("compile", mlp_path, "-o", out, "--report", tmp_path / "rep.json")
     assert r.code == 0, r.err
     manifest = json.loads((out / "manifest.json").read_text())
-    from precast.compiler.pipeline import format_pipeline, parse_pipeline
+    from precast.ir.pipeline import format_pipeline, parse_pipeline
     from precast.targets.ort_cpu import OrtCpu
 
     assert manifest["pipeline"] == format_pipeline(parse_pipeline(OrtCpu.default_pipeline))

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from precast.cli.config_file import config_keys, read_config
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 from tests.helpers import save, tiny_mlp
 
 

@@ -6,7 +6,7 @@ import socket
 
 import pytest
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 from precast.runtime.llm import Engine, SamplingParams
 from tests.fake_llm import fake_engine
 

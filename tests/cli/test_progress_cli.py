@@ -14,8 +14,8 @@ from rich.console import Console
 
 from precast.cli.output import Progress, format_bytes
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.compiler.pipeline import parse_pipeline
-from precast.compiler.source import parse_input_spec
+from precast.compiler.frontends.source import parse_input_spec
+from precast.ir.pipeline import parse_pipeline
 from precast.targets.ort_cpu import OrtCpu
 from tests.fake_progress import RecordingProgress
 from tests.helpers import save, tiny_mlp

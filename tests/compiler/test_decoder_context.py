@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from precast.compiler.decoder_context import ROPE_TYPES, max_positions, rope_kind, windowed
-from precast.runtime.llm_spec import LIMITS
+from precast.artifact.llm_spec import LIMITS
+from precast.compiler.decoder.context import (
+    ROPE_TYPES,
+    max_positions,
+    rope_kind,
+    windowed,
+)
 
 
 def test_rope_kind_reads_either_config_field():

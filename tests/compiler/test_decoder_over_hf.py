@@ -23,13 +23,17 @@ class _TinyLM(torch.nn.Module):
 
 
 def test_in_step_is_false_outside_a_step():
-    from precast.compiler.generic_decoder import in_step
+    from precast.compiler.decoder.generic_decoder import in_step
 
     assert in_step() is False
 
 
 def test_restored_attention_puts_the_setting_back():
-    from precast.compiler.generic_decoder import attention_setting, restored_attention, set_attention
+    from precast.compiler.decoder.generic_decoder import (
+        attention_setting,
+        restored_attention,
+        set_attention,
+    )
 
     lm = _TinyLM()
     with restored_attention(lm):
@@ -39,8 +43,12 @@ def test_restored_attention_puts_the_setting_back():
 
 
 def test_decoders_share_the_base_and_hook_the_head():
-    from precast.compiler.generic_decoder import DecoderOverHF, DecoderShape, GenericDecoder
-    from precast.compiler.ov_decoder import OVDecoder
+    from precast.compiler.decoder.generic_decoder import (
+        DecoderOverHF,
+        DecoderShape,
+        GenericDecoder,
+    )
+    from precast.compiler.decoder.ov_decoder import OVDecoder
 
     assert issubclass(GenericDecoder, DecoderOverHF) and issubclass(OVDecoder, DecoderOverHF)
     shape = DecoderShape(

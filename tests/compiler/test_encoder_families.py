@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from precast.runtime.errors import ModelLoadError
+from precast.errors import ModelLoadError
 from tests.helpers import randomize_weights_
 
 torch = pytest.importorskip("torch")
@@ -121,8 +121,8 @@ def _fresh_feeds(model, names: list[str]) -> dict[str, np.ndarray]:
 
 @pytest.mark.slow
 def test_artifact_matches_hugging_face(compiled):
+    from precast.artifact.manifest import read_manifest
     from precast.runtime import load
-    from precast.runtime.manifest import read_manifest
 
     family, model, artifact = compiled
     runtime = load(artifact)
@@ -145,7 +145,7 @@ def test_artifact_matches_hugging_face(compiled):
 
 
 def test_unsupported_encoder_is_refused_naming_the_list(tmp_path):
-    from precast.compiler.hf_source import load_hf_folder
+    from precast.compiler.frontends.hf_source import load_hf_folder
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "bart", "architectures": ["BartModel"]}))
     with pytest.raises(ModelLoadError, match="model_type 'bart' is not a supported encoder") as e:

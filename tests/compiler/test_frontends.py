@@ -8,9 +8,9 @@ import onnx_ir as ir
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.compiler.source import load_source, parse_input_spec
+from precast.compiler.frontends.source import load_source, parse_input_spec
+from precast.errors import ModelLoadError, UsageError
 from precast.runtime import load
-from precast.runtime.errors import ModelLoadError, UsageError
 from tests.helpers import ort_run, tiny_mlp
 
 
@@ -123,7 +123,7 @@ def test_torch_export_holds_no_source_paths(tmp_path):
     """The exporter's per-node stack traces name absolute source paths (this file, where precast and torch are
     installed): an artifact compiled from two installs differed in bytes. None may be left in the graph."""
     torch = pytest.importorskip("torch")
-    from precast.compiler.torch_export import dynamo_export
+    from precast.compiler.frontends.torch_export import dynamo_export
 
     class Net(torch.nn.Module):
         def __init__(self):

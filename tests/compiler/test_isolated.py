@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from precast.compiler import isolated
-from precast.compiler.isolated import run_isolated
-from precast.runtime.errors import NativeCrashError, UsageError
+from precast.errors import NativeCrashError, UsageError
+from precast.ir import isolated
+from precast.ir.isolated import run_isolated
 
 REPO = Path(__file__).resolve().parents[2]
 

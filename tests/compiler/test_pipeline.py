@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from precast.compiler.pipeline import PassManager, format_pipeline, parse_pipeline
-from precast.compiler.registry import all_passes, get_pass
-from precast.runtime.errors import PassOptionError, PipelineError, UnknownPassError
+from precast.errors import PassOptionError, PipelineError, UnknownPassError
+from precast.ir.pipeline import PassManager, format_pipeline, parse_pipeline
+from precast.ir.registry import all_passes, get_pass
 from tests.helpers import op_types, ort_run, tiny_mlp
 
 
@@ -92,7 +92,7 @@ def test_print_ir_after(capsys):
 def test_pass_result_and_facts_are_frozen_and_facts_merge_in_order():
     import dataclasses
 
-    from precast.compiler.registry import PassFacts, PassResult
+    from precast.ir.registry import PassFacts, PassResult
 
     first = PassFacts(symbolic_io={"x": ("batch",)}, calibration_used=True)
     merged = first.merge(PassFacts(symbolic_io={"x": (2,)}))

@@ -7,7 +7,7 @@ import time
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 from tests.helpers import one_line_error
 
 pytest.importorskip("transformers")
@@ -39,8 +39,8 @@ def no_export(monkeypatch):
     def boom(*_a, **_k):
         raise AssertionError("the export ran")
 
-    monkeypatch.setattr("precast.compiler.hf_source.load_hf_folder", boom)
-    monkeypatch.setattr("precast.compiler.torch_export.export_module", boom)
+    monkeypatch.setattr("precast.compiler.frontends.hf_source.load_hf_folder", boom)
+    monkeypatch.setattr("precast.compiler.frontends.torch_export.export_module", boom)
 
 
 def _fast_error(cli, *args, code=1, needles=()):
@@ -119,8 +119,8 @@ def test_hf_cache_hit_skips_the_export(tiny_bert, tmp_path, monkeypatch):
     def boom(*_a, **_k):
         raise AssertionError("the export ran on a cache hit")
 
-    monkeypatch.setattr("precast.compiler.hf_source.load_hf_folder", boom)
-    monkeypatch.setattr("precast.compiler.torch_export.export_module", boom)
+    monkeypatch.setattr("precast.compiler.frontends.hf_source.load_hf_folder", boom)
+    monkeypatch.setattr("precast.compiler.frontends.torch_export.export_module", boom)
     hit = compile_model(str(tiny_bert), tmp_path / "b", CompileOptions(cache_dir=str(cache)))
     assert hit.cache == "hit"
     assert (tmp_path / "b" / "model.onnx").read_bytes() == (tmp_path / "a" / "model.onnx").read_bytes()
@@ -147,7 +147,7 @@ def test_changed_weights_are_a_cache_miss(tiny_bert, tmp_path):
 
 def test_report_json_comes_from_the_library(tiny_bert, tmp_path):
     from precast.compiler.report import CompileReport
-    from precast.runtime.errors import ParityError
+    from precast.errors import ParityError
 
     e = ParityError("target 'ort-cpu': parity failed", {"ok": False, "inputs": {}, "outputs": {}})
     payload = CompileReport.failure_json(e)

@@ -13,7 +13,7 @@ import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.runtime import load
-from precast.runtime.staged_session import StagedSession
+from precast.runtime.staged.session import StagedSession
 from tests.helpers import one_line_error
 from tests.passes.stage_graphs import residual_stack
 
@@ -154,7 +154,7 @@ def test_a_tampered_stages_block_is_exit_3(cli, stack_art, tmp_path, edit, needl
 
 
 def test_a_wrong_stage_fails_the_compiles_parity_exit_2(cli, stack_onnx, tmp_path, monkeypatch):
-    import precast.compiler.stages as stages_mod
+    import precast.ir.stages as stages_mod
 
     real = stages_mod.stage_models
 
@@ -189,7 +189,7 @@ def test_split_stages_not_last_and_targets_without_stages_are_refused_at_plan(cl
 def bert(tmp_path_factory):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
-    from precast.compiler.source import load_source
+    from precast.compiler.frontends.source import load_source
     from tests.helpers import randomize_weights_
 
     cfg = transformers.BertConfig(
@@ -244,10 +244,10 @@ def test_staged_bert_matches_the_unsplit_artifact(bert, staged):
 
 @pytest.mark.slow
 def test_minilm_chained_stages_equal_the_unsplit_graph(minilm_dir):
-    from precast.compiler.pipeline import PassManager, clone_model, parse_pipeline
-    from precast.compiler.registry import PassContext
-    from precast.compiler.source import load_source
-    from precast.compiler.stages import stage_models
+    from precast.compiler.frontends.source import load_source
+    from precast.ir.pipeline import PassManager, clone_model, parse_pipeline
+    from precast.ir.registry import PassContext
+    from precast.ir.stages import stage_models
     from precast.passes.split_stages import SplitStages
     from precast.targets.ort_cpu import OrtCpu
     from tests.helpers import ort_run

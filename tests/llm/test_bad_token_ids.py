@@ -15,7 +15,7 @@ import sys
 import numpy as np
 import pytest
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 from precast.runtime.llm.sampler import SamplingParams
 
 
@@ -59,8 +59,8 @@ def test_server_refuses_an_out_of_vocab_prompt_with_a_400(llama_artifact_mapped,
 
 def test_precast_run_on_a_bad_id_prints_one_line(llama_artifact_mapped, tmp_path):
     """Raw feeds reach ORT's Gather: its own error log line stays off stderr (session log level fatal)."""
-    from precast.runtime.llm.model_runner import LLMSpec
-    from precast.runtime.manifest import read_manifest
+    from precast.artifact.manifest import read_manifest
+    from precast.runtime.llm.runners.gather import LLMSpec
 
     spec = LLMSpec.from_manifest(read_manifest(llama_artifact_mapped), str(llama_artifact_mapped))
     feeds = {

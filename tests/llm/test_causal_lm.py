@@ -7,9 +7,9 @@ import json
 import numpy as np
 import pytest
 
-from precast.runtime.errors import InputError, ModelLoadError
+from precast.errors import InputError, ModelLoadError
 from precast.runtime.llm import ModelRunner
-from precast.runtime.llm.open_runner import runner_on
+from precast.runtime.llm.runners.factory import runner_on
 from tests.helpers import run_with_imports_blocked
 
 PROMPTS = ["def wrap(text, width=70):", "import os\nclass Formatter:\n    def __init__(self, fill):", "x"]
@@ -200,7 +200,7 @@ def test_runner_decode_fast_path_writes_the_same_slots(gpt2_artifact):
 
 
 def test_unknown_architecture_names_supported(tmp_path):
-    from precast.compiler.source import load_source
+    from precast.compiler.frontends.source import load_source
 
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MyLM"]}))  # no model_type
     with pytest.raises(ModelLoadError, match=r"'\?'.*llama, mistral, qwen2, gpt2"):
@@ -222,7 +222,7 @@ class _TorchSession:
     """The torch paged decoder behind ModelRunner's session interface (no export: fast)."""
 
     def __init__(self, module, layers: int):
-        from precast.compiler.causal_lm import step_reference
+        from precast.compiler.decoder.causal_lm import step_reference
 
         self.run_all = step_reference(module, layers)
 
@@ -235,7 +235,7 @@ class _TorchSession:
 def test_llama_family_paged_math_matches_hf(model_type, head_dim, layout, tmp_path):
     """Qwen2 (QKV biases) and Mistral through the decoders: greedy == HF generate(). A head size that
     GroupQueryAttention cannot take (24) compiles to the in-graph gather layout."""
-    from precast.compiler.causal_lm import build_paged_decoder, llm_block
+    from precast.compiler.decoder.causal_lm import build_paged_decoder, llm_block
     from precast.runtime.llm import LLMSpec
     from tests.llm.fixtures import build_llama
 

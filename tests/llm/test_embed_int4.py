@@ -15,7 +15,7 @@ import onnx_ir as ir
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.compiler.source import load_source
+from precast.compiler.frontends.source import load_source
 from precast.runtime.llm import ModelRunner
 from tests.helpers import op_types
 from tests.llm.fixtures import build_llama

@@ -1,4 +1,4 @@
-"""The generic decoder path (compiler/generic_decoder.py): the model's own forward with precast's paged attention.
+"""The generic decoder path (compiler/decoder/generic_decoder.py): the model's own forward with precast's paged attention.
 
 Each architecture: a tiny seeded model (N(0, 0.1) weights, norms perturbed), compiled with --task causal-lm,
 greedy through the engine (two requests batched, one of them reusing the other's cached prefix) == HF
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from precast.runtime.errors import ModelLoadError, ParityError
+from precast.errors import ModelLoadError, ParityError
 from tests.llm.fixtures import build_causal_lm
 from tests.llm.test_causal_lm import compile_llm, hf_greedy
 
@@ -117,8 +117,8 @@ def test_windowed_llama_family_maps_its_window_exactly(model_type, generic_dirs,
 def test_a_wrong_mask_fails_the_check_against_hf(model_type, break_it, generic_dirs, monkeypatch):
     """The pre-export check compares with the model's own forward: a mask that drops the window, or the
     causal order, is a ParityError (exit 2), so an architecture the generic path gets wrong never ships."""
-    import precast.compiler.generic_decoder as gd
-    from precast.compiler.causal_lm import build_paged_decoder
+    import precast.compiler.decoder.generic_decoder as gd
+    from precast.compiler.decoder.causal_lm import build_paged_decoder
 
     right = gd._mask
     if break_it == "window":
@@ -133,7 +133,7 @@ def test_a_wrong_mask_fails_the_check_against_hf(model_type, break_it, generic_d
 
 
 def test_generic_shape_is_read_off_the_model(generic_dirs):
-    from precast.compiler.causal_lm import build_paged_decoder
+    from precast.compiler.decoder.causal_lm import build_paged_decoder
 
     _, module = build_paged_decoder(generic_dirs("gemma2"), "gemma2")
     assert module.shape.windows == (8, None) and module.shape.softcaps == (5.0, 5.0)
@@ -141,7 +141,7 @@ def test_generic_shape_is_read_off_the_model(generic_dirs):
 
 
 def test_falcon_with_alibi_is_refused(tmp_path):
-    from precast.compiler.source import load_source
+    from precast.compiler.frontends.source import load_source
 
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "falcon", "alibi": True}))
     with pytest.raises(ModelLoadError, match=r"falcon with alibi=true is not supported") as e:
@@ -151,8 +151,8 @@ def test_falcon_with_alibi_is_refused(tmp_path):
 
 def test_bloom_without_alibi_fails_the_check_against_hf(generic_dirs, monkeypatch):
     """ALiBi is what makes bloom's attention bloom's: the paged attention without the slopes is exit 2."""
-    import precast.compiler.generic_decoder as gd
-    from precast.compiler.causal_lm import build_paged_decoder
+    import precast.compiler.decoder.generic_decoder as gd
+    from precast.compiler.decoder.causal_lm import build_paged_decoder
 
     right = gd.precast_paged_attention
     monkeypatch.setattr(gd, "precast_paged_attention", lambda *a, alibi_slopes=None, **k: right(*a, **k))
@@ -161,8 +161,8 @@ def test_bloom_without_alibi_fails_the_check_against_hf(generic_dirs, monkeypatc
 
 
 def test_generic_model_refuses_mapped_layout(generic_dirs):
-    from precast.compiler.causal_lm import build_paged_decoder
-    from precast.runtime.errors import UsageError
+    from precast.compiler.decoder.causal_lm import build_paged_decoder
+    from precast.errors import UsageError
 
     with pytest.raises(UsageError, match="takes 'paged'"):
         build_paged_decoder(generic_dirs("qwen3"), "qwen3", kv_layout="mapped")
@@ -175,7 +175,7 @@ def test_dense_experts_equal_the_models_own_loop(model_type, generic_dirs):
     import torch
     import transformers
 
-    from precast.compiler.generic_decoder import precast_dense_experts
+    from precast.compiler.decoder.generic_decoder import precast_dense_experts
 
     folder = generic_dirs(model_type)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()

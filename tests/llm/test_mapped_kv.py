@@ -5,10 +5,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from precast.runtime.errors import InputError
+from precast.errors import InputError
 from precast.runtime.llm import ModelRunner
-from precast.runtime.llm.mapped_kv import MappedKV, mapped_kv_supported, page_block_size
-from precast.runtime.llm.mapped_runner import MappedModelRunner
+from precast.runtime.llm.runners.mapped import MappedModelRunner
+from precast.runtime.llm.runners.mapped_kv import (
+    MappedKV,
+    mapped_kv_supported,
+    page_block_size,
+)
 
 pytestmark = pytest.mark.skipif(mapped_kv_supported() is not None, reason=str(mapped_kv_supported()))
 

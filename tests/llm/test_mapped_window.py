@@ -18,8 +18,8 @@ def window_graph():
     import torch
     from torch.export import Dim
 
-    from precast.compiler.paged_ops import TRANSLATIONS, mapped_gqa
-    from precast.compiler.torch_export import dynamo_export
+    from precast.compiler.decoder.paged_ops import TRANSLATIONS, mapped_gqa
+    from precast.compiler.frontends.torch_export import dynamo_export
 
     class Attn(torch.nn.Module):
         def forward(self, qkv, positions, cos, sin, past_key, past_value, seqlens_k, total):
@@ -72,7 +72,7 @@ def test_windowed_gqa_matches_the_reference(past, s, window_graph):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     # and the window matters here: without it the reference differs
     if max(past) + s > WINDOW:
-        from precast.compiler.paged_ops import mapped_gqa
+        from precast.compiler.decoder.paged_ops import mapped_gqa
 
         with torch.no_grad():
             t = [torch.from_numpy(v) for v in feeds.values()]

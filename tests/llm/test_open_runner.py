@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from precast.runtime.errors import ArtifactError, UsageError
-from precast.runtime.llm.mapped_runner import MappedModelRunner
-from precast.runtime.llm.model_runner import ModelRunner
-from precast.runtime.llm.open_runner import RunnerOptions, runner_on
-from precast.runtime.llm.runner import StepRunner
-from precast.runtime.llm_spec import LLMSpec
+from precast.artifact.llm_spec import LLMSpec
+from precast.errors import ArtifactError, UsageError
+from precast.runtime.llm.runners.base import StepRunner
+from precast.runtime.llm.runners.factory import RunnerOptions, runner_on
+from precast.runtime.llm.runners.gather import ModelRunner
+from precast.runtime.llm.runners.mapped import MappedModelRunner
 from tests.llm.engine.fake_runner import FakeRunner
 
 

@@ -1,5 +1,5 @@
 """The OpenVINO backend of the LLM engine: ``--target openvino --task causal-lm`` (PagedAttention step graph,
-compiler/ov_decoder.py) run by OVStepRunner over the engine's own block pool, prefix cache and scheduler.
+compiler/decoder/ov_decoder.py) run by OVStepRunner over the engine's own block pool, prefix cache and scheduler.
 
 Tiny Llama (weights N(0, 0.1)): greedy == HF generate alone, 8 mixed-length requests batched, with prefix
 reuse + copy on write and with preemption; the KV precisions' top-1 agreement with the f32 pool."""
@@ -134,7 +134,7 @@ def test_preemption_resumes_token_identical(ov_llama, tiny_llama_dir):
 def _teacher_forced_argmax(path, ids: list[int]) -> np.ndarray:
     """Next-token argmax at every position of ``ids``, prefilled in two chunks (the second reads the
     first's K/V back from the pool in the artifact's KV precision)."""
-    from precast.runtime.llm.ov_runner import OVStepRunner, step_feeds
+    from precast.runtime.llm.runners.openvino import OVStepRunner, step_feeds
 
     runner = OVStepRunner.from_artifact(path, num_blocks=8, threads=2)
     cut, table = len(ids) // 2, list(range(8))
@@ -158,7 +158,7 @@ def test_kv_precision_top1_agreement_with_f32(kv, min_top1, ov_llama, tiny_llama
     top1 = float(np.mean(ref == got))
     assert top1 >= min_top1, f"kv={kv}: top-1 agreement {top1:.3f} < {min_top1}"
     if kv == "u8":  # the u8 pool is a quarter of f32's (plus its scales)
-        from precast.runtime.llm.ov_runner import OVStepRunner
+        from precast.runtime.llm.runners.openvino import OVStepRunner
 
         sizes = [OVStepRunner.from_artifact(p, num_blocks=8).kv_bytes for p in (ov_llama, art)]
         assert sizes[1] < 0.5 * sizes[0]
@@ -180,7 +180,7 @@ def test_bf16_compute_is_budget_held_and_agrees_top1(ov_llama, tiny_llama_dir, t
     assert verify_artifact(str(art))["ok"]
     ids = np.random.default_rng(5).integers(0, 512, 200).tolist()
     top1 = float(np.mean(_teacher_forced_argmax(ov_llama, ids) == _teacher_forced_argmax(art, ids)))
-    from precast.runtime.errors import UsageError
+    from precast.errors import UsageError
 
     with pytest.raises(UsageError, match="inference_precision=bf16 needs kv_cache_precision=u8 or f16"):
         _compile(tiny_llama_dir, tmp_path / "bf16-f32kv", inference_precision="bf16")
@@ -277,7 +277,7 @@ def test_int4_weights_within_text_budget(tmp_path):
 def test_multi_target_compile_ranks_backends_by_measured_speed(tiny_llama_dir, tmp_path):
     """ort-cpu + openvino in one compile: each target's serving speed is measured on this host after it
     verifies, the index's fallback_order puts the faster first, Engine.load opens it, prefer overrides."""
-    from precast.compiler.llm_speed import speed_score
+    from precast.compiler.decoder.llm_speed import speed_score
     from precast.runtime.llm import Engine
     from precast.runtime.llm.engine import llm_index_target
 

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.compiler.source import load_source
-from precast.runtime.errors import InputError, ParityError, UsageError
+from precast.compiler.frontends.source import load_source
+from precast.errors import InputError, ParityError, UsageError
 from precast.runtime.llm.perplexity import make_windows, perplexity_of_text
 from tests.llm.trained_lm import texts, trained_lm_dir
 
@@ -208,8 +208,8 @@ def test_eval_cli(lm, artifacts, tmp_path):
 
 def test_step_calibration_feeds_run_through_the_graph(lm):
     """The feeds GPTQ calibrates on are valid steps: the fp32 graph runs them and the logits are finite."""
-    from precast.compiler.llm_text import step_calibration_feeds
-    from precast.compiler.parity import io_signature, ort_run_model
+    from precast.ir.llm_text import step_calibration_feeds
+    from precast.ir.parity import io_signature, ort_run_model
 
     folder, source, calib, _ = lm
     feeds = step_calibration_feeds(calib[:4000], folder, io_signature(source.model)[0], seq=40, max_batches=2)

@@ -95,8 +95,8 @@ def test_rope_variant_greedy_matches_hf_generate(model_type, rope, kv_layout, gr
 
 
 def test_unknown_rope_type_is_refused(tmp_path):
-    from precast.compiler.source import load_source
-    from precast.runtime.errors import ModelLoadError
+    from precast.compiler.frontends.source import load_source
+    from precast.errors import ModelLoadError
 
     config = {"model_type": "llama", "rope_parameters": {"rope_type": "mrope", "rope_theta": 1e4}}
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -116,7 +116,7 @@ def test_longrope_cap_is_where_hf_switches_for_phi3(top, nested):
 
     import transformers
 
-    from precast.compiler.decoder_context import max_positions as _max_positions
+    from precast.compiler.decoder.context import max_positions as _max_positions
 
     rope = {**ROPES["longrope"], "rope_theta": 10000.0}
     rope.pop("original_max_position_embeddings")

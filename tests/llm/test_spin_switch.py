@@ -1,4 +1,4 @@
-"""ONNX Runtime thread spinning that follows the host's load (issue 20; runtime/llm/spin_switch.py).
+"""ONNX Runtime thread spinning that follows the host's load (issue 20; runtime/llm/runners/spin_switch.py).
 
 ThreadWait's arithmetic runs on fake /proc files (waiting / (running + waiting) of the threads seen at both
 readings); SpinSwitch, on scripted readings and a fake clock, goes calm after the busy windows, keeps its
@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from precast.runtime.llm.spin_switch import SpinSwitch, ThreadWait
+from precast.runtime.llm.runners.spin_switch import SpinSwitch, ThreadWait
 
 
 class _Clock:
@@ -316,8 +316,8 @@ def test_engine_runs_calm_on_busy_readings_and_spins_again_on_quiet_ones(llama_a
 
 
 def test_spinning_value_is_checked(llama_artifact_mapped):
-    from precast.runtime.errors import UsageError
-    from precast.runtime.llm.model_runner import ModelRunner
+    from precast.errors import UsageError
+    from precast.runtime.llm.runners.gather import ModelRunner
 
     with pytest.raises(UsageError, match="spinning must be True, False or 'auto'"):
         ModelRunner.from_artifact(llama_artifact_mapped, spinning="yes")

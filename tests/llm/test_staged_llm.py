@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from precast.runtime.errors import ArtifactError
+from precast.errors import ArtifactError
 from tests.llm.fixtures import build_causal_lm
 from tests.llm.test_causal_lm import hf_greedy
 

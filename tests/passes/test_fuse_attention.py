@@ -11,8 +11,8 @@ from tests.helpers import op_types, ort_run
 def tiny_bert():
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("torch")
-    from precast.compiler.torch_export import export_module
-    from precast.runtime.manifest import TensorSpec
+    from precast.artifact.manifest import TensorSpec
+    from precast.compiler.frontends.torch_export import export_module
 
     cfg = transformers.BertConfig(
         hidden_size=32,

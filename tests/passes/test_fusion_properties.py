@@ -7,7 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from onnx import TensorProto, helper
 
-from precast.compiler.pipeline import PassManager, parse_pipeline
+from precast.ir.pipeline import PassManager, parse_pipeline
 from precast.targets.ort_cpu import OrtCpu
 from tests.helpers import make_model, ort_run
 

@@ -2,7 +2,7 @@
 
 import json
 
-from precast.compiler.registry import all_passes, describe_options, option_help
+from precast.ir.registry import all_passes, describe_options, option_help
 
 
 def test_every_pass_option_has_a_one_line_help():

@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
-from precast.compiler.registry import PassContext
+from precast.errors import PassFailedError
+from precast.ir.registry import PassContext
 from precast.passes.fold_constants import FoldConstants
 from precast.passes.pin_dims import PinDims
-from precast.runtime.errors import PassFailedError
 from tests.helpers import make_model, op_types, ort_run
 
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
@@ -87,7 +87,7 @@ def test_needs_sample_feeds():
 
 
 def test_symbolic_io_before_pinning_is_a_fact_the_pass_manager_hands_on(rng):
-    from precast.compiler.pipeline import PassManager, parse_pipeline
+    from precast.ir.pipeline import PassManager, parse_pipeline
 
     feeds = {"x": rng.standard_normal((3, 8)).astype(np.float32)}
     result = run(shape_arithmetic(), feeds)

@@ -50,9 +50,9 @@ def tiny_llama(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int 
 
 
 def llama_source(module):
-    from precast.compiler.source import Source
-    from precast.compiler.torch_export import export_module, torch_reference
-    from precast.runtime.manifest import TensorSpec
+    from precast.artifact.manifest import TensorSpec
+    from precast.compiler.frontends.source import Source
+    from precast.compiler.frontends.torch_export import export_module, torch_reference
 
     spec = [TensorSpec("input_ids", "int64", ("batch", "sequence"))]
     model = export_module(module, spec, ["logits"], {"batch": 2, "sequence": 7})

@@ -7,11 +7,11 @@ import json
 import numpy as np
 import pytest
 
-from precast.compiler.pipeline import parse_pipeline
-from precast.compiler.registry import PassContext
-from precast.compiler.stages import is_staged, stage_models, stage_plan
+from precast.errors import PassOptionError, PipelineError
+from precast.ir.pipeline import parse_pipeline
+from precast.ir.registry import PassContext
+from precast.ir.stages import is_staged, stage_models, stage_plan
 from precast.passes.split_stages import STAGE_KEY, SplitStages
-from precast.runtime.errors import PassOptionError, PipelineError
 from tests.helpers import ort_run
 from tests.passes.stage_graphs import heavy_first_layer, residual_stack, run_chain
 

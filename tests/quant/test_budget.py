@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
+from precast.errors import ParityError, UsageError
 from precast.runtime.accuracy import check_budget, measure, parse_budget
-from precast.runtime.errors import ParityError, UsageError
 from precast.runtime.verify import verify_artifact
 from tests.helpers import save
 

@@ -12,8 +12,8 @@ def test_minilm_int8_dynamic_artifact(tmp_path, minilm_dir):
     from tokenizers import Tokenizer
 
     from precast.compiler.driver import CompileOptions, compile_model
-    from precast.compiler.parity import ort_run_model
-    from precast.compiler.source import load_source
+    from precast.compiler.frontends.source import load_source
+    from precast.ir.parity import ort_run_model
     from precast.runtime import load
 
     source = load_source(str(minilm_dir))

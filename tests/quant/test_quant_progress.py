@@ -1,8 +1,8 @@
 """The quantizers report inside their pass: GPTQ per MatMul (and per calibration batch of its Hessians), static
 INT8 per calibration batch."""
 
-from precast.compiler.pipeline import PassManager, parse_pipeline
-from precast.compiler.registry import PassContext
+from precast.ir.pipeline import PassManager, parse_pipeline
+from precast.ir.registry import PassContext
 from tests.fake_progress import RecordingProgress
 
 

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from precast.compiler.pipeline import PassManager, parse_pipeline
-from precast.compiler.registry import PassContext
-from precast.runtime.errors import InputError, PassFailedError, PassOptionError, UsageError
+from precast.errors import InputError, PassFailedError, PassOptionError, UsageError
+from precast.ir.pipeline import PassManager, parse_pipeline
+from precast.ir.registry import PassContext
 from tests.helpers import op_types, ort_run
 
 
@@ -135,7 +135,7 @@ def test_convert_fp16_keeps_io_fp32(mlp2, correlated):
 
 
 def test_calibration_npz_formats(tmp_path):
-    from precast.compiler.calibration import load_calibration
+    from precast.ir.calibration import load_calibration
 
     np.savez(tmp_path / "one.npz", x=np.ones((2, 3), np.float32))
     np.savez(

@@ -5,9 +5,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from precast.runtime.batching import ROWS, RowMerge, rerun_alone, run_merged, shared_leading_dim
-from precast.runtime.errors import InputError
-from precast.runtime.manifest import TensorSpec
+from precast.artifact.manifest import TensorSpec
+from precast.errors import InputError
+from precast.runtime.batching import (
+    ROWS,
+    RowMerge,
+    rerun_alone,
+    run_merged,
+    shared_leading_dim,
+)
 
 
 def double(feeds):

@@ -5,12 +5,22 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from precast.runtime.bench import BenchOptions, closed_loop, parse_concurrency, parse_duration
-from precast.runtime.bench_http import loopback_url
-from precast.runtime.bench_inputs import FeedHints, generate_feeds, leading_batch, resolve_dims
-from precast.runtime.bench_report import Sample, level_from_samples
-from precast.runtime.errors import UsageError
-from precast.runtime.manifest import TensorSpec
+from precast.artifact.manifest import TensorSpec
+from precast.errors import UsageError
+from precast.runtime.bench import (
+    BenchOptions,
+    closed_loop,
+    parse_concurrency,
+    parse_duration,
+)
+from precast.runtime.bench.http import loopback_url
+from precast.runtime.bench.inputs import (
+    FeedHints,
+    generate_feeds,
+    leading_batch,
+    resolve_dims,
+)
+from precast.runtime.bench.report import Sample, level_from_samples
 from tests.helpers import COMPILER_MODULES, run_with_imports_blocked, save, tiny_mlp
 
 
@@ -199,7 +209,7 @@ def test_bench_imports_only_numpy_and_the_backend(tmp_path):
 def test_report_of_run_takes_the_window_and_mode_from_the_options():
     from pathlib import Path
 
-    from precast.runtime.bench_report import BenchReport, Host
+    from precast.runtime.bench.report import BenchReport, Host
 
     host = Host(2, "x86_64", "Linux", 0.1, 0.1)
     options = BenchOptions(duration_s=None, requests=7, warmup_s=0.5)

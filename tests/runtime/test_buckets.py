@@ -3,8 +3,13 @@
 import numpy as np
 import pytest
 
-from precast.runtime.buckets import BucketedSession, bucket_shapes, pad_to, parse_buckets
-from precast.runtime.errors import ArtifactError, InputError
+from precast.errors import ArtifactError, InputError
+from precast.runtime.buckets import (
+    BucketedSession,
+    bucket_shapes,
+    pad_to,
+    parse_buckets,
+)
 
 
 class Echo:

@@ -5,7 +5,7 @@ import zipfile
 import numpy as np
 import pytest
 
-from precast.runtime.errors import InputError, first_line
+from precast.errors import InputError, first_line
 
 
 @pytest.mark.parametrize(

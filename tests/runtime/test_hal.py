@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from precast.errors import ArtifactError, UnknownTargetError
 from precast.runtime.backends import Session
-from precast.runtime.errors import ArtifactError, UnknownTargetError
 from precast.runtime.hal import TARGET_NAMES, resolve
 
 
@@ -27,7 +27,7 @@ def test_the_target_registry_takes_only_the_runtime_names():
 
 
 def test_sessions_expose_their_native_handle():
-    from precast.runtime.openvino_backend import OpenVINOSession
+    from precast.runtime.backends.openvino import OpenVINOSession
 
     class _Compiled:
         outputs = ()

@@ -71,7 +71,7 @@ from pathlib import Path
 import numpy as np
 from precast.runtime import hugepages
 from precast.runtime.backends import create_session
-from precast.runtime.target_blocks import OrtBlock
+from precast.artifact.target_blocks import OrtBlock
 root = Path(sys.argv[1])
 before = hugepages.huge_page_bytes()
 session = create_session(root, OrtBlock(name="ort-cpu", model="model.onnx"), 1)

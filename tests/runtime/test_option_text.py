@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 from precast.runtime.option_text import option_groups
 
 _PAIR = re.compile(r"^\s*(\w+)=(\d+)\s*$")
@@ -22,7 +22,7 @@ def test_option_groups_names_the_option_the_text_and_the_syntax():
 
 
 def test_input_spec_and_budget_share_it():
-    from precast.compiler.source import parse_input_spec
+    from precast.compiler.frontends.source import parse_input_spec
     from precast.runtime.accuracy import parse_budget
 
     with pytest.raises(UsageError, match=r"bad --input 'x': expected NAME:DTYPE\[dim"):

@@ -1,4 +1,4 @@
-"""runtime/pipeline.py: a staged artifact run as a pipeline of stage workers.
+"""runtime/staged/pipeline.py: a staged artifact run as a pipeline of stage workers.
 
 The staged artifacts here are cut by hand (onnx.utils.Extractor) from a tiny encoder-like model: an
 embedding Gather (out-of-range ids fail inside stage 0), then layers of MatMul/Add/Tanh/Mul(mask); the mask
@@ -20,9 +20,13 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from precast.compiler.driver import CompileOptions, compile_model
+from precast.errors import UsageError
 from precast.runtime import InputError, load
-from precast.runtime.errors import UsageError
-from precast.runtime.pipeline import PipelineClosedError, PipelineFullError, StagePipeline
+from precast.runtime.staged.pipeline import (
+    PipelineClosedError,
+    PipelineFullError,
+    StagePipeline,
+)
 from tests.helpers import ort_run
 
 VOCAB, HIDDEN, LAYERS = 50, 16, 6

@@ -8,7 +8,12 @@ from pathlib import Path
 import numpy as np
 
 from precast.runtime.llm.perplexity import make_windows, score_windows
-from precast.runtime.progress import SILENT, CallbackProgress, ProgressReporter, reporter
+from precast.runtime.progress import (
+    SILENT,
+    CallbackProgress,
+    ProgressReporter,
+    reporter,
+)
 from tests.fake_progress import RecordingProgress
 
 

@@ -6,8 +6,14 @@ import numpy as np
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.runtime import ArtifactError, InputError, IntegrityError, SchemaVersionError, load
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
+from precast.runtime import (
+    ArtifactError,
+    InputError,
+    IntegrityError,
+    SchemaVersionError,
+    load,
+)
 from tests.helpers import make_model, ort_run, run_with_imports_blocked, save, tiny_mlp
 
 
@@ -54,8 +60,8 @@ def test_input_errors_name_the_input(artifact):
 
 
 def test_symbolic_dims_must_agree():
+    from precast.artifact.manifest import TensorSpec
     from precast.runtime.feeds import check_feeds
-    from precast.runtime.manifest import TensorSpec
 
     specs = [TensorSpec("a", "int64", ("batch", "seq")), TensorSpec("b", "int64", ("batch", "seq"))]
     check_feeds({"a": np.zeros((2, 3), np.int64), "b": np.zeros((2, 3), np.int64)}, specs)

@@ -11,13 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from precast.compiler.driver import CompileOptions, compile_model
-from precast.runtime import ArtifactError, load
-from precast.runtime.backends import BACKENDS, TARGET_NAMES, create_session
-from precast.runtime.llm_spec import LLMSpec
-from precast.runtime.manifest import Manifest, dump_json, read_manifest, sha256_file
-from precast.runtime.schema import IOSignature, TargetEntry, TensorSpec
-from precast.runtime.target_blocks import (
+from precast.artifact.llm_spec import LLMSpec
+from precast.artifact.manifest import Manifest, dump_json, read_manifest, sha256_file
+from precast.artifact.schema import IOSignature, TargetEntry, TensorSpec
+from precast.artifact.target_blocks import (
     EPPlugin,
     IndexTargetBlock,
     OpenVINOBlock,
@@ -29,6 +26,9 @@ from precast.runtime.target_blocks import (
     TritonBlock,
     target_block_from_json,
 )
+from precast.compiler.driver import CompileOptions, compile_model
+from precast.runtime import ArtifactError, load
+from precast.runtime.backends import BACKENDS, TARGET_NAMES, create_session
 from tests.helpers import save, tiny_llm_block, tiny_mlp
 
 # manifest.json of each kind, as the compiler wrote them before the schema was typed (commit 10513b7; ort-qnn
@@ -262,7 +262,7 @@ def test_backends_register_every_backend_precast_writes(artifact, tmp_path):
     create_session(artifact, read_manifest(artifact).target, 1)  # fills the registry
     assert set(BACKENDS) == {"onnxruntime", "openvino", "tensorrt", "tensorrt-plan"}
     assert "triton" in TARGET_NAMES
-    from precast.runtime.errors import TargetUnavailableError
+    from precast.errors import TargetUnavailableError
 
     with pytest.raises(TargetUnavailableError, match="backend 'os.system' is not supported"):
         create_session(artifact, TargetBlock(name="x", backend="os.system"), 1)

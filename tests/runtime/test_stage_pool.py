@@ -1,12 +1,12 @@
-"""runtime/stage_pool.py: the stage-worker pool shared by the stage pipeline and the staged LLM runners."""
+"""runtime/staged/stage_pool.py: the stage-worker pool shared by the stage pipeline and the staged LLM runners."""
 
 from __future__ import annotations
 
 import queue
 import threading
 
-from precast.runtime.llm.stage_workers import Job
-from precast.runtime.stage_pool import STOP, StageItem, StagePool
+from precast.runtime.llm.runners.stage_workers import Job
+from precast.runtime.staged.stage_pool import STOP, StageItem, StagePool
 
 
 class Item:

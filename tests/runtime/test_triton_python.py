@@ -6,7 +6,7 @@ import json
 
 import numpy as np
 
-from precast.runtime.errors import InputError
+from precast.errors import InputError
 from precast.runtime.triton_python import StubConfig, request_feeds, run_requests
 
 

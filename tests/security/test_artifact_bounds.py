@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from precast.artifact.llm_spec import DEFAULT_POOL_BYTES, LIMITS
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.runtime.llm_spec import DEFAULT_POOL_BYTES, LIMITS
 from tests.helpers import edit_manifest, save, tiny_mlp
 
 MANIFEST_ONLY = ("inspect", "pack")
@@ -153,9 +153,9 @@ def test_the_default_kv_pool_is_capped_not_sized_by_max_context(llm_artifact, tm
     """At the limit (2^20 tokens) the artifact loads and serves; with no pool size given, 4 full contexts
     would be 2 GiB here and terabytes for a large model: the pool is capped at DEFAULT_POOL_BYTES, and a
     size given by the caller (`serve --num-blocks` / `--kv-cache-memory`) is used as given."""
+    from precast.artifact.llm_spec import LLMSpec
     from precast.runtime.llm import Engine
     from precast.runtime.llm.sampler import SamplingParams
-    from precast.runtime.llm_spec import LLMSpec
 
     art = edit_manifest(_copy(llm_artifact, tmp_path / "art"), _set_llm(max_context=LIMITS["max_context"]))
     spec = LLMSpec.from_json(json.loads((art / "manifest.json").read_text())["llm"])

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
+from precast.artifact.signing import generate_keypair
 from precast.compiler.driver import CompileOptions, compile_model
 from precast.compiler.pack import pack_artifact
+from precast.errors import PrecastError
 from precast.runtime import ArtifactError, IntegrityError, load
-from precast.runtime.errors import PrecastError
-from precast.runtime.signing import generate_keypair
 from tests.helpers import edit_manifest, save, tiny_llm_block, tiny_mlp
 
 EVIL = "import pathlib; pathlib.Path({marker!r}).write_text('pwned')\n"
@@ -200,7 +200,7 @@ def test_archive_metadata_header_bomb_is_refused_before_reading(tmp_path, compre
     import tarfile
     import tracemalloc
 
-    from precast.runtime.archive import ArchiveError, unpack_artifact
+    from precast.artifact.archive import ArchiveError, unpack_artifact
 
     declared = 1 << 30
     header = tarfile.TarInfo("././@LongLink")
@@ -238,7 +238,7 @@ def test_session_settings_from_the_manifest_are_typed(artifact, tmp_path):
 def test_openvino_properties_from_the_manifest_are_allow_listed(tmp_path):
     """CACHE_DIR (or any property naming a path) in a manifest would make the runtime write where the
     artifact says."""
-    from precast.runtime.openvino_backend import _checked_config
+    from precast.runtime.backends.openvino import _checked_config
 
     assert _checked_config(tmp_path, {"PERFORMANCE_HINT": "LATENCY", "NUM_STREAMS": 1}) == {
         "PERFORMANCE_HINT": "LATENCY",
@@ -251,8 +251,8 @@ def test_openvino_properties_from_the_manifest_are_allow_listed(tmp_path):
 
 
 def test_stage_of_a_killed_unpack_is_cleaned_on_the_next_unpack(artifact, tmp_path):
-    from precast.runtime.archive import unpack_artifact
-    from precast.runtime.staging import host_id
+    from precast.artifact.archive import unpack_artifact
+    from precast.artifact.staging import host_id
 
     pack_artifact(artifact, tmp_path / "a.precast")
     dead = subprocess.run(

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 import precast.compiler.cache as cache_mod
+from precast.artifact.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from precast.compiler.cache import ARTIFACT_NAME, RECORD_NAME, EntryKey, cache_secret
 from precast.compiler.driver import CompileOptions, compile_model
+from precast.errors import ArtifactError
 from precast.runtime import load
-from precast.runtime.errors import ArtifactError
-from precast.runtime.manifest import MANIFEST_NAME, read_manifest, sha256_file
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import ort_run, save, tiny_mlp
 

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from precast.artifact.manifest import read_manifest
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.runtime.errors import UsageError
-from precast.runtime.manifest import read_manifest
+from precast.errors import UsageError
 from tests.helpers import one_line_error, save, tiny_mlp
 
 REPO = Path(__file__).resolve().parents[2]
@@ -256,7 +256,7 @@ def test_cache_temp_entry_of_a_killed_store_is_cleaned(mlp, tmp_path):
 
 
 def test_half_written_pack_of_a_killed_run_is_cleaned(cli, mlp, tmp_path):
-    from precast.runtime.staging import host_id
+    from precast.artifact.staging import host_id
 
     art, packed = tmp_path / "art", tmp_path / "m.precast"
     assert cli("compile", mlp, "-o", art, "-q").code == 0
@@ -272,7 +272,7 @@ def test_half_written_pack_of_a_killed_run_is_cleaned(cli, mlp, tmp_path):
 
 
 def test_an_output_moved_aside_is_cleaned_only_while_it_is_a_precast_artifact(mlp, tmp_path):
-    from precast.runtime.staging import host_id
+    from precast.artifact.staging import host_id
 
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True

@@ -15,9 +15,9 @@ import onnx
 import pytest
 from onnx import TensorProto, helper, numpy_helper
 
-from precast.compiler.hf_source import folder_hash_and_ship
+from precast.compiler.frontends.hf_source import folder_hash_and_ship
+from precast.errors import ModelLoadError
 from precast.runtime import load
-from precast.runtime.errors import ModelLoadError
 from tests.helpers import one_line_error
 
 CONST = np.arange(8, dtype=np.float32).reshape(2, 4)
@@ -179,7 +179,7 @@ def test_compile_refuses_a_symlinked_vocab_before_exporting(cli, tiny_bert_folde
     def no_export(*_a, **_k):
         raise AssertionError("exported before checking the files to ship")
 
-    monkeypatch.setattr("precast.compiler.hf_source.export_module", no_export)
+    monkeypatch.setattr("precast.compiler.frontends.hf_source.export_module", no_export)
     out = tmp_path / "art"
     _error(cli("compile", tiny_bert_folder, "-o", out, "-q"), "vocab.txt", "outside the model folder")
     assert not out.exists()

@@ -15,10 +15,10 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-from precast.compiler.parity import make_sample_feeds
+from precast.artifact.manifest import TensorSpec
+from precast.errors import UsageError
+from precast.ir.parity import make_sample_feeds
 from precast.runtime import load
-from precast.runtime.errors import UsageError
-from precast.runtime.manifest import TensorSpec
 from tests.helpers import one_line_error
 
 
@@ -67,7 +67,7 @@ def test_huge_dim_value_fails_with_one_line(cli, tmp_path):
 
 
 def test_the_cap_counts_all_inputs_together():
-    from precast.compiler.parity import MAX_SAMPLE_BYTES
+    from precast.ir.parity import MAX_SAMPLE_BYTES
 
     half = MAX_SAMPLE_BYTES // 2 // 4 + 1024  # float32 elements: each input alone fits, both do not
     specs = [TensorSpec("a", "float32", (half,)), TensorSpec("b", "float32", (half,))]

@@ -10,7 +10,7 @@ import sys
 import httpx
 import pytest
 
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 from precast.runtime.server import ServerConfig
 from tests.server.conftest import live_server, metric_value
 

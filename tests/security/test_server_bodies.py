@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
 from precast.runtime.server import ServerConfig
 from tests.security.raw_http import head_only, reset_mid_upload, stream_chunks
 from tests.server.conftest import live_server, metric_value

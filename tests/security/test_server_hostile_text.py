@@ -26,7 +26,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from precast.runtime.manifest import sha256_file
+from precast.artifact.manifest import sha256_file
 
 pytestmark = pytest.mark.slow
 
@@ -364,7 +364,7 @@ def test_a_reload_or_a_killed_worker_does_not_fail_requests_as_bad_input(llm_art
 def test_a_decoder_that_grows_text_is_refused_at_load(tmp_path, decoder, field):
     """Each generated token's text is decoded in the engine's loop: a chain of replacements that multiplies it
     (4 x 'e' -> 1000 x 'e' was 10^12 characters per token: the server aborted) is refused when it loads."""
-    from precast.runtime.errors import ArtifactError
+    from precast.errors import ArtifactError
     from precast.runtime.llm.tokenizer import check_decode_bounded
 
     path = tmp_path / "tokenizer.json"

@@ -53,7 +53,7 @@ def test_slow_headers_are_cut_off_and_others_are_served(mlp_a):
 
 
 def test_header_timeout_is_checked():
-    from precast.runtime.errors import UsageError
+    from precast.errors import UsageError
 
     for bad in (0, -1, "5", True):
         with pytest.raises(UsageError, match="header_timeout"):

@@ -12,12 +12,12 @@ import httpx
 import numpy as np
 import pytest
 
+from precast.artifact.archive import unpack_artifact, unpack_checked
+from precast.artifact.signing import SignatureError, SignaturePolicy, version_key
 from precast.compiler.pack import pack_artifact
+from precast.errors import EXIT_ARTIFACT, EXIT_USAGE, UsageError
 from precast.runtime import load
-from precast.runtime.archive import unpack_artifact, unpack_checked
-from precast.runtime.errors import EXIT_ARTIFACT, EXIT_USAGE, UsageError
 from precast.runtime.server import ServerConfig
-from precast.runtime.signing import SignatureError, SignaturePolicy, version_key
 from tests.ci.archive_helpers import members_of, reg, write_tar
 from tests.ci.cli_helpers import run_cli
 from tests.helpers import ort_run, tiny_mlp

@@ -69,7 +69,7 @@ def encoder_table(dim: int = 6) -> np.ndarray:
 def tiny_encoder(tmp_path_factory) -> Path:
     """input_ids/attention_mask/token_type_ids -> last_hidden_state = table[input_ids], plus a shipped tokenizer."""
     pytest.importorskip("tokenizers")
-    from precast.runtime.manifest import dump_json, sha256_file
+    from precast.artifact.manifest import dump_json, sha256_file
 
     nodes = [
         helper.make_node("Gather", ["table", "input_ids"], ["last_hidden_state"]),

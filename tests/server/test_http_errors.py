@@ -2,7 +2,7 @@
 
 import pytest
 
-from precast.runtime.errors import InputError
+from precast.errors import InputError
 from precast.runtime.server.batcher import QueueFullError
 from precast.runtime.server.http_errors import HTTPError, install_error_handlers
 

@@ -99,7 +99,7 @@ def test_embeddings_dimensions_must_be_the_model_size(tiny_encoder):
 
 
 def test_llm_options_on_a_non_llm_artifact_are_refused(mlp_a):
-    from precast.runtime.errors import UsageError
+    from precast.errors import UsageError
     from precast.runtime.server.host import ModelHost
 
     with pytest.raises(UsageError, match="num_blocks.*not an LLM artifact"):

@@ -307,8 +307,8 @@ def test_max_tokens_beyond_the_context_is_400_naming_it(server):
 
 # -- serve controls ---------------------------------------------------------------------------------------
 def test_api_key_and_scheduler_options_reach_the_engine(llm_artifact):
-    from precast.runtime.llm.model_runner import LLMSpec
-    from precast.runtime.manifest import read_manifest
+    from precast.artifact.manifest import read_manifest
+    from precast.runtime.llm.runners.gather import LLMSpec
     from precast.runtime.server.kv_memory import block_bytes
 
     per_block = block_bytes(LLMSpec.from_manifest(read_manifest(llm_artifact)))

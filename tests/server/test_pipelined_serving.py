@@ -12,7 +12,12 @@ import pytest
 
 from precast.runtime.server import ServerConfig
 from precast.runtime.server.pipelined import PipelinedModel
-from tests.runtime.test_pipeline import expected, request, stage_threads, staged_artifact
+from tests.runtime.test_pipeline import (
+    expected,
+    request,
+    stage_threads,
+    staged_artifact,
+)
 from tests.server.conftest import live_server
 
 

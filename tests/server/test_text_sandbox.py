@@ -6,8 +6,13 @@ import time
 
 import pytest
 
-from precast.runtime.errors import LLMRequestError
-from precast.runtime.server.text_sandbox import TextFailed, TextLimits, TextSandbox, TextTimeout
+from precast.errors import LLMRequestError
+from precast.runtime.server.text_sandbox import (
+    TextFailed,
+    TextLimits,
+    TextSandbox,
+    TextTimeout,
+)
 
 tokenizers = pytest.importorskip("tokenizers")
 pytest.importorskip("jinja2")
@@ -99,7 +104,7 @@ def test_a_cancelled_call_stops_its_child_and_close_fails_the_rest(tokenizer_fil
 
 
 def test_a_template_that_does_not_compile_is_an_artifact_error(tokenizer_file):
-    from precast.runtime.errors import ArtifactError
+    from precast.errors import ArtifactError
 
     with pytest.raises(ArtifactError, match="does not compile"):
         _sandbox("{% for %}", tokenizer_file)

@@ -1,4 +1,4 @@
-"""Child-process entries that die the way vendor libraries do (run by precast.compiler.isolated in tests)."""
+"""Child-process entries that die the way vendor libraries do (run by precast.ir.isolated in tests)."""
 
 import ctypes
 import sys
@@ -24,7 +24,7 @@ def hang(payload):
 
 
 def refuse(payload):
-    from precast.runtime.errors import UsageError
+    from precast.errors import UsageError
 
     raise UsageError("entry refused: bad payload")
 

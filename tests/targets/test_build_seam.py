@@ -6,10 +6,10 @@ import dataclasses
 import numpy as np
 import pytest
 
+from precast.artifact.target_blocks import OrtBlock, TritonBlock
 from precast.compiler.plan import CompileOptions, plan_compile
-from precast.compiler.registry import PassContext, PassFacts
-from precast.runtime.errors import UsageError
-from precast.runtime.target_blocks import OrtBlock, TritonBlock
+from precast.errors import UsageError
+from precast.ir.registry import PassContext, PassFacts
 from precast.targets.base import BuildContext, BuildResult, get_target
 from tests.helpers import save, tiny_mlp
 

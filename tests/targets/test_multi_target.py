@@ -6,10 +6,15 @@ import numpy as np
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.runtime import ArtifactError, ep_plugin, load
-from precast.runtime.errors import PartialCompileError, TargetUnavailableError, UnknownTargetError
+from precast.errors import (
+    PartialCompileError,
+    TargetUnavailableError,
+    UnknownTargetError,
+)
+from precast.runtime import ArtifactError, load
+from precast.runtime.backends import ep_plugin
+from precast.runtime.backends.tensorrt import tensorrt_available
 from precast.runtime.model import preference_order
-from precast.runtime.tensorrt_backend import tensorrt_available
 from tests.helpers import ort_run, tiny_mlp
 from tests.targets.conftest import cosine
 
@@ -193,7 +198,7 @@ def test_api_raises_partial_with_the_written_result(mlp_path, tmp_path, child_en
 
 
 def test_every_target_failing_writes_nothing(mlp_path, tmp_path, child_entry, monkeypatch):
-    from precast.runtime.errors import NativeCrashError, PassFailedError
+    from precast.errors import NativeCrashError, PassFailedError
     from precast.targets.ort_cpu import OrtCpu
 
     def broken(self, model, out_dir, ctx):

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
+from precast.errors import UsageError
 from precast.runtime import load
-from precast.runtime.errors import UsageError
 from tests.helpers import ort_run, tiny_mlp
 
 pytest.importorskip("openvino")
@@ -49,7 +49,7 @@ def test_bad_option(mlp_path, tmp_path):
 def test_edited_ir_is_refused(ov_art, tmp_path):
     import shutil
 
-    from precast.runtime.errors import IntegrityError
+    from precast.errors import IntegrityError
 
     copy = tmp_path / "copy"
     shutil.copytree(ov_art, copy)

@@ -8,8 +8,8 @@ import onnx
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
+from precast.errors import ParityError, UsageError
 from precast.runtime import InputError, load
-from precast.runtime.errors import ParityError, UsageError
 from tests.helpers import make_model, ort_run, save, tiny_mlp
 from tests.targets.conftest import cosine
 

@@ -99,7 +99,7 @@ def test_minilm_longer_input_runs_the_128_bucket(minilm):
 
 
 def test_minilm_input_longer_than_every_bucket_is_refused(minilm):
-    from precast.runtime.errors import InputError
+    from precast.errors import InputError
 
     tok, _, qnn = minilm
     feeds = _text_feeds(tok, " ".join(EVAL_SENTENCES * 2))

@@ -9,8 +9,9 @@ import onnx
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
-from precast.runtime import TargetUnavailableError, load, tensorrt_backend
-from precast.runtime.errors import UsageError
+from precast.errors import UsageError
+from precast.runtime import TargetUnavailableError, load
+from precast.runtime.backends import tensorrt as tensorrt_backend
 from precast.targets.tensorrt_target import parse_profile
 from tests.helpers import ort_run, tiny_mlp
 
@@ -71,7 +72,7 @@ def test_runtime_refuses_plan_and_script_refuses_without_gpu(plan, tmp_path):
 
 
 def _fake_engine(tmp_path, **lock):
-    from precast.runtime.manifest import sha256_file
+    from precast.artifact.manifest import sha256_file
 
     art = tmp_path / "eng"
     art.mkdir()

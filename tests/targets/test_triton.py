@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 from onnx import TensorProto, helper
 
+from precast.artifact.manifest import dump_json, sha256_file
 from precast.compiler.driver import CompileOptions, compile_model
+from precast.errors import UsageError
 from precast.runtime import load
-from precast.runtime.errors import UsageError
-from precast.runtime.manifest import dump_json, sha256_file
 from precast.targets import get_target
 from tests.helpers import make_model, ort_run, save, tiny_mlp
 from tests.targets.pbtxt import one, parse

@@ -14,10 +14,15 @@ import onnxruntime as ort
 import pytest
 
 from precast.compiler.driver import CompileOptions, compile_model
+from precast.errors import UsageError
 from precast.runtime import load
-from precast.runtime.errors import UsageError
 from precast.targets.triton import Triton
-from precast.targets.triton_config import EnsembleStep, ModelConfig, TensorConfig, render_config
+from precast.targets.triton_config import (
+    EnsembleStep,
+    ModelConfig,
+    TensorConfig,
+    render_config,
+)
 from precast.targets.triton_ensemble import check_wiring
 from tests.helpers import ort_run, save, tiny_mlp
 from tests.targets.pbtxt import one, parse
@@ -203,7 +208,7 @@ def test_stage_model_refuses_a_modified_stage_file(tmp_path_factory, pb_utils, t
     onnx_file = art / "model_repository" / "mlp_staged_stage_1" / "1" / "model.onnx"
     onnx_file.write_bytes(onnx_file.read_bytes() + b"\0")
     load_python_model(art, "mlp_staged_stage_0")  # stage 0 hashes only its own files
-    from precast.runtime.errors import IntegrityError
+    from precast.errors import IntegrityError
 
     with pytest.raises(IntegrityError, match="mlp_staged_stage_1/1/model.onnx' is missing or was modified"):
         load_python_model(art, "mlp_staged_stage_1")

@@ -21,7 +21,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.targets.triton_fixtures import llama_triton, mlp_triton, staged_masked_triton, staged_mlp_triton
+from tests.targets.triton_fixtures import (
+    llama_triton,
+    mlp_triton,
+    staged_masked_triton,
+    staged_mlp_triton,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "scripts" / "triton_smoke.sh"

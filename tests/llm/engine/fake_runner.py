@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from precast.runtime.llm.runner import RunnerBase
+from precast.runtime.llm.runners.base import RunnerBase
 
 __all__ = ["FakeRunner", "FakeSpec", "reference_greedy", "reference_logits"]
 

@@ -11,7 +11,7 @@ import warnings
 import numpy as np
 import pytest
 
-from precast.runtime.errors import ArtifactError, LLMRequestError, UsageError
+from precast.errors import ArtifactError, LLMRequestError, UsageError
 from precast.runtime.llm import Engine, LLMSpec, SamplingParams, SchedulerConfig
 from precast.runtime.llm.sampler import filtered_probs, sample
 from tests.fake_llm import fake_engine

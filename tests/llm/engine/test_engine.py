@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from precast.runtime.errors import LLMRequestError, RequestCancelledError
+from precast.errors import LLMRequestError, RequestCancelledError
 from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
 from tests.llm.engine.fake_runner import FakeRunner, FakeSpec, reference_greedy
 

@@ -220,7 +220,7 @@ def _spinning(session) -> tuple[str, str]:
 def test_spinning_auto_by_default_and_every_way_matches_hf(llama, expected):
     # ONNX Runtime's threads spin-wait unless told not to. The default "auto" holds a calm session and a
     # spinning one (the spin switch picks per step from the host's load); True / False hold one: same tokens.
-    from precast.runtime.errors import UsageError
+    from precast.errors import UsageError
 
     params = SamplingParams(max_tokens=NEW, ignore_eos=True)
     for kwargs, want, spin in (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 from precast.runtime.llm import Engine, SamplingParams
 from precast.runtime.llm.handle import RequestHandle, TokenEvent
 from precast.runtime.llm.metrics import EngineCounters

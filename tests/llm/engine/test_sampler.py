@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 
-from precast.runtime.errors import LLMRequestError
+from precast.errors import LLMRequestError
 from precast.runtime.llm.sampler import SamplingParams, filtered_probs, sample
 
 

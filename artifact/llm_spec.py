@@ -1,0 +1,132 @@
+"""The manifest's ``llm`` block: the contract between the causal-LM compiler and the runtime engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+from precast.artifact.schema import Record
+from precast.errors import ArtifactError
+
+if TYPE_CHECKING:
+    from precast.artifact.manifest import Manifest
+
+__all__ = ["LLMSpec", "KV_LAYOUTS", "LIMITS", "DEFAULT_POOL_BYTES"]
+
+# "ov-paged": OpenVINO's PagedAttention reads and writes the pool itself (runtime/llm/runners/openvino.py): no KV outputs.
+KV_LAYOUTS = ("paged", "mapped", "ov-paged")
+_INT32_MAX = 2**31 - 1
+_SIZES = ("layers", "heads", "kv_heads", "head_size", "hidden", "vocab", "max_context", "block_size")
+# The most each size may be (the block is untrusted data; every model precast compiles is far inside these).
+# What the runtime sizes from them: the mapped layout reserves slots x max_context rows of address space per
+# layer and a [slots, max_context / block_size] table; a runner's logits buffer is [rows, vocab].
+LIMITS = {
+    "layers": 1024,
+    "heads": 1024,
+    "kv_heads": 1024,
+    "head_size": 1024,
+    "hidden": 1 << 17,
+    "vocab": 1 << 22,
+    "max_context": 1 << 20,
+    "block_size": 4096,
+}
+# The KV pool when the caller sizes none (Engine.load / the runners' num_blocks=None; `precast serve` without
+# --num-blocks or --kv-cache-memory): 4 full-context requests, but at most this many bytes of float32 K/V.
+DEFAULT_POOL_REQUESTS = 4
+DEFAULT_POOL_BYTES = 4 << 30
+
+
+@dataclass(frozen=True)
+class LLMSpec(Record):
+    """The ``llm`` block: model sizes, the KV layout and its per-layer (key, value) input/output names,
+    token ids and the tokenizer file. Every key is always written (``bos_id`` / ``model_type`` may be null)."""
+
+    architecture: str
+    layers: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    hidden: int
+    vocab: int
+    max_context: int
+    block_size: int
+    kv_layout: str
+    kv_inputs: tuple[tuple[str, str], ...]
+    kv_outputs: tuple[tuple[str, str], ...]
+    bos_id: int | None
+    pad_id: int
+    tokenizer: str
+    eos_ids: tuple[int, ...] = ()
+    model_type: str | None = None
+    batched_prefill: bool = True  # False: the graph takes S > 1 only with B == 1 (fused GroupQueryAttention)
+
+    WRITE_NONE: ClassVar[bool] = True
+
+    @classmethod
+    def from_json(cls, obj: object, where: str = "artifact", path: str = "") -> LLMSpec:
+        """``where``: the file; errors say "<where>: llm block: ..."."""
+        return super().from_json(obj, f"{where}: llm block", path)
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest, where: str = "artifact") -> LLMSpec:
+        """The manifest's ``llm`` block (read and checked with the manifest), or exit 3 when it has none."""
+        if manifest.llm is None:
+            raise ArtifactError(f"{where}: manifest has no 'llm' block (compile with --task causal-lm)")
+        return manifest.llm
+
+    def validate(self, where: str) -> None:
+        for name in _SIZES:  # (a 0 block_size would divide by zero later)
+            if getattr(self, name) < 1:
+                raise ArtifactError(
+                    f"{where}: {name} must be a positive integer, got {getattr(self, name)!r}"
+                )
+        # sizes and ids go into int32/int64 arrays: a larger JSON integer was an OverflowError at load
+        ids = {"pad_id": self.pad_id, "bos_id": self.bos_id or 0}
+        ids.update({f"eos_ids[{i}]": e for i, e in enumerate(self.eos_ids)})
+        for name, value in [*((n, getattr(self, n)) for n in _SIZES), *ids.items()]:
+            if abs(value) > _INT32_MAX:
+                raise ArtifactError(f"{where}: {name} must be at most {_INT32_MAX}, got {value}")
+        for name, limit in LIMITS.items():  # (the runners size memory from these: absurd ones were an OOM)
+            if getattr(self, name) > limit:
+                raise ArtifactError(f"{where}: {name} must be at most {limit}, got {getattr(self, name)}")
+        if self.kv_heads > self.heads:
+            raise ArtifactError(f"{where}: kv_heads ({self.kv_heads}) must be at most heads ({self.heads})")
+        for name in ("pad_id", "bos_id"):  # token ids the runners feed the graph
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < self.vocab:
+                raise ArtifactError(
+                    f"{where}: {name} must be a token id in [0, vocab={self.vocab}), got {value}"
+                )
+        outputs = 0 if self.kv_layout == "ov-paged" else self.layers
+        if (
+            self.kv_layout not in KV_LAYOUTS
+            or len(self.kv_inputs) != self.layers
+            or len(self.kv_outputs) != outputs
+        ):
+            raise ArtifactError(
+                f"{where}: expected a KV layout of {', '.join(KV_LAYOUTS)} with {self.layers} layers of KV "
+                f"input names and {outputs} of KV output names"
+            )
+
+    def check_logits_shape(self, shape, where: str) -> None:
+        """The step graph's logits shape (ints static, anything else dynamic): its last dim, where the graph
+        fixes it, must be ``vocab`` (the runners size their logits buffers and check token ids by it)."""
+        dim = shape[-1] if shape else None
+        if isinstance(dim, int) and not isinstance(dim, bool) and dim != self.vocab:
+            dims = ", ".join("?" if d is None else str(d) for d in shape)
+            raise ArtifactError(
+                f"{where} does not match the model: vocab={self.vocab}, but the step graph's logits are "
+                f"[{dims}]"
+            )
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def default_num_blocks(self) -> int:
+        """The KV pool's blocks when the caller sizes none: DEFAULT_POOL_REQUESTS full-context requests,
+        capped at DEFAULT_POOL_BYTES of float32 K/V (at least one block). A pool smaller than the context
+        still serves shorter requests (the engine caps each request at the pool); size it with num_blocks,
+        or `precast serve --num-blocks` / `--kv-cache-memory`."""
+        block_bytes = self.layers * 2 * self.kv_heads * self.block_size * self.head_size * 4
+        wanted = DEFAULT_POOL_REQUESTS * self.blocks_for(self.max_context)
+        return max(1, min(wanted, DEFAULT_POOL_BYTES // block_bytes))

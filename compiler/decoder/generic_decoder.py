@@ -1,0 +1,407 @@
+"""The generic paged decoder: the Hugging Face model's own forward, with attention and the cache swapped out.
+
+    input_ids, positions [B,S] ... key_cache.i/value_cache.i [NB,KV,bs,D]   (the paged step contract)
+      hf(input_ids, position_ids=positions, use_cache=False)        the model's own embeddings, norms, rotary,
+        per layer: attention_interface(module, q, k, v, ...)  ==>   precast_paged_attention (registered below):
+                   past = pool[block_tables]; attend q over cat(past, k) with a length + causal mask
+                   (+ the layer's sliding window, + its logit softcap); record k, v as new_key.i/new_value.i
+        base model output [B,S,E] -> [B,1,E] at new_lens-1          (a forward hook: the model's own head,
+                                                                     final softcap / logit scaling run after)
+      logits [B,V], new_key.i/new_value.i [B,KV,S,D]
+
+transformers routes attention through ``ALL_ATTENTION_FUNCTIONS`` keyed by ``config._attn_implementation``;
+an implementation that has no mask function registered gets ``attention_mask=None`` (masking_utils skips
+mask creation), so the mask is built here from the step's lengths. The step's tensors reach the attention
+function through a module-level context set around the forward (tracing is non-strict: plain Python).
+
+Per-architecture code is what ``probe`` reads off one eager forward: layers, KV heads, head size, and each
+layer's window and softcap. A model that does not route attention through the interface is refused; one
+that does but computes something else is caught by ``check_against_hf`` (exit 2), never shipped.
+torch is imported by the caller (this module is only imported on the compile side).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from precast.compiler.decoder.paged_decoder import gather_past, last_token
+from precast.errors import ModelLoadError, ParityError
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "EXPERTS_IMPLEMENTATION",
+    "DecoderOverHF",
+    "GenericDecoder",
+    "attention_setting",
+    "check_against_hf",
+    "in_step",
+    "probe",
+    "register",
+    "restored_attention",
+    "set_attention",
+]
+
+ATTN_IMPLEMENTATION = "precast_paged"
+EXPERTS_IMPLEMENTATION = "precast_dense"
+_NEG = torch.finfo(torch.float32).min
+
+
+@dataclass
+class _Step:
+    """What one forward step's attention calls read (the pool, tables, lengths) and write (new K/V)."""
+
+    past_lens: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    key_caches: list | None = None
+    value_caches: list | None = None
+    probe: bool = False  # no pool: attend over the new tokens only, record each layer's shapes and options
+    calls: int = 0
+    head_seen: bool = False
+    new_keys: dict = field(default_factory=dict)
+    new_values: dict = field(default_factory=dict)
+    layers: list = field(default_factory=list)  # probe: (kv_heads, head_size, window, softcap) per call
+
+
+_ACTIVE: _Step | None = None
+
+
+def in_step() -> bool:
+    """Whether a precast step is running (its attention calls go to the pool); outside one, a swapped
+    attention module runs the model's own forward (attention_swaps.py)."""
+    return _ACTIVE is not None
+
+
+@contextlib.contextmanager
+def _active(step: _Step):
+    global _ACTIVE
+    prev, _ACTIVE = _ACTIVE, step
+    try:
+        yield step
+    finally:
+        _ACTIVE = prev
+
+
+def _positions(past_lens: torch.Tensor, s: int, p: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query positions [B,S] (past_lens[b]+s) and key positions [B,P+S]: key j < P is past position j, key
+    P+t the new token at past_lens[b]+t."""
+    dev = past_lens.device
+    q_pos = past_lens[:, None] + torch.arange(s, device=dev)[None, :]
+    j = torch.arange(p, device=dev)[None, :]
+    return q_pos, torch.cat([j.expand(past_lens.shape[0], p), q_pos], dim=1)
+
+
+def _mask(past_lens: torch.Tensor, s: int, p: int, window: int | None) -> torch.Tensor:
+    """Bool [B,1,S,P+S]. Key j < P is past position j (valid iff j < past_lens[b]); key P+t is the new token
+    at position past_lens[b]+t. Query s sits at past_lens[b]+s and sees keys at or before it, and with a
+    window only those less than ``window`` positions back (HF: kv_idx > q_idx - sliding_window)."""
+    dev = past_lens.device
+    q_pos, k_pos = _positions(past_lens, s, p)
+    j = torch.arange(p, device=dev)[None, :]
+    k_ok = torch.cat([j < past_lens[:, None], torch.ones_like(q_pos, dtype=torch.bool)], dim=1)
+    ok = (k_pos[:, None, :] <= q_pos[:, :, None]) & k_ok[:, None, :]  # [B,S,P+S]
+    if window is not None:
+        ok = ok & (k_pos[:, None, :] > q_pos[:, :, None] - int(window))
+    return ok[:, None]
+
+
+def precast_paged_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    **kwargs,
+):
+    """q [B,H,S,D], new k/v [B,KV,S,D] (after the model's rotary / qk-norm) -> ([B,S,H,D], None).
+
+    ``alibi_slopes`` [H] (BLOOM, from attention_swaps): score[h, q, k] += slope[h] * position of key k, as the
+    model's alibi tensor (softmax is shift-invariant per query, so absolute key positions are exact)."""
+    step = _ACTIVE
+    if step is None:
+        raise RuntimeError("precast_paged attention called outside a precast step")
+    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
+        raise ModelLoadError("attention sinks are not supported for task causal-lm")
+    if attention_mask is not None and attention_mask.dtype != torch.bool and not step.probe:
+        # an additive bias the model built itself (ALiBi-style): not reproduced here
+        raise ModelLoadError("models that pass their own attention bias are not supported for task causal-lm")
+    idx = getattr(module, "layer_idx", None)
+    i = idx if isinstance(idx, int) else step.calls
+    step.calls += 1
+    b, h, s, d = query.shape
+    kv = key.shape[1]
+    if scaling is None:
+        scaling = d**-0.5
+    window = int(sliding_window) if sliding_window else None
+    if step.probe:
+        step.layers.append(
+            (i, kv, key.shape[-1], value.shape[-1], window, float(softcap) if softcap else None)
+        )
+        keys, values = key, value
+        past_lens = torch.zeros(b, dtype=torch.long, device=query.device)
+        mask = _mask(past_lens, s, 0, window)
+    else:
+        past_lens = step.past_lens
+        step.new_keys[i], step.new_values[i] = key, value
+        keys = torch.cat([gather_past(step.key_caches[i], step.block_tables), key], dim=2)
+        values = torch.cat([gather_past(step.value_caches[i], step.block_tables), value], dim=2)
+        p = keys.shape[2] - s
+        mask = _mask(step.past_lens, s, p, window)
+    if h != kv:  # grouped KV heads: head i reads KV head i // (H/KV), as HF's repeat_kv
+        n = keys.shape[2]
+        keys = keys[:, :, None].expand(b, kv, h // kv, n, d).reshape(b, h, n, d)
+        values = values[:, :, None].expand(b, kv, h // kv, n, values.shape[-1]).reshape(b, h, n, -1)
+    scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if alibi_slopes is not None:
+        k_pos = _positions(past_lens, s, keys.shape[2] - s)[1].to(scores.dtype)  # [B,P+S]
+        scores = scores + alibi_slopes.to(scores.dtype)[None, :, None, None] * k_pos[:, None, None, :]
+    scores = torch.where(mask, scores, torch.full_like(scores, _NEG))
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    return torch.matmul(probs, values).transpose(1, 2).contiguous(), None
+
+
+def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):
+    """A mixture of experts without data-dependent shapes: every expert on every token as one batched MatMul
+    over the stacked weights, weighted by the routing (zero for an expert a token did not pick).
+
+        x [T,H], top_k_index/weights [T,K] (the model's own router: softmax, top-k, renormalisation)
+        route [E,T]  = sum_k (top_k_index[:,k] == e) * top_k_weights[:,k]
+        up    [E,T,*] = x @ gate_up_proj[e]^T (+ bias) -> the model's gate (act(gate) * up) or act
+        out   [T,H]   = sum_e route[e] * (up @ down_proj[e]^T (+ bias))
+
+    The same products and weights as transformers' eager loop (index / where / index_add per hit expert),
+    which the exporter cannot take; only the order of the final sum differs. E times the expert FLOPs of a
+    top-k dispatch: fine for small expert counts, the cost of a static graph."""
+    e = int(self.num_experts)
+    experts = torch.arange(e, device=top_k_index.device)
+    hit = top_k_index[None] == experts[:, None, None]  # [E,T,K]
+    route = torch.where(hit, top_k_weights[None], torch.zeros_like(top_k_weights[None])).sum(-1)  # [E,T]
+
+    def linear(x, w, b):
+        y = torch.matmul(x, w if self.is_transposed else w.transpose(1, 2))
+        return y if b is None else y + b[:, None, :]
+
+    has_bias = getattr(self, "has_bias", False)
+    # x broadcast to [E,T,H] explicitly: OpenVINO's CPU plugin turns x[None] @ w[E] into a FullyConnected
+    # that expects a batch of E at run time and fails on the broadcast batch of 1 (ONNX Runtime takes both)
+    x = hidden_states[None].expand(e, -1, -1)
+    if self.has_gate:
+        up = self._apply_gate(linear(x, self.gate_up_proj, self.gate_up_proj_bias if has_bias else None))
+    else:
+        up = self.act_fn(linear(x, self.up_proj, self.up_proj_bias if has_bias else None))
+    out = linear(up, self.down_proj, self.down_proj_bias if has_bias else None)  # [E,T,H]
+    if getattr(self, "has_post_expert_norm", False):
+        out = self.post_expert_norm(out)
+    # where, not a product: an unpicked expert's output never reaches the sum (no 0 * inf)
+    out = torch.where(hit.any(-1)[..., None], out * route[..., None], torch.zeros_like(out))
+    return out.sum(0).to(hidden_states.dtype)
+
+
+def register() -> None:
+    """Register ``precast_paged`` (attention) and ``precast_dense`` (experts) in transformers (idempotent)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, precast_paged_attention)
+    try:
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+    except ImportError:  # transformers without the experts interface: MoE models keep their own forward
+        return
+    ALL_EXPERTS_FUNCTIONS.register(EXPERTS_IMPLEMENTATION, precast_dense_experts)
+
+
+def set_attention(hf: nn.Module, name: str, experts: str | None = None) -> None:
+    """Point the model (and any sub-config) at attention implementation ``name`` (and experts ``experts``).
+
+    Sets transformers' config fields ``_attn_implementation`` / ``_experts_implementation`` directly: its
+    public ``PreTrainedModel.set_attn_implementation`` validates the name and skips (with a warning) the models
+    whose source does not call the attention interface (BLOOM, whose attention precast swaps itself), so it
+    would not do the same. This function and ``attention_setting`` are the only places that touch them."""
+    for mod in hf.modules():
+        cfg = getattr(mod, "config", None)
+        if cfg is not None and hasattr(cfg, "_attn_implementation"):
+            cfg._attn_implementation = name
+        if experts is not None and cfg is not None and hasattr(cfg, "_experts_implementation"):
+            cfg._experts_implementation = experts
+
+
+def attention_setting(hf: nn.Module) -> tuple[str, str | None]:
+    """The model's (attention, experts) implementations, as ``set_attention`` takes them back."""
+    cfg = hf.config
+    return cfg._attn_implementation, getattr(cfg, "_experts_implementation", None)
+
+
+@contextlib.contextmanager
+def restored_attention(hf: nn.Module):
+    """Put the model's attention setting back when the block ends (the model is shared between the decoders of
+    one compile: the ort-cpu one and the OpenVINO one)."""
+    before = attention_setting(hf)
+    try:
+        yield
+    finally:
+        set_attention(hf, *before)
+
+
+class DecoderOverHF(nn.Module):
+    """What a step module over the model's own forward holds: the model, its probed shape and the context it
+    serves; and a hook on the model's own lm head, where the subclass's ``_head_input`` picks the rows whose
+    logits the step returns (the head, and any softcap or scaling after it, then runs on those rows only)."""
+
+    def __init__(self, hf_model: nn.Module, shape: DecoderShape, max_context: int):
+        super().__init__()
+        self.hf = hf_model
+        self.shape = shape
+        self.heads, self.kv_heads, self.head_dim = shape.heads, shape.kv_heads, shape.head_size
+        self.layers = range(shape.layers)  # llm_block counts them
+        self.max_context = max_context
+        head = hf_model.get_output_embeddings()
+        if head is None:
+            raise ModelLoadError(f"{type(hf_model).__name__} has no output embeddings (lm head)")
+        head.register_forward_pre_hook(self._head_input)
+
+    def _head_input(self, _module, args):
+        return None  # (the head's input unchanged)
+
+
+@dataclass(frozen=True)
+class DecoderShape:
+    """What the ``llm`` block needs, read off one forward of the model."""
+
+    layers: int
+    heads: int
+    kv_heads: int
+    head_size: int
+    windows: tuple  # per layer: sliding window or None
+    softcaps: tuple
+
+
+def probe(hf: nn.Module, where: str) -> DecoderShape:
+    """One eager forward of 4 tokens through the registered attention: the model's layers, heads and options."""
+    from precast.compiler.decoder.attention_swaps import swap_attention
+
+    register()
+    swap_attention(hf)  # falcon / bloom: their own attention code, pointed at precast_paged_attention
+    set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
+    step = _Step(probe=True)
+    ids = torch.arange(4)[None] % int(hf.config.get_text_config().vocab_size)
+    with torch.no_grad(), _active(step):
+        hf(input_ids=ids, position_ids=torch.arange(4)[None], use_cache=False)
+    if not step.layers:
+        raise ModelLoadError(
+            f"{where}: the model does not route attention through transformers' attention interface "
+            "(needed for task causal-lm)"
+        )
+    layers = sorted(step.layers)
+    if [entry[0] for entry in layers] != list(range(len(layers))):
+        raise ModelLoadError(f"{where}: attention layer indices {[e[0] for e in layers]} are not 0..L-1")
+    shapes = {(e[1], e[2], e[3]) for e in layers}
+    if len(shapes) != 1 or layers[0][2] != layers[0][3]:
+        raise ModelLoadError(
+            f"{where}: layers with different KV shapes {sorted(shapes)} are not supported for task causal-lm"
+        )
+    kv, d, _ = shapes.pop()
+    cfg = hf.config.get_text_config()
+    heads = int(cfg.num_attention_heads)
+    return DecoderShape(
+        layers=len(layers),
+        heads=heads,
+        kv_heads=kv,
+        head_size=d,
+        windows=tuple(e[4] for e in layers),
+        softcaps=tuple(e[5] for e in layers),
+    )
+
+
+class GenericDecoder(DecoderOverHF):
+    """Any causal LM whose attention goes through transformers' interface, over the paged pool."""
+
+    kv_layout = "paged"
+
+    def __init__(self, hf_model: nn.Module, shape: DecoderShape, max_context: int):
+        super().__init__(hf_model, shape, max_context)
+        self._step: _Step | None = None
+        self._new_lens = None
+
+    def _head_input(self, _module, args):
+        # Only the last real new token's hidden state reaches the model's own head (the softcap / scaling
+        # after it run on [B,1,V]). A hook on the head's input, not the base model's output: some models
+        # (OPT) call a submodule of the base model directly.
+        if self._step is not None and self._new_lens is not None:
+            self._step.head_seen = True
+            return (last_token(args[0], self._new_lens)[:, None], *args[1:])
+        return None
+
+    def forward(
+        self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list
+    ):
+        step = _Step(past_lens, block_tables, list(key_caches), list(value_caches))
+        self._step, self._new_lens = step, new_lens
+        try:
+            with _active(step):
+                out = self.hf(input_ids=input_ids, position_ids=positions, use_cache=False)
+        finally:
+            self._step = self._new_lens = None
+        if not step.head_seen:
+            raise ModelLoadError(f"{type(self.hf).__name__}: its forward does not call its lm head module")
+        logits = out.logits[:, -1]
+        n = self.shape.layers
+        return (logits, *[t for i in range(n) for t in (step.new_keys[i], step.new_values[i])])
+
+
+def check_against_hf(module: GenericDecoder, hf_eager_attn: str, where: str, block_size: int) -> None:
+    """Greedy-free self check before export: the paged decoder over a pool (prefill in two chunks, then
+    decode steps) gives the logits of the model's own forward (``hf_eager_attn``, e.g. 'eager') on the
+    whole sequence. Prompt longer than the smallest window, so windows are exercised. -> ParityError."""
+    hf = module.hf
+    windows = [w for w in module.shape.windows if w]
+    n = min(max(24, (min(windows) + 8) if windows else 0), 80)
+    gen = torch.Generator().manual_seed(0)
+    vocab = int(hf.config.get_text_config().vocab_size)
+    ids = torch.randint(0, vocab, (1, n), generator=gen)
+    with torch.no_grad():
+        set_attention(hf, hf_eager_attn, "eager")  # the model's own attention and expert loop
+        try:
+            ref = hf(input_ids=ids, use_cache=False).logits[0]  # [n, V]
+        finally:
+            set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
+        nb = -(-n // block_size) + 1
+        shape = (nb, module.kv_heads, block_size, module.head_dim)
+        kc = [torch.zeros(shape) for _ in range(module.shape.layers)]
+        vc = [torch.zeros(shape) for _ in range(module.shape.layers)]
+        table = torch.randperm(nb, generator=gen)[None, : nb - 1]
+        cut = [0, n // 2, n - 3, n - 2, n - 1, n]  # two prefill chunks, then three decode steps
+        worst = 0.0
+        for a, e in zip(cut, cut[1:]):
+            pos = torch.arange(a, e)[None]
+            out = module(ids[:, a:e], pos, torch.tensor([a]), torch.tensor([e - a]), table, kc, vc)
+            for i in range(module.shape.layers):
+                for pool, new in ((kc[i], out[1 + 2 * i]), (vc[i], out[2 + 2 * i])):
+                    for t in range(e - a):
+                        p = a + t
+                        pool[table[0, p // block_size], :, p % block_size] = new[0, :, t]
+            got, want = out[0][0], ref[e - 1]
+            worst = max(worst, float((got - want).abs().max() / (want.abs().max() + 1e-6)))
+        # A padded batch: row 1 holds 5 real tokens of S (what batched prefill looks like).
+        s = n // 2
+        pad = torch.zeros(1, s, dtype=torch.long)
+        batch_ids = torch.cat([ids[:, :s], torch.cat([ids[:, :5], pad[:, 5:]], 1)])
+        batch_pos = torch.cat([torch.arange(s)[None], torch.cat([torch.arange(5), pad[0, 5:]])[None]])
+        tables = torch.cat([table, table.flip(1)])
+        zero = [torch.zeros(shape) for _ in range(module.shape.layers)]
+        out = module(batch_ids, batch_pos, torch.tensor([0, 0]), torch.tensor([s, 5]), tables, zero, zero)
+        for got, want in ((out[0][0], ref[s - 1]), (out[0][1], ref[4])):
+            worst = max(worst, float((got - want).abs().max() / (want.abs().max() + 1e-6)))
+    if worst > 1e-3:
+        raise ParityError(
+            f"{where}: the paged decoder's logits differ from the model's own forward "
+            f"(max relative error {worst:.2e}); this architecture is not supported for task causal-lm"
+        )

@@ -1,0 +1,1 @@
+"""Verification: the Verifier (sample feeds, reference, tolerances, the accuracy budget) and bisection."""
