@@ -20,7 +20,7 @@ from precast.runtime import load
 from precast.targets import get_target
 from tests.helpers import make_model, ort_run, save, tiny_mlp
 from tests.targets.pbtxt import one, parse
-from tests.targets.triton_fixtures import llama_triton, mlp_triton
+from tests.targets.triton_fixtures import llama_triton, mlp_triton, with_model_py
 from tests.targets.triton_stub import Request, load_python_model, stub_module
 
 OPTIONS = {
@@ -231,3 +231,15 @@ def _wait(cond, timeout: float = 30.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "timed out waiting for the engine"
         time.sleep(0.01)
+
+
+def test_python_model_of_the_release_before_the_layout_runs_on_this_runtime(art, pb_utils, tmp_path, rng):
+    """25d92ff's model.py (tests/data/triton_v1), which imports precast.runtime.errors and
+    precast.runtime.manifest from before those modules moved, on this runtime."""
+    data = Path(__file__).resolve().parent.parent / "data" / "triton_v1"
+    old = with_model_py(art, tmp_path / "old", "mlp_precast", data / "python_model.py")
+    instance = load_python_model(old, "mlp_precast")
+    x = rng.standard_normal((3, 8)).astype(np.float32)
+    (response,) = instance.execute([Request(x=x)])
+    assert response.error is None
+    np.testing.assert_allclose(response.outputs["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-5, atol=1e-5)

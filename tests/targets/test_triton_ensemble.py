@@ -33,6 +33,7 @@ from tests.targets.triton_fixtures import (
     staged_llama_triton,
     staged_masked_triton,
     staged_mlp_triton,
+    with_model_py,
 )
 from tests.targets.triton_stub import Request, load_python_model, stub_module
 
@@ -362,3 +363,20 @@ def test_render_and_check_wiring_refuse_broken_ensembles():
         )
     with pytest.raises(ValueError, match="ensemble 'e' has no steps"):
         render_config(ensemble())
+
+
+def test_model_py_files_of_the_release_before_the_layout_run_on_this_runtime(art, pb_utils, tmp_path, rng):
+    """A Triton repository ships model.py files that import the serving host's precast: the ones written
+    before precast.runtime's modules moved (tests/data/triton_v1: 25d92ff's, which import
+    precast.runtime.errors / precast.runtime.manifest) must keep running on this one."""
+    data = Path(__file__).resolve().parent.parent / "data" / "triton_v1"
+    old = tmp_path / "old"
+    for k in range(2):
+        with_model_py(art, old, f"mlp_staged_stage_{k}", data / "stage_model.py")
+    first, second = (load_python_model(old, f"mlp_staged_stage_{k}") for k in range(2))
+    (boundary,) = json.loads((art / "manifest.json").read_text())["stages"]["stages"][0]["outputs"]
+    x = rng.standard_normal((2, 8)).astype(np.float32)
+    (mid,) = first.execute([Request(x=x)])
+    (out,) = second.execute([Request(**{boundary: mid.outputs[boundary]})])
+    assert mid.error is None and out.error is None
+    np.testing.assert_allclose(out.outputs["y"], ort_run(tiny_mlp(), {"x": x})[0], rtol=1e-5, atol=1e-5)

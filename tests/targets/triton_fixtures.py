@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 from onnx import TensorProto, helper
 
+from precast.artifact.manifest import dump_json, sha256_file
 from precast.compiler.driver import CompileOptions, compile_model
 from tests.helpers import make_model, save, tiny_mlp
 
@@ -115,3 +118,16 @@ def llama_triton(tmp_path_factory, staged: bool = False) -> Path:
 
 def staged_llama_triton(tmp_path_factory) -> Path:
     return llama_triton(tmp_path_factory, staged=True)
+
+
+def with_model_py(art: Path, dest: Path, name: str, source: Path) -> Path:
+    """``art`` copied to ``dest`` with ``name``'s model.py replaced by ``source`` (the manifest re-hashed)."""
+    if not dest.exists():
+        shutil.copytree(art, dest)
+    rel = f"model_repository/{name}/1/model.py"
+    shutil.copyfile(source, dest / rel)
+    manifest = json.loads((dest / "manifest.json").read_text())
+    manifest["files"][rel] = sha256_file(dest / rel)
+    dump_json(manifest, dest / "manifest.json")
+    return dest
+
