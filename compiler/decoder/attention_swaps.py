@@ -1,5 +1,6 @@
 """Families whose attention code bypasses transformers' attention interface: Falcon (before transformers
-5.25, which moved it onto the interface: then nothing is swapped) and BLOOM.
+5.25, which moved it onto the interface: then nothing is swapped), BLOOM, MPT and XGLM; and Llama 4, which
+uses the interface but with a complex-valued rotary the exporter cannot take, and chunked attention.
 
 Their attention modules compute the attention product themselves instead of calling
 ``ALL_ATTENTION_FUNCTIONS``. ``swap_attention`` replaces each such module's ``forward`` (on the instance) with
@@ -12,6 +13,12 @@ against the model's real attention.
             -> the model's rotary -> precast_paged_attention -> dense
     bloom   query_key_value -> split -> precast_paged_attention(alibi_slopes = bloom's slopes) -> dense
             -> + residual                (ALiBi: score += slope[h] * key position, as bloom's alibi tensor)
+    mpt     Wqkv -> (clip) -> chunk -> precast_paged_attention(alibi_slopes = mpt's slopes) -> out_proj;
+            and MptModel's forward (its unconditional mask, None here) -> wte -> blocks -> norm_f
+    xglm    q_proj * scaling, k_proj, v_proj -> precast_paged_attention(scaling 1) -> out_proj
+    llama4  (its rotary module -> cos, sin, positions: its complex freqs_cis does not export)
+            q/k/v_proj -> rotary in reals (RoPE layers) -> qk_norm -> temperature tuning (NoPE layers)
+            -> precast_paged_attention(attention_chunk on its chunked layers) -> o_proj
 
 Falcon with ``alibi=True`` is refused before this (causal_lm._check_architecture): transformers' own eager and
 sdpa attention disagree for it, so there is no reference to match.
@@ -82,11 +89,131 @@ def _bloom_forward(self, hidden_states, residual, alibi, attention_mask, *args, 
     return dropout_add(out, residual, self.hidden_dropout, self.training), None
 
 
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Llama 4's complex rotary, in reals: x [B,S,H,D] as D/2 pairs (a, b) = a + ib, times cos + i sin."""
+    a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    c, s = cos[:, :, None], sin[:, :, None]
+    return torch.stack([a * c - b * s, a * s + b * c], dim=-1).flatten(-2).type_as(x)
+
+
+def _llama4_rotary_forward(self, x, position_ids):
+    """In a step: (cos, sin, positions) for _llama4_forward, instead of the complex freqs_cis (which the
+    exporter cannot take); the same frequencies and attention scaling."""
+    from precast.compiler.decoder.generic_decoder import in_step
+
+    if not in_step():
+        return self.precast_own_forward(x, position_ids)
+    freqs = position_ids[..., None].float() * self.inv_freq.float()
+    return torch.cos(freqs) * self.attention_scaling, torch.sin(freqs) * self.attention_scaling, position_ids
+
+
+def _llama4_forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
+    from precast.compiler.decoder.generic_decoder import (
+        in_step,
+        precast_paged_attention,
+    )
+
+    if not in_step():
+        return self.precast_own_forward(hidden_states, position_embeddings, attention_mask, cache, **kwargs)
+    cos, sin, positions = position_embeddings
+    shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+    q, k = self.q_proj(hidden_states).view(shape), self.k_proj(hidden_states).view(shape)
+    v = self.v_proj(hidden_states).view(shape)
+    if self.use_rope:
+        q, k = _rotate_pairs(q, cos, sin), _rotate_pairs(k, cos, sin)
+    if self.config.use_qk_norm and self.use_rope:  # (where the model builds its qk_norm)
+        q, k = self.qk_norm(q), self.qk_norm(k)
+    if self.attn_temperature_tuning and not self.use_rope:  # per absolute position, as HF's cache length + i
+        scales = (
+            torch.log1p(torch.floor((positions.float() + 1.0) / self.floor_scale)) * self.attn_scale + 1.0
+        )
+        q = (q * scales[..., None, None]).to(q.dtype)
+    chunked = self.config.layer_types[self.layer_idx] == "chunked_attention"
+    out, _ = precast_paged_attention(
+        self,
+        *(t.transpose(1, 2) for t in (q, k, v)),
+        None,
+        scaling=self.scaling,
+        attention_chunk=self.config.attention_chunk_size if chunked else None,
+    )
+    return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
 def _bloom_slopes(model: nn.Module, heads: int) -> torch.Tensor:
     """Bloom's own per-head ALiBi slopes: its alibi tensor for positions [0, 1] is [0, slope_h]."""
     base = model.get_decoder() if hasattr(model, "get_decoder") else model.transformer
     ones = torch.ones(1, 2, dtype=torch.long)
     return base.build_alibi_tensor(ones, heads, torch.float32)[:, 0, 1].clone()
+
+
+def _mpt_forward(self, hidden_states, position_bias, cache=None, attention_mask=None, **kwargs):
+    from precast.compiler.decoder.generic_decoder import (
+        in_step,
+        precast_paged_attention,
+    )
+
+    if not in_step():
+        return self.precast_own_forward(hidden_states, position_bias, cache, attention_mask, **kwargs)
+    qkv = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        qkv = qkv.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    b, s, _ = qkv.shape
+    q, k, v = (t.reshape(b, s, self.n_heads, self.head_dim).transpose(1, 2) for t in qkv.chunk(3, dim=2))
+    out, _ = precast_paged_attention(
+        self, q, k, v, None, scaling=self.softmax_scale, alibi_slopes=self.precast_slopes
+    )
+    return self.out_proj(out.reshape(b, s, -1)), None
+
+
+def _mpt_model_forward(self, input_ids=None, *args, **kwargs):
+    """MptModel builds its causal mask unconditionally (``create_causal_mask(...).to(bool)``), which is None
+    for an attention implementation without a mask function: in a step, the blocks run without it (the swapped
+    attention masks by the step's lengths, and adds the ALiBi bias itself)."""
+    from transformers.modeling_outputs import BaseModelOutputWithPastAndCrossAttentions
+
+    from precast.compiler.decoder.generic_decoder import in_step
+
+    if not in_step():
+        return self.precast_own_forward(input_ids, *args, **kwargs)
+    hidden = self.wte(input_ids)
+    for block in self.blocks:
+        hidden, _ = block(hidden, position_bias=None, attention_mask=None)
+    return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=self.norm_f(hidden))
+
+
+def _xglm_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None, **kwargs):
+    from precast.compiler.decoder.generic_decoder import (
+        in_step,
+        precast_paged_attention,
+    )
+
+    if not in_step():
+        return self.precast_own_forward(hidden_states, key_value_states, cache, attention_mask, **kwargs)
+    if key_value_states is not None:
+        raise ModelLoadError("xglm with cross-attention is not supported for task causal-lm")
+    b, s, _ = hidden_states.shape
+
+    def heads(t):
+        return t.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+
+    q = heads(self.q_proj(hidden_states) * self.scaling)  # scaled before the product, as XGLM does
+    k, v = heads(self.k_proj(hidden_states)), heads(self.v_proj(hidden_states))
+    out, _ = precast_paged_attention(self, q, k, v, None, scaling=1.0)
+    return self.out_proj(out.reshape(b, s, self.embed_dim)), None
+
+
+def _bloom_slopes(model: nn.Module, heads: int) -> torch.Tensor:
+    """Bloom's own per-head ALiBi slopes: its alibi tensor for positions [0, 1] is [0, slope_h]."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else model.transformer
+    ones = torch.ones(1, 2, dtype=torch.long)
+    return base.build_alibi_tensor(ones, heads, torch.float32)[:, 0, 1].clone()
+
+
+def _mpt_slopes(model: nn.Module, heads: int) -> torch.Tensor:
+    """MPT's own per-head slopes, as its forward builds them (alibi_bias_max left at its default there): its
+    alibi tensor over 2 positions is [-slope_h, 0]."""
+    alibi = model.get_decoder().build_mpt_alibi_tensor(heads, 2)
+    return (alibi[:, 0, 1] - alibi[:, 0, 0]).float().clone()
 
 
 def _bypasses_interface(mod: nn.Module) -> bool:
@@ -95,23 +222,41 @@ def _bypasses_interface(mod: nn.Module) -> bool:
     return "alibi" in inspect.signature(type(mod).forward).parameters
 
 
+def _swap(mod: nn.Module, forward) -> None:
+    mod.precast_own_forward = mod.forward
+    mod.forward = types.MethodType(forward, mod)
+
+
 def swap_attention(hf: nn.Module) -> int:
-    """Point Falcon / BLOOM attention modules at precast's paged attention (idempotent) -> how many swapped."""
+    """Point Falcon / BLOOM / MPT / XGLM / Llama 4 attention modules at precast's paged attention (idempotent)
+    -> how many modules swapped."""
     model_type = getattr(hf.config, "model_type", None)
-    if model_type not in ("falcon", "bloom"):
+    if model_type not in ("falcon", "bloom", "mpt", "xglm", "llama4_text"):
         return 0
     n = 0
     for mod in hf.modules():
         name = type(mod).__name__
-        if name not in ("FalconAttention", "BloomAttention") or hasattr(mod, "precast_own_forward"):
+        if hasattr(mod, "precast_own_forward"):
             continue
-        if not _bypasses_interface(mod):  # (transformers 5.25 moved Falcon onto the attention interface)
-            continue
-        mod.precast_own_forward = mod.forward
+        if name in ("FalconAttention", "BloomAttention") and not _bypasses_interface(mod):
+            continue  # (transformers 5.25 moved Falcon onto the attention interface)
         if name == "FalconAttention":
-            mod.forward = types.MethodType(_falcon_forward, mod)
-        else:
+            _swap(mod, _falcon_forward)
+        elif name == "BloomAttention":
             mod.precast_slopes = _bloom_slopes(hf, mod.num_heads)
-            mod.forward = types.MethodType(_bloom_forward, mod)
+            _swap(mod, _bloom_forward)
+        elif name == "MptAttention":
+            mod.precast_slopes = _mpt_slopes(hf, mod.n_heads)
+            _swap(mod, _mpt_forward)
+        elif name == "MptModel":
+            _swap(mod, _mpt_model_forward)
+        elif name == "XGLMAttention":
+            _swap(mod, _xglm_forward)
+        elif name == "Llama4TextAttention":
+            _swap(mod, _llama4_forward)
+        elif name == "Llama4TextRotaryEmbedding":
+            _swap(mod, _llama4_rotary_forward)
+        else:
+            continue
         n += 1
     return n

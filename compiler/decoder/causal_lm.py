@@ -65,6 +65,9 @@ GENERIC = (
     "qwen3_moe",
     "falcon",  # own attention code, swapped for precast's (attention_swaps.py)
     "bloom",  # + ALiBi in precast's paged attention
+    "mpt",  # ALiBi, own attention code (swapped)
+    "xglm",  # own attention code (swapped)
+    "llama4_text",  # complex rotary swapped for a real one; chunked attention masked in-graph
 )
 SUPPORTED = (*LLAMA_FAMILY, "gpt2", *GENERIC)
 BLOCK_SIZE = 16
@@ -76,12 +79,26 @@ _TOKENIZER_FILES = (
 )
 
 
+def _seq2seq_task(config: dict) -> str:
+    """Hugging Face's task name for an encoder-decoder config: speech (a mel-feature encoder), image or text."""
+    if "num_mel_bins" in config or config.get("model_type") in ("speech-encoder-decoder", "speech_to_text"):
+        return "automatic-speech-recognition"
+    if config.get("model_type") == "vision-encoder-decoder":
+        return "image-to-text"
+    return "text2text-generation"
+
+
 def _check_architecture(folder: Path, config: dict) -> str:
     model_type = config.get("model_type", "?")
     if model_type == "?":
         raise ModelLoadError(
             f"{folder}: architecture '?' is not supported for task causal-lm "
             f"(no model_type in config.json; supported: {', '.join(SUPPORTED)})"
+        )
+    if config.get("is_encoder_decoder"):
+        raise UsageError(
+            f"{folder}: '{model_type}' is an encoder-decoder model, not a causal LM: its task is "
+            f"{_seq2seq_task(config)} (encoder-decoder models are not supported yet)"
         )
     if model_type == "falcon" and config.get("alibi"):
         raise ModelLoadError(
@@ -125,7 +142,7 @@ def llm_block(folder: Path, config: dict, module) -> dict:
         "heads": module.heads,
         "kv_heads": module.kv_heads,
         "head_size": module.head_dim,
-        "hidden": int(config.get("hidden_size") or config.get("n_embd")),
+        "hidden": int(config.get("hidden_size") or config.get("n_embd") or config.get("d_model")),
         "vocab": int(config["vocab_size"]),
         "max_context": ctx,
         "block_size": page_block_size(module.head_dim) if mapped else BLOCK_SIZE,

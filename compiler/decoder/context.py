@@ -60,7 +60,12 @@ TOP_LEVEL_ORIGINAL = {"phi3": 4096, "phi4_multimodal": 4096}
 
 
 def max_positions(config: dict) -> int:
-    ctx = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+    ctx = int(
+        config.get("max_position_embeddings")
+        or config.get("n_positions")
+        or config.get("max_seq_len")
+        or 2048
+    )
     if rope_kind(config) == "longrope":  # beyond it HF switches to the long factors mid-sequence
         rope = _rope_parameters(config)
         original = rope.get("original_max_position_embeddings") or config.get(

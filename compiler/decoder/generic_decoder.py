@@ -108,6 +108,18 @@ def _mask(past_lens: torch.Tensor, s: int, p: int, window: int | None) -> torch.
     return ok[:, None]
 
 
+def _same_chunk(past_lens: torch.Tensor, s: int, p: int, chunk: int) -> torch.Tensor:
+    """Bool [B,1,S,P+S]: key and query in the same chunk of ``chunk`` positions (Llama 4's chunked layers)."""
+    q_pos, k_pos = _positions(past_lens, s, p)
+    return k_pos[:, None, None, :] // chunk == q_pos[:, None, :, None] // chunk
+
+
+def _repeat_kv(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B,KV,N,D] -> [B,H,N,D]: head i reads KV head i // (H/KV), as HF's repeat_kv."""
+    b, kv, n, d = t.shape
+    return t if kv == heads else t[:, :, None].expand(b, kv, heads // kv, n, d).reshape(b, heads, n, d)
+
+
 def precast_paged_attention(
     module: nn.Module,
     query: torch.Tensor,
@@ -119,12 +131,15 @@ def precast_paged_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     alibi_slopes: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
     **kwargs,
 ):
     """q [B,H,S,D], new k/v [B,KV,S,D] (after the model's rotary / qk-norm) -> ([B,S,H,D], None).
 
-    ``alibi_slopes`` [H] (BLOOM, from attention_swaps): score[h, q, k] += slope[h] * position of key k, as the
-    model's alibi tensor (softmax is shift-invariant per query, so absolute key positions are exact)."""
+    ``alibi_slopes`` [H] (BLOOM, MPT, from attention_swaps): score[h, q, k] += slope[h] * position of key k, as
+    the model's alibi tensor (softmax is shift-invariant per query, so absolute key positions are exact).
+    ``attention_chunk`` (Llama 4's chunked layers, from attention_swaps): a query sees only the keys of its own
+    chunk of positions (HF: kv_idx // chunk == q_idx // chunk)."""
     step = _ACTIVE
     if step is None:
         raise RuntimeError("precast_paged attention called outside a precast step")
@@ -155,10 +170,9 @@ def precast_paged_attention(
         values = torch.cat([gather_past(step.value_caches[i], step.block_tables), value], dim=2)
         p = keys.shape[2] - s
         mask = _mask(step.past_lens, s, p, window)
-    if h != kv:  # grouped KV heads: head i reads KV head i // (H/KV), as HF's repeat_kv
-        n = keys.shape[2]
-        keys = keys[:, :, None].expand(b, kv, h // kv, n, d).reshape(b, h, n, d)
-        values = values[:, :, None].expand(b, kv, h // kv, n, values.shape[-1]).reshape(b, h, n, -1)
+    if attention_chunk:
+        mask = mask & _same_chunk(past_lens, s, keys.shape[2] - s, int(attention_chunk))
+    keys, values = _repeat_kv(keys, h), _repeat_kv(values, h)
     scores = torch.matmul(query, keys.transpose(-1, -2)) * scaling
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap

@@ -171,6 +171,25 @@ GENERIC_TINY = {
     "falcon": {"bias": True},
     # ALiBi (slope per head * key position); no max_position_embeddings of its own
     "bloom": {"n_layer": 2, "n_head": 4},
+    # ALiBi (MPT's own slopes), its mask built unconditionally; attention swapped (attention_swaps.py)
+    "mpt": {"max_seq_len": 256},
+    # sinusoidal positions, attention computed in its own code (swapped)
+    "xglm": {"ffn_dim": 128, "pad_token_id": 1, "init_std": 0.1},
+    # complex rotary (swapped for a real one), chunked attention (chunk 8) on layer 0, a NoPE layer with
+    # temperature tuning (floor_scale 8: acts from position 7), a dense layer and a MoE layer (4 experts)
+    "llama4_text": {
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "intermediate_size": 32,
+        "intermediate_size_mlp": 128,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 2,
+        "attention_chunk_size": 8,
+        "layer_types": ["chunked_attention", "full_attention"],
+        "no_rope_layers": [1, 0],
+        "floor_scale": 8,
+    },
 }
 # Other configurations of a family in GENERIC_TINY: name -> (model_type, overrides)
 GENERIC_VARIANTS = {
