@@ -5,11 +5,12 @@
 REV is a git revision of this repository (--head defaults to the working tree). Each tree is exported
 with `git archive` (the working tree: its files as they are), and its package folders are put on the path
 as `precast` through a folder of symlinks (the folders are the packages, shared/design.md "Layout"). Every
-measurement runs in a fresh process of one tree, in the order base, head, base again, head again, ... so
-drift on the shared cores hits both; "base again" against "base" is the A/A spread. The decode artifact is
-compiled once, by the base tree: the head tree loading it and giving the same tokens is checked too.
+measurement runs in a fresh process of one tree. A round runs base, head and base again, each taking each
+slot of a round in turn, so drift on the shared cores and the order hit all three alike; "base again"
+against "base" is the A/A spread. The decode artifact is compiled once, by the base tree: the head tree
+loading it and giving the same tokens is checked too.
 
-Rows (medians over rounds; ratio = head / base, and A/A = base / base of alternate rounds):
+Rows (medians over rounds; head/base, and A/A = base again / base):
   compile          s, the tests' MLP (hidden 256) ONNX file -> ort-cpu, default pipeline, verified, no cache
   decode b1        ms per token, one request, 64 new tokens, greedy
   decode b4        ms per step, four requests together, 64 new tokens each
@@ -135,8 +136,9 @@ def main(argv=None) -> None:
            str(llama), str(art))
     rows: dict[str, dict[str, list[float]]] = {k: {"compile": [], "b1": [], "b4": []} for k in ("base", "base2", "head")}
     tokens = {}
+    order = ["base", "head", "base2"]
     for i in range(args.rounds):
-        for name in ("base", "head", "base2"):
+        for name in order[i % 3 :] + order[: i % 3]:  # each tree takes each slot of a round in turn
             tree = trees["base" if name == "base2" else name]
             rows[name]["compile"].append(run_in(tree, COMPILE, str(mlp), str(work / f"c-{name}-{i}"))["s"])
             d = run_in(tree, DECODE, str(art))
