@@ -1,7 +1,9 @@
 """precast: an ahead-of-time model compiler with a thin runtime.
 
-The compiler lives in ``precast.compiler`` / ``precast.passes`` / ``precast.targets``; the runtime
-(numpy + the backend of the artifact it runs: onnxruntime, openvino or tensorrt) in ``precast.runtime``.
+The compiler lives in ``precast.compiler`` / ``precast.targets`` / ``precast.passes`` / ``precast.ir``; the
+runtime (numpy + the backend of the artifact it runs: onnxruntime, openvino or tensorrt) in
+``precast.runtime``; the artifact contract between them in ``precast.artifact`` (docs/architecture.md,
+"Layout").
 """
 
 __version__ = "0.1.0"
