@@ -40,8 +40,9 @@ trap 'rm -rf "$WORK"' EXIT
 
 # precast from this working tree (a copy: the build must not write into the shared tree).
 mkdir -p "$WORK/src"
-cp "$ROOT/pyproject.toml" "$ROOT/README.md" "$WORK/src/"
-for d in precast compiler passes runtime targets cli; do
+cp "$ROOT/pyproject.toml" "$ROOT/setup.py" "$ROOT/README.md" "$WORK/src/"
+# the package folders, as setup.py's FOLDERS lists them ("precast.x": "folder",)
+for d in $(sed -n 's/^ *"precast[a-z.]*": "\([a-z_]*\)",$/\1/p' "$ROOT/setup.py"); do
   cp -r "$ROOT/$d" "$WORK/src/$d"
 done
 find "$WORK/src" -name __pycache__ -prune -exec rm -rf {} +
