@@ -19,6 +19,7 @@ from precast.cli.output import (
     err_console,
     format_bytes,
 )
+from precast.compiler.frontends.hf_tasks import TEXT_TASKS
 from precast.errors import UsageError
 
 __all__ = ["compile_cmd", "print_parity"]
@@ -49,7 +50,12 @@ def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
 @click.option(
     "--dim", "dims", multiple=True, help="Sample size of a symbolic dim for export/verification, NAME=INT."
 )
-@click.option("--task", default=None, help="Task for Hugging Face folders (default feature-extraction).")
+@click.option(
+    "--task",
+    default=None,
+    help=f"Task for Hugging Face folders: {', '.join([*TEXT_TASKS, 'causal-lm'])} "
+    "(default: inferred from config.architectures).",
+)
 @click.option(
     "--kv-layout",
     type=click.Choice(["auto", "mapped", "paged"]),

@@ -263,16 +263,15 @@ def _step_graph(inputs: Sequence[TensorSpec], opts: CompileOptions) -> bool | No
 
 
 def _plan_hf(folder: Path, opts: CompileOptions) -> SourcePlan:
-    from precast.compiler.frontends.hf_source import encoder_dims, read_config
+    from precast.compiler.frontends.hf_source import read_config
+    from precast.compiler.frontends.hf_tasks import infer_task, task_dims
 
-    task = opts.task or "feature-extraction"
-    if task == "causal-lm":
+    if opts.task == "causal-lm":
         return SourcePlan("hf", folder, folder.name, frozenset(), True)
-    if task != "feature-extraction":
-        return SourcePlan("hf", folder, folder.name, None, None)  # the loader names the known tasks
-    return SourcePlan(
-        "hf", folder, folder.name, encoder_dims(read_config(folder).get("model_type", "?")), False
-    )
+    config = read_config(folder)
+    task = opts.task or infer_task(config)  # the loader names an unknown task, or a head the model lacks
+    dims = task_dims(config, task)
+    return SourcePlan("hf", folder, folder.name, dims, None if dims is None else False)
 
 
 def _symbolic(inputs: Sequence[TensorSpec]) -> frozenset[str]:

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 from precast.artifact.manifest import TensorSpec
+from precast.compiler.frontends.hf_tasks import TEXT_TASKS, VISION_TYPES, model_class, resolve_task
 from precast.compiler.frontends.source import Source, hash_files
 from precast.compiler.frontends.torch_export import (
     export_module,
@@ -21,9 +22,7 @@ from precast.runtime.progress import SILENT, ProgressReporter
 
 __all__ = [
     "load_hf_folder",
-    "ENCODER_TYPES",
     "TASK_LOADERS",
-    "encoder_dims",
     "folder_hash_and_ship",
     "read_config",
 ]
@@ -40,15 +39,9 @@ def _causal_lm(folder, config, dims, progress, kv_layout=None):
 
 TASK_LOADERS["causal-lm"] = _causal_lm
 
-# Encoders for task feature-extraction. Text ones take input_ids + attention_mask (+ token_type_ids where the
-# model has a type vocabulary); vision ones take pixel_values at the config's image size.
-ENCODER_TYPES = {
-    "bert", "roberta", "xlm-roberta", "distilbert", "electra", "camembert", "mpnet",
-    "deberta-v2", "albert", "t5", "vit", "clip_text_model",
-}  # fmt: skip
-_VISION_TYPES = {"vit"}
+# Text encoders take input_ids + attention_mask (+ token_type_ids where the model has a type vocabulary);
+# vision ones (hf_tasks.VISION_TYPES) take pixel_values at the config's image size.
 _NO_TOKEN_TYPES = {"distilbert", "roberta", "xlm-roberta", "camembert", "mpnet"}  # type ids unused / all zero
-_ENCODER_CLASSES = {"t5": "T5EncoderModel"}  # AutoModel would build the encoder-decoder
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
 
 
@@ -135,30 +128,32 @@ def load_hf_folder(
     kv_layout: str | None = None,
     progress: ProgressReporter = SILENT,
 ) -> Source:
+    """A Hugging Face folder for ``task`` (None: inferred from config.architectures, hf_tasks.infer_task)."""
     config = read_config(folder)
-    model_type = config.get("model_type", "?")
-    given = task is not None
-    task = task or "feature-extraction"
-    if task != "feature-extraction":
-        if task not in TASK_LOADERS:
-            known = ", ".join(["feature-extraction", *sorted(TASK_LOADERS)])
-            raise UsageError(f"unknown task '{task}' (supported: {known})")
+    task, inferred = resolve_task(config, task, list(TASK_LOADERS))
+    if task in TASK_LOADERS:
         options = {"kv_layout": kv_layout} if kv_layout else {}
         return TASK_LOADERS[task](folder, config, dims, progress, **options)
-    _check_encoder(folder, config, given)
+    _refuse_causal_lm(folder, config, inferred)
+    archs = ", ".join(config.get("architectures") or []) or "none"
+    progress.note(f"task {task}" + (f" (inferred from config.architectures: {archs})" if inferred else ""))
+    transformers = _import_transformers(progress)
+    class_name = model_class(folder, config, task)
     weights = sorted(folder.glob("*.safetensors"))
     if not weights:
         raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")
     sha, ship = folder_hash_and_ship(folder, _TOKENIZER_FILES)  # a linked-in file is refused before any work
-    module = _load_encoder_module(folder, model_type, progress)
+    module = _load_module(folder, getattr(transformers, class_name), progress)
+    model_type = config.get("model_type", "?")
     inputs = _encoder_inputs(module, model_type, config)
     names = [s.name for s in inputs]
     given_dims = dict(dims or {})  # --dim sizes the sample feeds
     dims = sample_dims(inputs, dims)
-    outputs = _encoder_outputs(module, inputs, dims)
+    outputs = _encoder_outputs(module, inputs, dims, TEXT_TASKS[task].outputs)
     model = export_module(module, inputs, outputs, dims, progress)
     if [v.name for v in model.graph.outputs] != outputs:
         raise ExportError(f"{folder}: exported outputs {[v.name for v in model.graph.outputs]} != {outputs}")
+    labels = config.get("id2label") if TEXT_TASKS[task].labels else None
     return Source(
         "hf",
         folder.name,
@@ -172,30 +167,23 @@ def load_hf_folder(
             "task": task,
             "vocab_size": config.get("vocab_size"),
             "padding_mask": "attention_mask" if "attention_mask" in names else None,
+            **({"id2label": {str(k): str(v) for k, v in labels.items()}} if isinstance(labels, dict) else {}),
         },
         sample_feeds=_text_sample_feeds(folder, names, given_dims),
     )
 
 
-def _check_encoder(folder: Path, config: dict, given: bool) -> None:
-    """ModelLoadError unless the config is an encoder precast exports for feature-extraction; a causal LM
-    loaded without --task gets a hint to add it."""
-    model_type = config.get("model_type", "?")
-    if model_type in ENCODER_TYPES:
-        return
+def _refuse_causal_lm(folder: Path, config: dict, inferred: bool) -> None:
+    """A causal LM loaded without --task: a hint to add it (its step graphs are another export)."""
     archs = config.get("architectures") or []
-    causal = not given and any(
-        isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs
-    )
-    hint = "; it is a causal LM: add --task causal-lm" if causal else ""
-    raise ModelLoadError(
-        f"{folder}: model_type '{model_type}' is not a supported encoder for task feature-extraction "
-        f"(supported: {', '.join(sorted(ENCODER_TYPES))}){hint}"
-    )
+    if inferred and any(isinstance(a, str) and a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs):
+        raise ModelLoadError(
+            f"{folder}: model_type '{config.get('model_type', '?')}' is not a supported encoder for task "
+            "feature-extraction; it is a causal LM: add --task causal-lm"
+        )
 
 
-def _load_encoder_module(folder: Path, model_type: str, progress: ProgressReporter):
-    """The encoder as a transformers module in eval mode, eager attention (what the export traces)."""
+def _import_transformers(progress: ProgressReporter):
     progress.step("importing torch and transformers")
     import_torch()
     try:
@@ -203,9 +191,13 @@ def _load_encoder_module(folder: Path, model_type: str, progress: ProgressReport
     except ImportError:
         raise UsageError("Hugging Face folders need transformers: pip install 'precast[export]'") from None
     transformers.utils.logging.disable_progress_bar()  # precast prints its own progress (or none: -q)
-    progress.step(f"loading {folder.name} with transformers")
+    return transformers
+
+
+def _load_module(folder: Path, loader, progress: ProgressReporter):
+    """The model as a transformers module in eval mode, eager attention (what the export traces)."""
+    progress.step(f"loading {folder.name} with transformers ({loader.__name__})")
     try:
-        loader = getattr(transformers, _ENCODER_CLASSES.get(model_type, "AutoModel"))
         return loader.from_pretrained(
             str(folder), local_files_only=True, use_safetensors=True, attn_implementation="eager"
         ).eval()
@@ -215,16 +207,8 @@ def _load_encoder_module(folder: Path, model_type: str, progress: ProgressReport
         ) from e
 
 
-def encoder_dims(model_type: str) -> frozenset[str] | None:
-    """The symbolic input dims a feature-extraction export of ``model_type`` has (None: not an encoder):
-    what ``--dim`` may size, known from the config alone (see _encoder_inputs)."""
-    if model_type not in ENCODER_TYPES:
-        return None
-    return frozenset({"batch"} if model_type in _VISION_TYPES else {"batch", "sequence"})
-
-
 def _encoder_inputs(module, model_type: str, config: dict) -> list[TensorSpec]:
-    if model_type in _VISION_TYPES:
+    if model_type in VISION_TYPES:
         size = module.config.image_size
         return [TensorSpec("pixel_values", "float32", ("batch", module.config.num_channels, size, size))]
     import inspect
@@ -236,11 +220,15 @@ def _encoder_inputs(module, model_type: str, config: dict) -> list[TensorSpec]:
     return [TensorSpec(n, "int64", ("batch", "sequence")) for n in names]
 
 
-def _encoder_outputs(module, inputs: list[TensorSpec], dims: dict[str, int]) -> list[str]:
-    """The tensors the model returns (last_hidden_state, pooler_output where it pools), from one eager run."""
+def _encoder_outputs(module, inputs: list[TensorSpec], dims: dict[str, int], want) -> list[str]:
+    """The tensors the forward returns (last_hidden_state, pooler_output where it pools; a head's logits), from
+    one eager run; ``want``: the task's outputs, which must all be there."""
     from precast.compiler.frontends.torch_export import example_array
 
     torch = import_torch()
     with torch.no_grad():
         out = module(**{s.name: torch.from_numpy(example_array(s, dims)) for s in inputs})
-    return [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+    names = [k for k, v in out.items() if isinstance(v, torch.Tensor)]
+    if want is not None and not set(want) <= set(names):
+        raise ExportError(f"{type(module).__name__} returned {names}, expected {list(want)}")
+    return names

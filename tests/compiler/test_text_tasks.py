@@ -1,0 +1,137 @@
+"""Hugging Face text tasks by head: a tiny BERT with each head, compiled with no --task (inferred from
+config.architectures) -> the artifact's outputs match the model's own forward on fresh text, labels included.
+
+All four heads are built and compiled once per module (~3 s each on 2 cores).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from precast.errors import UsageError
+
+WORDS = (
+    "the quick brown fox jumps over lazy dog a man is playing guitar on small stage while audience sings "
+    "along interest rates were raised again to fight inflation how do i reset my password if no longer have "
+    "access email account who where what plays ? . ,"
+).split()
+HEADS = {  # task -> (transformers class, id2label or None)
+    "text-classification": ("BertForSequenceClassification", {0: "negative", 1: "neutral", 2: "positive"}),
+    "token-classification": ("BertForTokenClassification", {0: "O", 1: "B-PER", 2: "I-PER", 3: "B-LOC"}),
+    "question-answering": ("BertForQuestionAnswering", None),
+    "fill-mask": ("BertForMaskedLM", None),
+}
+
+
+def _tokenizer():
+    import transformers
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *dict.fromkeys(WORDS)]
+    return transformers.BertTokenizerFast(vocab={w: i for i, w in enumerate(words)})
+
+
+def _tiny_bert(task: str, vocab_size: int):
+    import torch
+    import transformers
+
+    cls, labels = HEADS[task]
+    extra = {"id2label": labels, "label2id": {v: k for k, v in labels.items()}} if labels else {}
+    config = transformers.BertConfig(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = getattr(transformers, cls)(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            torch.nn.init.normal_(p, 0, 0.1)
+    return model
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    """task -> (transformers model, tokenizer, hf folder, artifact): every head compiled once, no --task."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from precast.compiler.driver import CompileOptions, compile_model
+
+    root = tmp_path_factory.mktemp("text_tasks")
+    tok = _tokenizer()
+    out = {}
+    for task in HEADS:
+        folder = root / task / "hf"
+        model = _tiny_bert(task, len(tok))
+        model.save_pretrained(folder)
+        tok.save_pretrained(folder)
+        compile_model(str(folder), root / task / "art", CompileOptions())
+        out[task] = (model, tok, folder, root / task / "art")
+    assert len(tok) == 5 + len(set(WORDS)) and tok.unk_token_id not in tok("the lazy fox")["input_ids"]
+    return out
+
+
+def _fresh_feeds(task: str, tok) -> dict[str, np.ndarray]:
+    """Text the verification did not use; padded rows of different lengths (QA: a context longer than the
+    question, as a (question, context) pair)."""
+    if task == "question-answering":
+        questions = ["who plays guitar ?", "where is the dog ?"]
+        contexts = [
+            "a man is playing guitar on a small stage while the audience sings along .",
+            "the quick brown fox jumps over the lazy dog .",
+        ]
+        enc = tok(questions, contexts, padding=True, return_tensors="np")
+    else:
+        text = ["the fox jumps .", "how do i reset my [MASK] if i have no email account ?", "a man plays ."]
+        enc = tok(text, padding=True, return_tensors="np")
+    return {k: v.astype(np.int64) for k, v in enc.items()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", sorted(HEADS))
+def test_head_is_inferred_and_matches_transformers(compiled, task):
+    import torch
+
+    from precast.artifact.manifest import read_manifest
+    from precast.runtime import load
+
+    model, tok, folder, artifact = compiled[task]
+    manifest = read_manifest(artifact)
+    assert manifest.source["task"] == task and manifest.parity["ok"] is True
+    config = json.loads((folder / "config.json").read_text())
+    if HEADS[task][1] is not None:  # the labels travel, as config.json spells them
+        assert manifest.source["id2label"] == config["id2label"]
+    else:
+        assert "id2label" not in manifest.source
+    feeds = _fresh_feeds(task, tok)
+    assert set(feeds) == {i.name for i in manifest.io.inputs}
+    ours = load(artifact).run(feeds)
+    with torch.no_grad():
+        ref = model(**{n: torch.from_numpy(a) for n, a in feeds.items()})
+    expected = {k: v.numpy() for k, v in ref.items() if isinstance(v, torch.Tensor)}
+    assert set(ours) == set(expected), task
+    for name, want in expected.items():
+        err = float(np.abs(ours[name] - want).max())
+        print(f"{task} {name}: max abs error {err:.2e}")
+        assert ours[name].shape == want.shape and err < 1e-4 * max(float(np.abs(want).max()), 1.0)
+
+
+def test_task_mistakes_are_one_line_usage_errors(tmp_path, cli):
+    from precast.compiler.frontends.source import load_source
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "bert", "architectures": ["BertModel"]}))
+    with pytest.raises(
+        UsageError, match="unknown task 'summarise' .*fill-mask.*question-answering.*causal-lm"
+    ):
+        load_source(str(tmp_path), task="summarise")
+    with pytest.raises(UsageError, match="task 'question-answering'.*BertModel.*no QuestionAnswering head"):
+        load_source(str(tmp_path), task="question-answering")
+    r = cli("compile", tmp_path, "--task", "text-classification", "-o", tmp_path / "o")
+    last = r.err.strip().splitlines()[-1]
+    assert r.code == 1 and last.startswith("error: ") and "no SequenceClassification head" in last, r.err
