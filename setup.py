@@ -1,4 +1,4 @@
-"""Packaging: each top-level folder is one precast package (shared/design.md, "Layout"); their subpackages
+"""Packaging: each top-level folder is one precast package (docs/architecture.md, "Layout"); their subpackages
 are found, not listed. Everything else about the project is in pyproject.toml."""
 
 from setuptools import find_packages, setup

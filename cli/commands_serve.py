@@ -10,6 +10,7 @@ from __future__ import annotations
 import click
 
 from precast.cli.commands_ci import signature_options
+from precast.cli.config_file import config_option
 from precast.cli.main import cli
 from precast.cli.output import THREADS
 from precast.options import click_options
@@ -49,7 +50,8 @@ def _name(ctx, param, value):
 @click_options(KVPoolOptions, prefix="LLM: ")
 @click_options(SchedulerConfig, SCHEDULER_OPTIONS, unset=True, prefix="LLM: ")
 @click_options(ServerConfig, ("api_key", "log_level"))
-def serve_cmd(artifact, no_verify, **options):
+@config_option()
+def serve_cmd(artifact, no_verify, config, **options):
     """Serve ARTIFACT over HTTP until SIGINT/SIGTERM; SIGHUP or POST /admin/reload hot-reloads it."""
     from precast.runtime.server import serve
 

@@ -259,7 +259,7 @@ def write_index(root: Path, index: Manifest) -> dict:
     return _write(root, dataclasses.replace(index, files=files))
 
 
-# Manifest assembly: the typed records of artifact/manifest.py (the runtime owns the schema).
+# Manifest assembly: the typed records of artifact/manifest.py (the artifact package owns the schema).
 
 
 def build_manifest(

@@ -220,27 +220,41 @@ def _mac(secret: bytes, key: EntryKey, manifest_sha256: str) -> str:
     return hmac.new(secret, message.encode(), hashlib.sha256).hexdigest()
 
 
-# precast's own packages whose code decides an artifact's bytes (the version alone does not move between
-# releases, so a cache would hand out artifacts built by older code).
-_CODE_PACKAGES = ("precast.compiler", "precast.passes", "precast.targets", "precast.runtime")
+# precast's own code that decides an artifact's bytes (the version alone does not move between releases, so a
+# cache would hand out artifacts built by older code): every package but the CLI, and the top package's
+# modules (tests/ci/test_cache.py checks this against setup.py's list of packages).
+_CODE_PACKAGES = (
+    "precast.artifact",
+    "precast.runtime",
+    "precast.ir",
+    "precast.passes",
+    "precast.targets",
+    "precast.compiler",
+)
+_CODE_MODULES = ("precast.errors", "precast.options")
 
 
 @functools.lru_cache(maxsize=1)
 def code_hash() -> str:
-    """sha256 over precast's Python sources (the packages that build artifacts), once per process."""
+    """sha256 over precast's Python sources (the packages and modules that build artifacts), once per process."""
     import importlib
 
-    return hash_sources(str(Path(importlib.import_module(m).__file__).parent) for m in _CODE_PACKAGES)
+    roots = [Path(importlib.import_module(m).__file__).parent for m in _CODE_PACKAGES]
+    return hash_sources(roots, [Path(importlib.import_module(m).__file__) for m in _CODE_MODULES])
 
 
-def hash_sources(roots) -> str:
-    """sha256 over the .py files below each root: relative path (under the root's name) and bytes."""
+def hash_sources(roots, files=()) -> str:
+    """sha256 over the .py files below each root (relative path under the root's name, and bytes), then over
+    each of ``files`` (its name and bytes)."""
     h = hashlib.sha256()
     for root in roots:
         base = Path(root)
         for f in sorted(base.rglob("*.py")):
             h.update(f"{base.name}/{f.relative_to(base).as_posix()}\0".encode())
             h.update(f.read_bytes())
+    for f in files:
+        h.update(f"{Path(f).name}\0".encode())
+        h.update(Path(f).read_bytes())
     return h.hexdigest()
 
 

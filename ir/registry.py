@@ -6,7 +6,6 @@ Adding a pass is a one-file change: drop ``passes/my_pass.py`` with a class deco
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib
 import pkgutil
@@ -19,13 +18,11 @@ import onnx_ir as ir
 
 from precast.errors import PassOptionError, UnknownPassError
 from precast.options import (
-    OptionField,
     Owner,
     describe,
     fields_of,
     format_value,
     opt,
-    parse_value,
 )
 from precast.options import parse as parse_options
 from precast.runtime.progress import SILENT, ProgressReporter
@@ -41,7 +38,6 @@ __all__ = [
     "get_pass",
     "all_passes",
     "load_all",
-    "parse_option_value",
     "option",
     "option_help",
 ]
@@ -221,11 +217,6 @@ def describe_options(options_cls: type) -> str:
 
 
 format_option_value = format_value
-
-
-def parse_option_value(pass_name: str, key: str, raw: str | list, tp: Any) -> Any:
-    """Convert the raw text of ``key=raw`` to the option's declared type."""
-    return parse_value(_owner(pass_name), OptionField(key, tp, dataclasses.MISSING), raw)
 
 
 def build_options(pass_cls: type[Pass], raw: dict[str, Any]) -> Any:

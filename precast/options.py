@@ -39,7 +39,6 @@ __all__ = [
     "describe",
     "fields_of",
     "format_value",
-    "from_defaults",
     "opt",
     "parse",
     "parse_value",
@@ -146,13 +145,6 @@ def describe(options_cls: type) -> dict[str, dict[str, Any]]:
         f.name: {"default": f.default, "type": type_name(f.type), "help": f.help}
         for f in fields_of(options_cls)
     }
-
-
-def from_defaults(name: str, defaults: Mapping[str, Any]) -> type:
-    """A frozen options dataclass whose field types are the defaults' types (for owners that declare only
-    ``{option: default}``)."""
-    fields = [(k, type(v), dataclasses.field(default=v)) for k, v in defaults.items()]
-    return dataclasses.make_dataclass(name, fields, frozen=True)
 
 
 def parse(options_cls: type, raw: Mapping[str, Any], owner: Owner) -> Any:

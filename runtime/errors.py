@@ -6,3 +6,10 @@ A Triton model repository compiled before the move ships a ``model.py`` that imp
 
 from precast.errors import *  # noqa: F403
 from precast.errors import __all__  # noqa: F401
+
+
+def __getattr__(name: str):
+    """The names outside ``__all__`` too (the exit codes, helpers), as the module had them."""
+    import precast.errors as moved
+
+    return getattr(moved, name)

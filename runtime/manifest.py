@@ -7,3 +7,10 @@ this module (tests/data/triton_v1/), and it runs against whatever precast the se
 
 from precast.artifact.manifest import *  # noqa: F403
 from precast.artifact.manifest import __all__  # noqa: F401
+
+
+def __getattr__(name: str):
+    """The names outside ``__all__`` too (the exit codes, helpers), as the module had them."""
+    import precast.artifact.manifest as moved
+
+    return getattr(moved, name)

@@ -26,7 +26,7 @@ from precast.artifact.stages_spec import StagesSpec
 from precast.artifact.target_blocks import TargetBlock
 from precast.errors import UnknownTargetError
 from precast.ir.registry import PassContext, PassFacts, PluginTable
-from precast.options import Owner, describe, from_defaults, parse
+from precast.options import Owner, describe, parse
 from precast.runtime.progress import ProgressReporter
 
 __all__ = [
@@ -95,14 +95,14 @@ class BuildResult:
 class Target:
     """A target. Its options are a frozen dataclass ``Options`` (like a pass's): each field's type says what
     ``--target-option key=value`` accepts (``Literal`` for a choice) and ``field(metadata={"help": ...})`` says
-    what it does. A target that declares only ``option_defaults`` gets an ``Options`` built from them."""
+    what it does."""
 
     name: ClassVar[str] = ""
     summary: ClassVar[str] = ""
     default_pipeline: ClassVar[str] = ""
     precision: ClassVar[str] = "fp32"
     Options: ClassVar[type] = NoTargetOptions
-    # {option: default}, derived from ``Options`` (older targets declare this instead)
+    # {option: default}, derived from ``Options`` (the plan routes --target-option keys by it)
     option_defaults: ClassVar[dict[str, Any]] = {}
     # Whether the target writes a split-stages model as stages (precast.ir.stages); the plan refuses
     # split-stages in the pipeline of a target that does not.
@@ -112,8 +112,6 @@ class Target:
         super().__init_subclass__(**kwargs)
         if "Options" in cls.__dict__:
             cls.option_defaults = {f.name: f.default for f in dataclasses.fields(cls.Options)}
-        elif "option_defaults" in cls.__dict__:
-            cls.Options = from_defaults(f"{cls.__name__}Options", cls.option_defaults)
 
     def __init__(self, options: Any = None):
         """``options``: an ``Options`` instance, or raw ``{key: "value"}`` strings (parsed as the CLI does)."""
@@ -125,10 +123,6 @@ class Target:
         """Raw ``key=value`` strings -> ``Options``; an unknown key or a bad value is a one-line UsageError
         naming the target, the option and (for a misspelt key) the closest option."""
         return parse(cls.Options, raw, Owner("target", cls.name))
-
-    @classmethod
-    def parse_options(cls, raw: dict[str, str]) -> dict[str, Any]:
-        return dataclasses.asdict(cls.parse_typed(raw))
 
     @classmethod
     def describe_options(cls) -> dict[str, dict[str, Any]]:

@@ -116,3 +116,15 @@ def test_every_runtime_module_imports_without_the_compiler_stack():
     )
     assert "IMPORTED" in r.stdout, r.stderr
     assert int(r.stdout.split("IMPORTED")[1].split()[0]) > 60
+
+
+def test_moved_modules_answer_under_their_old_names():
+    """Code written before the layout (a Triton repository's model.py, users' scripts) imports the errors and
+    the manifest reader from precast.runtime: every name, not only the exported ones, still answers there."""
+    import precast.artifact.manifest as manifest
+    import precast.errors as errors
+    from precast.runtime.errors import EXIT_USAGE, IntegrityError, first_line
+    from precast.runtime.manifest import read_manifest, sha256_file
+
+    assert (EXIT_USAGE, IntegrityError, first_line) == (errors.EXIT_USAGE, errors.IntegrityError, errors.first_line)
+    assert (read_manifest, sha256_file) == (manifest.read_manifest, manifest.sha256_file)

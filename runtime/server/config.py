@@ -112,7 +112,7 @@ class ServerConfig:
         "(not empty; /health, /ready, /metrics stay open).",
         env=API_KEY_ENV,
     )
-    threads: int | None = None  # ORT intra-op threads per session (--threads: cli/output.py threads_option)
+    threads: int | None = None  # ORT intra-op threads per session (--threads: cli/output.py THREADS)
     instances: int = opt(1, "Model calls that may run at once.", min=1)
     drain_timeout: float = opt(30.0, "On SIGTERM/SIGINT: seconds to finish in-flight requests.")
     verify: bool = True  # re-run stored parity feeds on load and reload

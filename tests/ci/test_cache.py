@@ -126,3 +126,28 @@ def test_precast_code_is_part_of_the_key(model_file, tmp_path, monkeypatch):
     assert hash_sources([pkg]) != before
     (pkg / "fuse.py").write_text("X = 1\n")
     assert hash_sources([pkg]) == before
+
+
+def test_the_code_hash_covers_every_package_that_builds_artifacts():
+    """Every package setup.py installs but the CLI, and every module of the top package, is in the code hash:
+    a package left out (as precast.ir and precast.artifact were when the layout moved) would let the cache hand
+    out artifacts that code built before it changed."""
+    import ast
+    import importlib
+    from pathlib import Path
+
+    import precast.compiler.cache as cache_mod
+
+    root = Path(__file__).resolve().parent.parent.parent
+    setup = ast.parse((root / "setup.py").read_text())
+    (folders,) = [
+        ast.literal_eval(n.value) for n in ast.walk(setup) if isinstance(n, ast.Assign) and n.targets[0].id == "FOLDERS"
+    ]
+    assert set(cache_mod._CODE_PACKAGES) == set(folders) - {"precast", "precast.cli"}
+    top = Path(importlib.import_module("precast").__file__).parent
+    modules = {f"precast.{f.stem}" for f in top.glob("*.py") if f.stem not in ("__init__", "__main__")}
+    assert set(cache_mod._CODE_MODULES) == modules
+    pkg = root / "ir"
+    assert pkg.is_dir()
+    before = cache_mod.hash_sources([pkg], [top / "options.py"])
+    assert before != cache_mod.hash_sources([pkg], [top / "errors.py"])

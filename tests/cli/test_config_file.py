@@ -103,3 +103,26 @@ def test_cli_reads_the_file_and_the_command_line_wins(cli, mlp_path, tmp_path, m
     (tmp_path / "precast.toml").write_text("[compile]\nbogus = 1\n")
     r = cli("compile", mlp_path, "-o", tmp_path / "p")
     assert r.code == 1 and "precast.toml: unknown key 'bogus' in [compile]" in _last_error(r)
+
+
+def test_serve_reads_its_table_and_the_command_line_wins(tmp_path, monkeypatch):
+    """`precast serve` takes a [serve] table, keyed by its generated flags; the ServerConfig it builds has the
+    file's values where the command line says nothing."""
+    import precast.runtime.server as server
+    from precast.cli.main import main
+
+    seen = []
+    monkeypatch.setattr(server, "serve", seen.append)
+    (tmp_path / "art").mkdir()
+    cfg = tmp_path / "precast.toml"
+    cfg.write_text('[serve]\nport = 9123\nmax_batch_size = 3\nmax_num_seqs = 5\nhost = "0.0.0.0"\n')
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path / "art"), "--config", str(cfg), "--port", "9124"])
+    assert e.value.code == 0
+    (config,) = seen
+    assert (config.port, config.max_batch_size, config.host) == (9124, 3, "0.0.0.0")
+    assert config.llm["max_num_seqs"] == 5
+    cfg.write_text("[serve]\nmax_batch_siz = 3\n")
+    with pytest.raises(SystemExit) as e:
+        main(["serve", str(tmp_path / "art"), "--config", str(cfg)])
+    assert e.value.code == 1

@@ -158,6 +158,16 @@ def test_gpt2_keeps_the_gather_layout(gpt2_artifact):
 
 
 @pytest.mark.slow
+def test_from_artifact_takes_its_options_by_position_as_before(llama_artifact):
+    """ModelRunner.from_artifact(path, num_blocks, threads, verify, spinning): positional, as the release before
+    the runner factory took them; an unknown option is still refused."""
+    runner = ModelRunner.from_artifact(llama_artifact.output, 4, 1, True, False)
+    assert runner.num_blocks == 4 and runner.spin_switch is None
+    with pytest.raises(TypeError):
+        ModelRunner.from_artifact(llama_artifact.output, 4, threads=1, sping=False)
+
+
+@pytest.mark.slow
 def test_runner_rejects_bad_steps(llama_artifact):
     runner = ModelRunner.from_artifact(llama_artifact.output, num_blocks=4)
     ok = {

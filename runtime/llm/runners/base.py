@@ -87,23 +87,33 @@ class RunnerBase:
     kv_bytes = 0  # (a property of the runners that own pools)
     spin_switch = None  # a SpinSwitch (ONNX Runtime runners with spinning="auto"): the session each step runs on
 
+    def attach_spin_switch(self, switch) -> None:
+        """Run each step on the session ``switch`` picks (spinning or not; runners/spin_switch.py)."""
+        self.spin_switch = switch
+
     @property
     def kv_resident_bytes(self) -> int:
         """Bytes of the pools' touched blocks (kv_blocks_touched x bytes per block): what the pools hold."""
         return self.kv_blocks_touched * (self.kv_bytes // self.num_blocks)
 
     @classmethod
-    def from_artifact(cls, path, num_blocks: int | None = None, **options) -> StepRunner:
+    def from_artifact(
+        cls,
+        path,
+        num_blocks: int | None = None,
+        threads: int | None = None,
+        verify: bool = True,
+        spinning: bool | str | None = None,
+        *,
+        micro_batches: int | None = None,
+    ) -> StepRunner:
         """The runner open_runner picks for the causal-lm artifact at ``path``, whichever class this is called
         on (ModelRunner.from_artifact of a mapped artifact is a MappedModelRunner). ``num_blocks`` defaults to
-        LLMSpec.default_num_blocks(); ``options``: open_runner.RunnerOptions' fields."""
-        from precast.runtime.llm.runners.factory import (
-            RunnerOptions,
-            open_artifact_runner,
-        )
+        LLMSpec.default_num_blocks(); the rest are factory.RunnerOptions' fields (positional as before)."""
+        from precast.runtime.llm.runners.factory import RunnerOptions, open_artifact_runner
 
-        checked = RunnerOptions.from_kwargs(options, f"{cls.__name__}.from_artifact")
-        return open_artifact_runner(path, num_blocks, checked)
+        options = RunnerOptions(threads=threads, verify=verify, spinning=spinning, micro_batches=micro_batches)
+        return open_artifact_runner(path, num_blocks, options)
 
     def single_decoder(self) -> SingleDecoder | None:
         return None

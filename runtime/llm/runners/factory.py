@@ -1,15 +1,15 @@
 """One factory for the LLM step runners: the manifest picks the implementation, callers never branch on layouts.
 
-    manifest                           runner                                   opened by
-    stages, kv_layout "mapped"         StagedRunner (runners/staged.py)          open_runner
-    stages, kv_layout "paged"          StagedPagedRunner (staged_paged_runner)  open_runner
-    kv_layout "ov-paged"               OVStepRunner (runners/openvino.py)              open_runner / runner_on
-    kv_layout "mapped"                 MappedModelRunner (runners/mapped.py)     open_runner / runner_on
-    kv_layout "paged"                  ModelRunner (runners/gather.py)            open_runner / runner_on
+    manifest                        runner                                      opened by
+    stages, kv_layout "mapped"      StagedRunner (runners/staged.py)            open_runner
+    stages, kv_layout "paged"       StagedPagedRunner (runners/staged_paged.py) open_runner
+    kv_layout "ov-paged"            OVStepRunner (runners/openvino.py)          open_runner / runner_on
+    kv_layout "mapped"              MappedModelRunner (runners/mapped.py)       open_runner / runner_on
+    kv_layout "paged"               ModelRunner (runners/gather.py)             open_runner / runner_on
 
 ``open_runner(root, manifest, ...)`` opens a target the HAL resolved (runtime/hal.py: Engine.load, the
 perplexity scorer, the compiler's text accuracy); ``runner_on(session, spec, ...)`` runs a session the caller
-already holds (the compiler's fp32 reference graph). Every runner is a runner.StepRunner.
+already holds (the compiler's fp32 reference graph). Every runner is a runners/base.py StepRunner.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 from precast.artifact.llm_spec import LLMSpec
 from precast.artifact.manifest import Manifest
 from precast.errors import ArtifactError, UsageError
-from precast.runtime.llm.runners.base import StepRunner
+from precast.runtime.llm.runners.base import RunnerBase, StepRunner
 
 __all__ = ["RunnerOptions", "open_artifact_runner", "open_runner", "runner_on"]
 
@@ -55,11 +55,23 @@ class RunnerOptions:
 def open_artifact_runner(
     path: str | os.PathLike, num_blocks: int | None = None, options: RunnerOptions = RunnerOptions()
 ) -> StepRunner:
-    """open_runner of the artifact at ``path`` (a directory or an index; the HAL picks the target)."""
+    """open_runner of the artifact at ``path``: a directory, an index (the HAL tries its targets best first,
+    passing over one this host cannot run, as Engine.load does) or a packed file (unpacked into a temp dir
+    removed when the runner is garbage collected)."""
+    import weakref
+
     from precast.runtime.hal import resolve
 
-    found = resolve(path, lambda root, manifest: None, verify=options.verify)
-    return open_runner(found.root, found.manifest, num_blocks, options)
+    found = resolve(
+        path,
+        lambda root, manifest: open_runner(root, manifest, num_blocks, options, where=path),
+        verify=options.verify,
+    )
+    if found.temp is not None:
+        from precast.artifact.archive import remove_temp
+
+        weakref.finalize(found.opened, remove_temp, found.temp)
+    return found.opened
 
 
 def open_runner(
@@ -119,7 +131,7 @@ def runner_on(session, spec: LLMSpec, num_blocks: int, path: Path | None = None)
     return ModelRunner(session, spec, num_blocks, path)
 
 
-def _add_spin_switch(runner: StepRunner, model, threads: int | None) -> None:
+def _add_spin_switch(runner: RunnerBase, model, threads: int | None) -> None:
     """spinning="auto": a second, spinning session of the same files, and the SpinSwitch that picks one of
     the two each step (runners/spin_switch.py), for an ONNX Runtime artifact up to AUTO_SPIN_MAX_BYTES."""
     from precast.runtime.backends import create_session
@@ -132,7 +144,7 @@ def _add_spin_switch(runner: StepRunner, model, threads: int | None) -> None:
         return
     # (the files were checked by the HAL a moment ago; this session reads the same ones)
     spin = create_session(root, model.manifest.target, threads=threads, spinning=True)
-    runner.spin_switch = SpinSwitch(model.session, spin)
+    runner.attach_spin_switch(SpinSwitch(model.session, spin))
 
 
 def _weights_bytes(root: Path) -> int:

@@ -22,7 +22,7 @@ binding to the next as ONNX Runtime values (no copy). A binding runs once per st
 its own (slot, rows) binding), and a step returns only when every micro-batch is through the last stage.
 
 This module runs the mapped KV layout (what ort-cpu compiles Llama-family models to); ``open_staged_runner`` of a
-staged paged step graph (GPT-2, the generic decoders) returns staged_paged_runner.StagedPagedRunner.
+staged paged step graph (GPT-2, the generic decoders) returns staged_paged.StagedPagedRunner.
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ from precast.runtime.llm.runners.staged_paged import (
 __all__ = ["StagedRunner", "check_stages_match_spec", "open_staged_runner", "staged_llm_block"]
 
 _STEP_INPUTS = ("input_ids", "positions", *MAPPED_STEP_INPUTS)
-# the step inputs of either layout (paged: staged_paged_runner.PAGED_STEP_INPUTS)
+# the step inputs of either layout (paged: staged_paged.PAGED_STEP_INPUTS)
 _ANY_STEP_INPUT = (*_STEP_INPUTS, "past_lens", "new_lens", "block_tables")
 
 
@@ -99,7 +99,7 @@ class _Stage:
         for name in self.boundary_out:  # unallocated again: ONNX Runtime allocates this run's (own) tensors
             io.bind_output(name, "cpu")
         t0 = time.perf_counter()
-        sess = self._native(self.session)  # ORT's C++ session (mapped_runner.NativeLookup)
+        sess = self._native(self.session)  # ORT's C++ session (mapped.NativeLookup)
         if sess is not None:
             sess.run_with_iobinding(io.native, None)
         else:  # a session wrapping ORT's (a stand-in, a timer)
