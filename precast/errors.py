@@ -93,7 +93,7 @@ class PassFailedError(PrecastError):
 
 class NativeCrashError(PassFailedError):
     """A vendor library crashed (a signal such as SIGSEGV), exited or hung in the child process precast ran it
-    in (``precast.ir.isolated``); the compile is refused with the target, the stage and the signal."""
+    in (``precast.targets.isolated``); the compile is refused with the target, the stage and the signal."""
 
     def __init__(self, message: str, *, signal: str = "", stderr_tail: str = ""):
         super().__init__(message)

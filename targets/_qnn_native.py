@@ -1,6 +1,6 @@
 """The ort-qnn steps that call into Qualcomm's QNN libraries; each runs in a child process.
 
-``precast.ir.isolated`` runs these (entries ``qnn-placement`` and ``qnn-compile``): the HTP compiler
+``precast.targets.isolated`` runs these (entries ``qnn-placement`` and ``qnn-compile``): the HTP compiler
 segfaults on some graphs, and a crash must cost the child, not the compile. Payloads and results are JSON.
 Everything here imports only onnxruntime and precast.runtime, so the child starts in about a second.
 """

@@ -7,7 +7,7 @@ The HTP runs static shapes only, so every symbolic dim is pinned to the compile'
 (``--dim`` picks them). The EP-context binary is compiled offline on x86 Linux with the ``onnxruntime-qnn``
 package (it installs beside plain onnxruntime) and reloads on the device, or on x86 through HTP emulation.
 
-The vendor steps run in child processes (``precast.ir.isolated``; QNN's HTP compiler segfaults on some
+The vendor steps run in child processes (``precast.targets.isolated``; QNN's HTP compiler segfaults on some
 graphs): first a **placement check** -- a session that may fall back to the CPU, recording which EP each node
 lands on -- and only when every node lands on the HTP the EP-context compile. A refused node, a vendor error
 or a crash in either stage is exit 5 naming the target, the stage (and the signal) and the refused nodes.
@@ -47,7 +47,6 @@ from precast.errors import (
     first_line,
 )
 from precast.ir.calibration import FeedsReader, calibration_batches, used_user_data
-from precast.ir.isolated import run_isolated
 from precast.ir.registry import PassContext
 from precast.options import opt
 from precast.passes._quantize_common import quiet
@@ -59,6 +58,7 @@ from precast.targets.base import (
     Target,
     register_target,
 )
+from precast.targets.isolated import run_isolated
 
 __all__ = ["OrtQnn"]
 

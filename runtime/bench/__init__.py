@@ -204,24 +204,25 @@ def closed_loop(
         except threading.BrokenBarrierError:
             return
         deadline = start[0] + (duration_s or 0.0)
-        tries = 0
+        ended = None  # when this client's last request ended: it stops at the first to end past the deadline
         while True:
             if requests is not None:
                 if not take():
                     return
-            elif tries and time.perf_counter() >= deadline:
+            elif ended is not None and ended >= deadline:
                 return
-            tries += 1
             t0 = time.perf_counter()
             try:
                 tokens = call()
             except RequestFailed as e:
+                ended = time.perf_counter()
                 fail(str(e))
                 continue
             except Exception as e:  # noqa: BLE001 - reported as the level's first error, this client stops
                 fail(str(e) if isinstance(e, PrecastError) else first_line(e, with_type=True))
                 return
-            mine.append(Sample(t0, time.perf_counter(), tokens))
+            ended = time.perf_counter()
+            mine.append(Sample(t0, ended, tokens))
 
     threads = [
         threading.Thread(target=worker, args=(i,), name=f"precast-bench-{i}", daemon=True) for i in range(n)

@@ -6,8 +6,8 @@ from pathlib import Path
 import pytest
 
 from precast.errors import NativeCrashError, UsageError
-from precast.ir import isolated
-from precast.ir.isolated import run_isolated
+from precast.targets import isolated
+from precast.targets.isolated import run_isolated
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -21,7 +21,7 @@ def cosine(a, b) -> float:
 @pytest.fixture
 def child_entry(monkeypatch):
     """Point one of precast's isolated (child-process) entries at tests/targets/crash_entries.py."""
-    from precast.ir import isolated
+    from precast.targets import isolated
 
     root = str(Path(__file__).resolve().parents[2])  # the child imports tests.targets.crash_entries
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))

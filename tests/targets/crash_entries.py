@@ -1,4 +1,4 @@
-"""Child-process entries that die the way vendor libraries do (run by precast.ir.isolated in tests)."""
+"""Child-process entries that die the way vendor libraries do (run by precast.targets.isolated in tests)."""
 
 import ctypes
 import sys

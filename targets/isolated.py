@@ -1,6 +1,6 @@
 """Run a step that calls into a vendor library in a child process: a native crash becomes an error.
 
-    parent                                              child: python -P -m precast.ir.isolated
+    parent                                              child: python -P -m precast.targets.isolated
     run_isolated("qnn-compile", {...}, what=...) --stdin-->  {"entry": "precast.targets._qnn_native:...", ...}
         result / typed error         <--private pipe--  entry(payload) -> JSON-able dict
         signal, exit code, timeout   <--wait status--   (SIGSEGV in the vendor library: the child dies alone)
