@@ -28,16 +28,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_llm_engine import SMALL  # noqa: E402  (the same small Llama as the engine benchmark)
+
 FOLDERS = ("compiler", "passes", "targets", "runtime", "cli", "artifact", "ir")
-SMALL = {
-    "hidden_size": 256,
-    "intermediate_size": 704,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 8,
-    "num_key_value_heads": 4,
-    "vocab_size": 512,
-    "max_position_embeddings": 512,
-}
 
 COMPILE = """
 import json, sys, time

@@ -155,6 +155,16 @@ def load(
     )
 
 
+def open_resolved(
+    root: Path, manifest: Manifest, *, threads: int | None = None, spinning: bool | None = None
+) -> Model:
+    """The Model of one target the HAL already resolved (``root`` and its manifest, files checked), for an
+    opener that needs the whole Model (the LLM runner factory): no second resolve or read of the manifest."""
+    check_threads(threads)
+    session = _open_session(root, manifest, threads, spinning)
+    return Model(root, manifest, session, list(manifest.io.inputs), list(manifest.io.outputs))
+
+
 def _open_session(root: Path, manifest: Manifest, threads: int | None, spinning: bool | None) -> Session:
     """The backend session of one (resolved) target, checked against the manifest's io and llm blocks."""
     if manifest.stages is not None:  # split-stages: one session per stage, run in order (threads: per stage)

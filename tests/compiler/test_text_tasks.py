@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from precast.errors import UsageError
+from tests.helpers import randomize_weights_
 
 WORDS = (
     "the quick brown fox jumps over lazy dog a man is playing guitar on small stage while audience sings "
@@ -49,11 +50,7 @@ def _tiny_bert(task: str, vocab_size: int):
         **extra,
     )
     torch.manual_seed(0)
-    model = getattr(transformers, cls)(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            torch.nn.init.normal_(p, 0, 0.1)
-    return model
+    return randomize_weights_(getattr(transformers, cls)(config).eval())
 
 
 @pytest.fixture(scope="module")

@@ -99,10 +99,10 @@ def open_runner(
     spinning = "auto" if options.spinning is None else options.spinning
     if spinning not in (True, False, "auto"):
         raise UsageError(f"spinning must be True, False or 'auto', got {spinning!r}")
-    from precast.runtime.model import load
+    from precast.runtime.model import open_resolved
 
     auto = spinning == "auto"
-    model = load(root, threads=options.threads, verify=False, spinning=False if auto else spinning)
+    model = open_resolved(root, manifest, threads=options.threads, spinning=False if auto else spinning)
     spec = LLMSpec.from_manifest(model.manifest, str(root))
     runner = runner_on(
         model.session, spec, spec.default_num_blocks() if num_blocks is None else num_blocks, root
