@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import click
@@ -20,7 +21,7 @@ from precast.cli.output import (
     err_console,
     out_console,
 )
-from precast.errors import UsageError
+from precast.errors import InputError, UsageError
 
 
 @cli.command()
@@ -190,15 +191,35 @@ def verify(artifact, as_json, pubkey, expect_name, min_version, junit, quiet):
 
 @cli.command()
 @click.argument("artifact", type=click.Path())
-@click.option("-i", "--input", "input_file", required=True, type=click.Path(), help="Feeds: .npz or .json.")
+@click.option("-i", "--input", "input_file", type=click.Path(), help="Feeds: .npz or .json.")
+@click.option("--image", "images", multiple=True, type=click.Path(), help="An image file (image tasks).")
+@click.option("--audio", "audios", multiple=True, type=click.Path(), help="A WAV file (audio tasks).")
+@click.option(
+    "--text", "texts", multiple=True, help="A text (text tasks; the question for question-answering)."
+)
+@click.option("--context", default=None, help="question-answering: the text to find the answer in.")
+@click.option(
+    "--labels", default=None, help="zero-shot-image-classification: candidate labels, comma-separated."
+)
+@click.option("--top-k", default=5, show_default=True, type=click.IntRange(1, 1000), help="Labels per input.")
 @click.option("-o", "--output", "output_file", type=click.Path(), default=None, help="Save outputs to .npz.")
 @click.option("--prefer", default=None, help="Target to prefer in a multi-target artifact.")
 @THREADS
 @click.option("--json", "as_json", is_flag=True, help="Print outputs as JSON lists.")
-def run(artifact, input_file, output_file, prefer, threads, as_json):
-    """Run an artifact on feeds from a file and print (or save) the outputs."""
+def run(
+    artifact, input_file, images, audios, texts, context, labels, top_k, output_file, prefer, threads, as_json
+):
+    """Run an artifact on feeds from a file (-i), or a task artifact on images, WAV files or text, and print
+    (or save) the outputs: labels and scores, decoded text, an answer span, an embedding."""
     from precast.runtime import load
 
+    given = bool(images or audios or texts)
+    if input_file and given:
+        raise UsageError("give either -i FEEDS or --image/--audio/--text, not both")
+    if not input_file and not given:
+        raise UsageError(
+            "nothing to run: give -i FEEDS (.npz/.json), or --image / --audio / --text for a task artifact"
+        )
     if output_file:
         check_output_path(output_file, "-o")
     model = load(artifact, threads=threads, prefer=prefer)
@@ -206,6 +227,9 @@ def run(artifact, input_file, output_file, prefer, threads, as_json):
         err_console.print(escape(f"skipped target {name}: {why}"))
     if model.skipped or prefer:
         err_console.print(escape(f"running target {model.target} on {', '.join(model.providers)}"))
+    if given:
+        _run_task(model, images, audios, texts, context, labels, top_k, as_json)
+        return
     feeds = read_feeds(input_file, model.inputs)
     outputs = model.run(feeds)
     if output_file:
@@ -222,6 +246,54 @@ def run(artifact, input_file, output_file, prefer, threads, as_json):
         )
     if output_file:
         err_console.print(f"saved outputs to {output_file}")
+
+
+def _run_task(model, images, audios, texts, context, labels, top_k, as_json) -> None:
+    """``precast run --image/--audio/--text``: the artifact's own preprocessing and labels (runtime/tasks.py)."""
+    from precast.runtime.processing import load_image, read_wav
+    from precast.runtime.tasks import TaskRunner
+
+    runner = TaskRunner.open(model)
+    if runner is None:
+        raise UsageError(
+            f"{model.path} is not a Hugging Face task artifact (no task in its manifest): give -i FEEDS instead"
+        )
+    names = [*images, *audios, *texts]
+    candidates = [x.strip() for x in (labels or "").split(",") if x.strip()]
+    runner.check_inputs(images, audios, texts, candidates, context)  # before reading any file
+    results = runner.run(
+        images=[load_image(p) for p in images],
+        audio=[_mono(read_wav(p), p) for p in audios],
+        texts=list(texts),
+        labels=candidates,
+        context=context,
+        top_k=top_k,
+    )
+    if as_json:
+        emit_json([{"input": n, "result": r} for n, r in zip(names, results)])
+        return
+    for name, result in zip(names, results):
+        out_console.print(escape(f"{name}: {_describe(result)}"))
+
+
+def _mono(wav, path):
+    samples, rate = wav
+    if samples.ndim != 1:
+        raise InputError(
+            f"{path}: {samples.shape[1]} channels; the model takes mono audio (1 channel) at its sampling rate"
+        )
+    return samples, rate
+
+
+def _describe(result) -> str:
+    if isinstance(result, dict) and "embedding" in result:
+        v = result["embedding"]
+        return (
+            f"embedding [{len(v)}] " + ", ".join(f"{x:.5f}" for x in v[:6]) + (" ..." if len(v) > 6 else "")
+        )
+    if isinstance(result, list) and result and isinstance(result[0], dict) and "label" in result[0]:
+        return ", ".join(f"{r['label']} ({r['score']:.4f})" for r in result)
+    return json.dumps(result)
 
 
 @cli.command()

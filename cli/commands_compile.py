@@ -19,7 +19,7 @@ from precast.cli.output import (
     err_console,
     format_bytes,
 )
-from precast.compiler.frontends.hf_tasks import TEXT_TASKS
+from precast.compiler.frontends.hf_tasks import TASKS
 from precast.errors import UsageError
 
 __all__ = ["compile_cmd", "print_parity"]
@@ -53,7 +53,7 @@ def _kv_pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
 @click.option(
     "--task",
     default=None,
-    help=f"Task for Hugging Face folders: {', '.join([*TEXT_TASKS, 'causal-lm'])} "
+    help=f"Task for Hugging Face folders: {', '.join([*TASKS, 'causal-lm'])} "
     "(default: inferred from config.architectures).",
 )
 @click.option(

@@ -6,9 +6,7 @@ from dataclasses import dataclass
 
 import onnx_ir as ir
 from onnxscript.rewriter import pattern
-from onnxscript.rewriter.ort_fusions.fused_matmul_rule_sets import (
-    fused_matmul_rule_sets,
-)
+from onnxscript.rewriter.ort_fusions import fused_matmul_rule_sets as _fmm
 
 from precast.ir.registry import Pass, PassResult, option, register
 from precast.passes._rewrite import apply_rules
@@ -62,6 +60,42 @@ _GEMM_RULES = pattern.RewriteRuleSet(
     ],
     commute=True,
 )
+
+
+def _rank3_only(cls):
+    """onnxscript 0.7.2's batch-transpose rules emit transBatchA/B=1 whatever the other operand's rank, which ONNX
+    Runtime refuses unless both operands have one rank >= 3 (SigLIP's attention-pooling head, a rank-3
+    Transpose times a rank-2 weight, failed to run): the same rules, refused there."""
+
+    class RankChecked(cls):
+        def check(self, context, x, y, transposed, fused, **kw):
+            node = transposed.producer()
+            rank = len(node.attributes["perm"].as_ints()) if node is not None else 0
+            other = y if self._pos == 1 else x  # ORT: both operands of that rank
+            if rank < 3 or other.shape is None or len(other.shape) != rank:
+                return pattern.MatchResult().fail("transBatchA/B needs both operands of one rank >= 3")
+            return super().check(context, x, y, transposed, fused, **kw)
+
+    RankChecked.__name__ = cls.__name__
+    return RankChecked
+
+
+def fused_matmul_rule_sets() -> pattern.RewriteRuleSet:
+    """onnxscript's FusedMatMul rule set, its batch-transpose rules checked for rank (_rank3_only)."""
+    rules = [
+        rule.rule() if not issubclass(rule, _fmm._TransposeFusedMatMulBaseWithBatch) else _rank3_only(rule).rule()
+        for rule in (
+            _fmm.FusedMatMulDiv1, _fmm.FusedMatMulDiv2, _fmm.FusedMatMulTranspose, _fmm.MatMulTranspose,
+            _fmm.TransposeMatMul1, _fmm.TransposeFusedMatMul1, _fmm.TransposeMatMul2, _fmm.TransposeFusedMatMul2,
+            _fmm.TransposeFusedMatMulWithFlippedBatch1, _fmm.TransposeFusedMatMulWithFlippedBatch2,
+            _fmm.TransposeFusedMatMulWithFlippedBatchAndTranspose1,
+            _fmm.TransposeFusedMatMulWithFlippedBatchAndTranspose2,
+            _fmm.TransposeFusedMatMulWithBatchAndTranspose1, _fmm.TransposeFusedMatMulWithBatchAndTranspose2,
+        )
+    ]  # fmt: skip
+    if len(rules) != len(_fmm.fused_matmul_rule_sets().rules):  # onnxscript added or dropped a rule
+        raise RuntimeError("onnxscript's fused_matmul_rule_sets changed: update passes/fuse_matmul_add.py")
+    return pattern.RewriteRuleSet(rules)
 
 
 @register("fuse-matmul-add")

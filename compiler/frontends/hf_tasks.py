@@ -1,10 +1,11 @@
-"""Hugging Face tasks for single-forward text models: which Auto class loads the folder, what its forward
+"""Hugging Face tasks for single-forward models: which Auto class loads the folder, what its forward takes and
 returns, how ``config.architectures`` names the head, and whether the labels travel in the artifact.
 
     config.json ──> resolve_task (given or inferred; pure, no transformers) ──> model_class (transformers'
-    mapping for the task; refuses what cannot be a text encoder before the weights are read)
+    mapping for the task) ──> modality (what the class's forward takes: text, image, audio, image+text)
 
-A task here is one row of ``TEXT_TASKS``, not a code path: hf_source.py loads, exports and verifies them alike.
+A task here is one row of ``TASKS``, not a code path: hf_source.py loads, exports and verifies them alike, and
+which model types a task takes is transformers' own mapping, guarded by parity -- not a list kept here.
 """
 
 from __future__ import annotations
@@ -17,14 +18,16 @@ from precast.errors import ModelLoadError, UsageError
 
 __all__ = [
     "HFTask",
-    "TEXT_TASKS",
+    "TASKS",
     "TESTED_ENCODERS",
-    "VISION_TYPES",
     "infer_task",
     "resolve_task",
     "task_dims",
     "model_class",
+    "modality_of",
 ]
+
+TEXT, IMAGE, AUDIO, IMAGE_TEXT = "text", "image", "audio", "image-text"
 
 
 @dataclass(frozen=True)
@@ -34,62 +37,81 @@ class HFTask:
     mapping: str  # its table in transformers.models.auto.modeling_auto (model_type -> class name)
     outputs: tuple[str, ...] | None  # what the forward returns (None: whatever the base model returns)
     heads: tuple[str, ...]  # config.architectures suffixes that carry this task's head
+    modalities: tuple[str, ...]  # what the model's forward may take (modality_of)
     labels: bool = False  # id2label travels in the manifest
 
 
-TEXT_TASKS: dict[str, HFTask] = {
+_BARE = ("Model",)
+TASKS: dict[str, HFTask] = {
     t.name: t
     for t in (
-        HFTask("feature-extraction", "AutoModel", "MODEL_MAPPING_NAMES", None, ("Model",)),
-        HFTask(
-            "fill-mask", "AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", ("logits",), ("ForMaskedLM",)
-        ),
-        HFTask(
-            "text-classification",
-            "AutoModelForSequenceClassification",
-            "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
-            ("logits",),
-            ("ForSequenceClassification",),
-            labels=True,
-        ),
-        HFTask(
-            "token-classification",
-            "AutoModelForTokenClassification",
-            "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
-            ("logits",),
-            ("ForTokenClassification",),
-            labels=True,
-        ),
-        HFTask(
-            "question-answering",
-            "AutoModelForQuestionAnswering",
-            "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES",
-            ("start_logits", "end_logits"),
-            ("ForQuestionAnswering",),
-        ),
+        HFTask("feature-extraction", "AutoModel", "MODEL_MAPPING_NAMES", None, _BARE, (TEXT, IMAGE, AUDIO)),
+        # feature-extraction + the folder's sentence-transformers pooling and normalisation, in the graph
+        HFTask("sentence-similarity", "AutoModel", "MODEL_MAPPING_NAMES", ("sentence_embedding",), _BARE, (TEXT,)),
+        HFTask("fill-mask", "AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES", ("logits",),
+               ("ForMaskedLM",), (TEXT,)),
+        HFTask("text-classification", "AutoModelForSequenceClassification",
+               "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES", ("logits",), ("ForSequenceClassification",),
+               (TEXT,), labels=True),
+        HFTask("token-classification", "AutoModelForTokenClassification",
+               "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES", ("logits",), ("ForTokenClassification",),
+               (TEXT,), labels=True),
+        HFTask("question-answering", "AutoModelForQuestionAnswering",
+               "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES", ("start_logits", "end_logits"),
+               ("ForQuestionAnswering",), (TEXT,)),
+        HFTask("image-classification", "AutoModelForImageClassification",
+               "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES", ("logits",),
+               ("ForImageClassification", "ForImageClassificationWithTeacher"), (IMAGE,), labels=True),
+        HFTask("image-feature-extraction", "AutoModel", "MODEL_MAPPING_NAMES", None, _BARE, (IMAGE,)),
+        HFTask("zero-shot-image-classification", "AutoModelForZeroShotImageClassification",
+               "MODEL_FOR_ZERO_SHOT_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+               ("logits_per_image", "logits_per_text", "text_embeds", "image_embeds"), _BARE, (IMAGE_TEXT,)),
+        HFTask("audio-classification", "AutoModelForAudioClassification",
+               "MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES", ("logits",),
+               ("ForSequenceClassification", "ForAudioClassification"), (AUDIO,), labels=True),
+        HFTask("automatic-speech-recognition", "AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES", ("logits",),
+               ("ForCTC",), (AUDIO,)),
     )
 }  # fmt: skip
 
-# Families the test suite compiles (tests/compiler/test_encoder_families.py): named in refusals, not a gate.
+# Families the test suite compiles (tests/compiler/test_*tasks.py, test_encoder_families.py): named in
+# refusals as a hint, not a gate.
 TESTED_ENCODERS = (
-    "albert", "bert", "camembert", "clip_text_model", "deberta-v2", "distilbert", "electra", "mpnet",
-    "roberta", "t5", "vit", "xlm-roberta",
+    "albert", "bert", "camembert", "clip", "clip_text_model", "clip_vision_model", "convnext", "deberta-v2",
+    "dinov2", "distilbert", "electra", "modernbert", "mpnet", "resnet", "roberta", "siglip", "swin", "t5",
+    "vit", "wav2vec2", "xlm-roberta",
 )  # fmt: skip
-VISION_TYPES = {"vit"}  # image encoders this frontend feeds pixel_values (image tasks: issue 39's next part)
-_CAUSAL = ("ForCausalLM", "LMHeadModel")
+_AUDIO_KEYS = ("num_feat_extract_layers", "num_mel_bins", "conv_dim")  # audio encoders' configs carry these
 
 
 def _archs(config: dict) -> list[str]:
     return [a for a in config.get("architectures") or [] if isinstance(a, str)]
 
 
+def _is_audio(config: dict) -> bool:
+    return any(k in config for k in _AUDIO_KEYS)
+
+
+def _is_image(config: dict) -> bool:
+    return "num_channels" in config and "vocab_size" not in config
+
+
 def infer_task(config: dict) -> str:
-    """The task ``config.architectures`` names: a head's task, else feature-extraction (a bare ``...Model``,
-    or no architectures; a causal LM is refused with a hint by the loader)."""
+    """The task ``config.architectures`` names: a head's task (a ...ForSequenceClassification of an audio model
+    is audio-classification), else by what a bare ``...Model`` takes: both towers -> zero-shot image
+    classification, an image encoder -> image-feature-extraction, else feature-extraction. A causal LM is
+    refused with a hint by the loader."""
+    audio = _is_audio(config)
     for arch in _archs(config):
-        for task in TEXT_TASKS.values():
-            if task.outputs is not None and arch.endswith(task.heads):
+        for task in TASKS.values():
+            if task.outputs is None or task.heads == _BARE or not arch.endswith(task.heads):
+                continue
+            if (AUDIO in task.modalities) == audio:
                 return task.name
+    if "text_config" in config and "vision_config" in config:
+        return "zero-shot-image-classification"
+    if _is_image(config):
+        return "image-feature-extraction"
     return "feature-extraction"
 
 
@@ -100,10 +122,10 @@ def resolve_task(config: dict, task: str | None, others: list[str]) -> tuple[str
         return infer_task(config), True
     if task in others:
         return task, False
-    if task not in TEXT_TASKS:
+    if task not in TASKS:
         raise UsageError(f"unknown task '{task}' (supported: {', '.join(known_tasks(others))})")
-    spec, archs = TEXT_TASKS[task], _archs(config)
-    if spec.outputs is not None and archs and not any(a.endswith(spec.heads) for a in archs):
+    spec, archs = TASKS[task], _archs(config)
+    if spec.heads != _BARE and archs and not any(a.endswith(spec.heads) for a in archs):
         raise UsageError(
             f"task '{task}': the folder's model ({', '.join(archs)}) has no {spec.heads[0][3:]} head; "
             f"its task is '{infer_task(config)}' (known tasks: {', '.join(known_tasks(others))})"
@@ -112,29 +134,45 @@ def resolve_task(config: dict, task: str | None, others: list[str]) -> tuple[str
 
 
 def known_tasks(others: list[str]) -> list[str]:
-    return [*TEXT_TASKS, *sorted(others)]
+    return [*TASKS, *sorted(others)]
 
 
 def task_dims(config: dict, task: str) -> frozenset[str] | None:
     """The symbolic input dims the export of ``task`` has, from the config alone (what ``--dim`` may size)."""
-    if task not in TEXT_TASKS:
+    if task not in TASKS:
         return None
-    vision = config.get("model_type") in VISION_TYPES
-    return frozenset({"batch"} if vision else {"batch", "sequence"})
+    if task == "zero-shot-image-classification":
+        return frozenset({"batch", "texts", "sequence"})
+    if _is_audio(config):
+        return frozenset({"batch", "samples"})
+    if _is_image(config) or "image_size" in config and "vocab_size" not in config:
+        return frozenset({"batch"})
+    return frozenset({"batch", "sequence"})
+
+
+def modality_of(model_cls) -> str:
+    """What a transformers class's forward takes: token ids, pixels, a waveform, or pixels and token ids."""
+    params = inspect.signature(model_cls.forward).parameters
+    if "input_values" in params:
+        return AUDIO
+    if "pixel_values" in params:
+        return IMAGE_TEXT if "input_ids" in params else IMAGE
+    return TEXT if "input_ids" in params else "?"
 
 
 def model_class(folder: Path, config: dict, task: str) -> str:
-    """The transformers class name that loads ``folder`` for ``task``: the Auto class, or an encoder-decoder's
-    encoder class (T5EncoderModel) for feature-extraction. ModelLoadError, naming why, for a model that takes
-    no token ids (audio, images other than ViT) or is an encoder-decoder without an encoder class."""
+    """The transformers class name that loads ``folder`` for ``task``: the Auto class, an encoder-decoder's
+    encoder class (T5EncoderModel) for feature-extraction, or a dual-tower model's vision class
+    (CLIPVisionModel) for image-feature-extraction. ModelLoadError, naming why, for a model whose forward
+    takes what the task does not feed (token ids for an image task, a waveform for a text task)."""
     import transformers
     from transformers.models.auto import modeling_auto
 
-    model_type, spec = config.get("model_type", "?"), TEXT_TASKS[task]
+    model_type, spec = config.get("model_type", "?"), TASKS[task]
 
     def refuse(why: str) -> ModelLoadError:
         return ModelLoadError(
-            f"{folder}: model_type '{model_type}' is not a supported encoder for task {task}: {why} "
+            f"{folder}: model_type '{model_type}' is not a supported model for task {task}: {why} "
             f"(tested: {', '.join(TESTED_ENCODERS)})"
         )
 
@@ -154,9 +192,18 @@ def model_class(folder: Path, config: dict, task: str) -> str:
     if encoder and hasattr(transformers, encoder):
         return encoder
     if getattr(hf_config, "is_encoder_decoder", False):
-        raise refuse("it is an encoder-decoder (text2text is not a task here yet)")
-    params = inspect.signature(getattr(transformers, name).forward).parameters
-    if "input_ids" not in params and not (model_type in VISION_TYPES and "pixel_values" in params):
-        takes = ", ".join(p for p in params if p != "self")
-        raise refuse(f"its forward takes ({takes}), not input_ids")
+        raise refuse("it is an encoder-decoder (text2text and speech-to-text are not tasks here yet)")
+    cls = getattr(transformers, name, None)
+    if cls is None:
+        raise refuse(f"transformers {transformers.__version__} names {name} but does not export it")
+    modality = modality_of(cls)
+    if task == "image-feature-extraction" and modality == IMAGE_TEXT:  # CLIPModel -> CLIPVisionModel
+        vision = name.removesuffix("Model") + "VisionModel"
+        if hasattr(transformers, vision):
+            return vision
+    if modality not in spec.modalities:
+        takes = ", ".join(p for p in inspect.signature(cls.forward).parameters if p != "self")
+        feeds = {TEXT: "token ids", IMAGE: "pixel_values", AUDIO: "a waveform", IMAGE_TEXT: "images and text"}
+        wanted = " or ".join(feeds[m] for m in spec.modalities)
+        raise refuse(f"its forward takes ({takes}), not {wanted}")
     return spec.auto_class

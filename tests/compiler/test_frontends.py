@@ -104,9 +104,14 @@ def test_torch_callable(tmp_path, monkeypatch):
 def test_hf_folder_errors(tmp_path):
     folder = tmp_path / "weird"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({"model_type": "wav2vec2"}))
-    with pytest.raises(ModelLoadError, match="model_type 'wav2vec2' is not a supported encoder.*bert"):
-        load_source(str(folder))
+    (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
+    # an image task on a text model: its forward takes token ids, not pixels
+    with pytest.raises(
+        ModelLoadError,
+        match="model_type 'bert' is not a supported model for task "
+        "image-feature-extraction: its forward takes \\(input_ids.*not pixel_values.*vit",
+    ):
+        load_source(str(folder), task="image-feature-extraction")
     (folder / "config.json").write_text(json.dumps({"model_type": "bert"}))
     (folder / "pytorch_model.bin").write_bytes(b"pickle bytes")
     with pytest.raises(ModelLoadError, match="no \\*.safetensors weights"):
@@ -134,7 +139,9 @@ def test_torch_export_holds_no_source_paths(tmp_path):
             return torch.relu(self.lin(x)) * 2
 
     model = dynamo_export(Net().eval(), (torch.ones(2, 4),))
-    values = [v for node in ir.traversal.RecursiveGraphIterator(model.graph) for v in node.metadata_props.values()]
+    values = [
+        v for node in ir.traversal.RecursiveGraphIterator(model.graph) for v in node.metadata_props.values()
+    ]
     assert values, "the exporter's other node metadata (names, scopes) is kept"
     here = str(__import__("pathlib").Path(__file__).resolve().parent)
     assert not [v for v in values if here in v or "site-packages" in v]
