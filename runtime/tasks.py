@@ -98,9 +98,9 @@ class TaskRunner:
     """A loaded task artifact with its pre- and postprocessing: ``run(images=..., audio=..., texts=...)`` -> a list
     of results, one per input (labels and scores, decoded text, an answer span, an embedding)."""
 
-    def __init__(self, model, spec: TaskSpec, processing=None, tokenizer=None, ctc=None):
+    def __init__(self, model, spec: TaskSpec, processing=None, tokenizer=None, ctc=None, pad_id: int = 0):
         self.model, self.spec = model, spec
-        self.processing, self.tokenizer, self.ctc = processing, tokenizer, ctc
+        self.processing, self.tokenizer, self.ctc, self.pad_id = processing, tokenizer, ctc, pad_id
         self.inputs = {s.name for s in model.inputs}
 
     @classmethod
@@ -111,12 +111,13 @@ class TaskRunner:
             return None
         root = Path(model.path)
         processing = tokenizer = ctc = None
+        pad_id = 0
         if (root / PROCESSOR).is_file():
             from precast.runtime.processing import processing_from_config
 
             processing = processing_from_config(_read_json(root / PROCESSOR))
         if (root / TOKENIZER).is_file() and spec.modality in ("text", "image-text"):
-            tokenizer = _tokenizer(root / TOKENIZER)
+            tokenizer, pad_id = _tokenizer(root / TOKENIZER)
         if spec.task == "automatic-speech-recognition" and (root / "tokenizer/vocab.json").is_file():
             from precast.runtime.processing import CTCDecoder
 
@@ -124,7 +125,7 @@ class TaskRunner:
             ctc = CTCDecoder.from_vocab(
                 _read_json(root / "tokenizer/vocab.json"), _read_json(config) if config.is_file() else None
             )
-        return cls(model, spec, processing, tokenizer, ctc)
+        return cls(model, spec, processing, tokenizer, ctc, pad_id)
 
     # -- inputs -------------------------------------------------------------------------------------------
     def _needs(self, what: str, have) -> None:
@@ -172,7 +173,7 @@ class TaskRunner:
             raise InputError(f"the artifact's tokenizer failed on this input: {first_line(e)}") from e
         limit = self._max_tokens()
         length = self.spec.text_length or min(max(len(e.ids) for e in encs), limit)
-        ids = np.full((len(encs), length), self._pad_id(), np.int64)
+        ids = np.full((len(encs), length), self.pad_id, np.int64)
         mask = np.zeros_like(ids)
         types = np.zeros_like(ids)
         for i, e in enumerate(encs):
@@ -180,10 +181,6 @@ class TaskRunner:
             ids[i, :n], mask[i, :n], types[i, :n] = e.ids[:n], 1, e.type_ids[:n]
         arrays = {"input_ids": ids, "attention_mask": mask, "token_type_ids": types}
         return {k: v for k, v in arrays.items() if k in self.inputs}, encs
-
-    def _pad_id(self) -> int:
-        pad = self.tokenizer.padding or {}
-        return int(pad.get("pad_id", 0))
 
     def _max_tokens(self) -> int:
         ids = next((s for s in self.model.inputs if s.name == "input_ids"), None)
@@ -325,12 +322,16 @@ def _read_json(path: Path):
         raise ArtifactError(f"artifact file {path.name}: not valid JSON ({first_line(e)})") from e
 
 
-def _tokenizer(path: Path):
+def _tokenizer(path: Path) -> tuple:
+    """(the artifact's tokenizer with its padding off, its pad id)."""
     try:
         from tokenizers import Tokenizer
     except ImportError:
         raise UsageError("text inputs need the 'tokenizers' package: pip install tokenizers") from None
     try:
-        return Tokenizer.from_file(str(path))
+        tok = Tokenizer.from_file(str(path))
     except Exception as e:  # the tokenizers library raises plain Exception on a malformed file
         raise ArtifactError(f"cannot read tokenizer {path.name}: {first_line(e)}") from e
+    pad = tok.padding or {}
+    tok.no_padding()  # a file's fixed-length padding would be fed as real tokens: text_feeds pads and masks
+    return tok, int(pad.get("pad_id", 0))

@@ -49,7 +49,7 @@ def _causal_lm(folder, config, dims, progress, kv_layout=None):
 
 TASK_LOADERS["causal-lm"] = _causal_lm
 
-# Text encoders take input_ids + attention_mask (+ token_type_ids where the model has a type vocabulary);
+# Text encoders take input_ids + attention_mask (+ token_type_ids where the model has two or more types);
 # image ones pixel_values at the preprocessing's output size, audio ones a waveform (input_values).
 _NO_TOKEN_TYPES = {"distilbert", "roberta", "xlm-roberta", "camembert", "mpnet"}  # type ids unused / all zero
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.txt")
@@ -263,7 +263,7 @@ def _model_inputs(module, modality: str, config: dict, processing) -> list[Tenso
         return [TensorSpec(n, "int64", ("texts", "sequence")) for n in text] + [pixels]
     names = ["input_ids", "attention_mask"]
     model_type = config.get("model_type", "?")
-    if "token_type_ids" in params and model_type not in _NO_TOKEN_TYPES and config.get("type_vocab_size", 0):
+    if "token_type_ids" in params and model_type not in _NO_TOKEN_TYPES and config.get("type_vocab_size", 0) > 1:
         names.append("token_type_ids")
     return [TensorSpec(n, "int64", ("batch", "sequence")) for n in names]
 

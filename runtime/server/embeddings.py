@@ -1,7 +1,7 @@
-"""OpenAI-style /v1/embeddings for encoder artifacts: the shipped tokenizer, mean pooling, L2 normalize.
-
-The same recipe as sentence-transformers' all-MiniLM models: average the token vectors of the last
-hidden state where attention_mask == 1, then divide by the L2 norm.
+"""OpenAI-style /v1/embeddings for encoder artifacts: the shipped tokenizer, then the artifact's own
+sentence_embedding (a sentence-similarity compile pools and normalises in the graph, as the folder's
+sentence-transformers files say), or else mean pooling and L2 normalisation of the last hidden state -- the
+recipe of sentence-transformers' all-MiniLM models.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class EncoderSpec:
     pad_id: int
     static: bool = False  # the model has a fixed sequence length: pad every request to max_length
     dim: int | None = None  # embedding size, when the hidden state's last axis is static
+    pooled: bool = False  # ``output`` is the sentence embedding (sentence-similarity), not token vectors
     text: object | None = None  # text_sandbox.TextSandbox running the tokenizer for requests (start_text)
 
     def start_text(self, limits=None) -> EncoderSpec:
@@ -80,9 +81,13 @@ def encoder_spec(model) -> EncoderSpec | None:
     path = Path(model.path) / TOKENIZER_FILE
     if not path.is_file():
         return None
-    hidden = [o for o in model.outputs if o.name == "last_hidden_state"] or [
-        o for o in model.outputs if o.shape is not None and len(o.shape) == 3
-    ]
+    # a sentence-similarity artifact pools (and normalises) in its graph, as its sentence-transformers files say
+    pooled = [o for o in model.outputs if o.name == "sentence_embedding" and len(o.shape or ()) == 2]
+    hidden = (
+        pooled
+        or [o for o in model.outputs if o.name == "last_hidden_state"]
+        or [o for o in model.outputs if o.shape is not None and len(o.shape) == 3]
+    )
     if not hidden:
         return None
     try:
@@ -121,6 +126,7 @@ def encoder_spec(model) -> EncoderSpec | None:
         int(pad.get("pad_id", 0)),
         static,
         dim,
+        pooled=bool(pooled),
     )
 
 

@@ -122,7 +122,10 @@ async def create_embeddings(state, request):
     check_embedding_work(feeds, config.max_embedding_tokens)
     pad = None if spec.static else {"input_ids": spec.pad_id, "attention_mask": 0, "token_type_ids": 0}
     outputs = await state.batcher.submit(feeds, pad=pad, timeout=config.request_timeout)
-    vectors = mean_pool_normalize(outputs[spec.output], feeds["attention_mask"])
+    if spec.pooled:
+        vectors = outputs[spec.output]
+    else:
+        vectors = mean_pool_normalize(outputs[spec.output], feeds["attention_mask"])
     if spec.dim is None:  # a symbolic width: 'dimensions' is checked against the result
         check_dimensions(body, vectors.shape[1])
     vectors = vectors.astype(np.float32)

@@ -132,3 +132,57 @@ def test_task_mistakes_are_one_line_usage_errors(tmp_path, cli):
     r = cli("compile", tmp_path, "--task", "text-classification", "-o", tmp_path / "o")
     last = r.err.strip().splitlines()[-1]
     assert r.code == 1 and last.startswith("error: ") and "no SequenceClassification head" in last, r.err
+
+
+@pytest.mark.slow
+def test_task_runner_answers_as_transformers_pipelines(compiled):
+    """precast's own pre/postprocessing of text (runtime/tasks.py) against transformers' pipelines on the same
+    model: labels, per-token entities with their character spans, the answer span of a context longer than the
+    question, the masked word's candidates."""
+    import torch
+    import transformers
+
+    from precast.runtime import load
+    from precast.runtime.tasks import TaskRunner
+
+    def pipe(task):
+        model, tok, _, _ = compiled[task]
+        return transformers.pipeline(task, model=model, tokenizer=tok, device="cpu")
+
+    def runner(task):
+        return TaskRunner.open(load(compiled[task][3]))
+
+    texts = ["the quick fox plays guitar .", "how do i reset my password ?"]
+    got = runner("text-classification").run(texts=texts, top_k=3)
+    want = pipe("text-classification")(texts, top_k=3)
+    for g, w in zip(got, want):
+        assert [r["label"] for r in g] == [r["label"] for r in w]
+        np.testing.assert_allclose([r["score"] for r in g], [r["score"] for r in w], atol=1e-5)
+
+    got = runner("token-classification").run(texts=texts)
+    want = pipe("token-classification")(texts, ignore_labels=[])
+    for g, w in zip(got, want):
+        assert [(r["entity"], r["start"], r["end"]) for r in g] == [(r["entity"], r["start"], r["end"]) for r in w]
+        np.testing.assert_allclose([r["score"] for r in g], [r["score"] for r in w], atol=1e-5)
+
+    # transformers 5 has no question-answering pipeline: the span search, by brute force over HF's logits
+    model, tok = compiled["question-answering"][:2]
+    context = "a man is playing guitar on a small stage while the audience sings along ."
+    for question in ("who plays guitar ?", "where is the dog ?"):
+        (got,) = runner("question-answering").run(texts=[question], context=context)
+        enc = tok(question, context, return_offsets_mapping=True)
+        with torch.no_grad():
+            out = model(**{k: torch.tensor([v]) for k, v in enc.items() if k != "offset_mapping"})
+        ctx = [i for i, s in enumerate(enc.sequence_ids()) if s == 1]
+        ps = np.exp(out.start_logits[0].numpy()[ctx])
+        pe = np.exp(out.end_logits[0].numpy()[ctx])
+        ps, pe = ps / ps.sum(), pe / pe.sum()
+        score, i, j = max((ps[a] * pe[b], a, b) for a in range(len(ctx)) for b in range(a, min(a + 15, len(ctx))))
+        start, end = enc["offset_mapping"][ctx[i]][0], enc["offset_mapping"][ctx[j]][1]
+        assert (got["start"], got["end"], got["answer"]) == (start, end, context[start:end]), question
+        assert abs(got["score"] - score) < 1e-5 and len(question) < len(context)
+
+    (got,) = runner("fill-mask").run(texts=["how do i reset my [MASK] ?"], top_k=4)
+    want = pipe("fill-mask")("how do i reset my [MASK] ?", top_k=4)
+    assert [r["token"] for r in got[0]] == [r["token"] for r in want]
+    np.testing.assert_allclose([r["score"] for r in got[0]], [r["score"] for r in want], atol=1e-5)
