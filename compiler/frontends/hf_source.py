@@ -263,7 +263,11 @@ def _model_inputs(module, modality: str, config: dict, processing) -> list[Tenso
         return [TensorSpec(n, "int64", ("texts", "sequence")) for n in text] + [pixels]
     names = ["input_ids", "attention_mask"]
     model_type = config.get("model_type", "?")
-    if "token_type_ids" in params and model_type not in _NO_TOKEN_TYPES and config.get("type_vocab_size", 0) > 1:
+    if (
+        "token_type_ids" in params
+        and model_type not in _NO_TOKEN_TYPES
+        and config.get("type_vocab_size", 0) > 1
+    ):
         names.append("token_type_ids")
     return [TensorSpec(n, "int64", ("batch", "sequence")) for n in names]
 

@@ -73,7 +73,12 @@ FAMILIES = {
     "gte": lambda: (_T.GteConfig(**_TEXT, pad_token_id=0), _T.GteModel),
     "modernbert": lambda: (
         _T.ModernBertConfig(
-            **_TEXT, local_attention=8, pad_token_id=0, bos_token_id=1, eos_token_id=2, cls_token_id=1,
+            **_TEXT,
+            local_attention=8,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+            cls_token_id=1,
             sep_token_id=2,
         ),  # fmt: skip
         _T.ModernBertModel,

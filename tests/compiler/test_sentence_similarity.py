@@ -112,7 +112,9 @@ def test_modules_precast_cannot_reproduce_are_refused(tmp_path):
     dense = {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}
     folder = tmp_path / "dense"
     _bert_folder(folder, [_TRANSFORMER, _POOLING, dense], {"pooling_mode_mean_tokens": True})
-    with pytest.raises(ModelLoadError, match="module 2 'sentence_transformers.models.Dense' is not supported"):
+    with pytest.raises(
+        ModelLoadError, match="module 2 'sentence_transformers.models.Dense' is not supported"
+    ):
         load_hf_folder(folder, task="sentence-similarity")
     two = tmp_path / "two"
     shutil.copytree(folder, two)

@@ -162,7 +162,9 @@ def test_task_runner_answers_as_transformers_pipelines(compiled):
     got = runner("token-classification").run(texts=texts)
     want = pipe("token-classification")(texts, ignore_labels=[])
     for g, w in zip(got, want):
-        assert [(r["entity"], r["start"], r["end"]) for r in g] == [(r["entity"], r["start"], r["end"]) for r in w]
+        assert [(r["entity"], r["start"], r["end"]) for r in g] == [
+            (r["entity"], r["start"], r["end"]) for r in w
+        ]
         np.testing.assert_allclose([r["score"] for r in g], [r["score"] for r in w], atol=1e-5)
 
     # transformers 5 has no question-answering pipeline: the span search, by brute force over HF's logits
@@ -177,7 +179,9 @@ def test_task_runner_answers_as_transformers_pipelines(compiled):
         ps = np.exp(out.start_logits[0].numpy()[ctx])
         pe = np.exp(out.end_logits[0].numpy()[ctx])
         ps, pe = ps / ps.sum(), pe / pe.sum()
-        score, i, j = max((ps[a] * pe[b], a, b) for a in range(len(ctx)) for b in range(a, min(a + 15, len(ctx))))
+        score, i, j = max(
+            (ps[a] * pe[b], a, b) for a in range(len(ctx)) for b in range(a, min(a + 15, len(ctx)))
+        )
         start, end = enc["offset_mapping"][ctx[i]][0], enc["offset_mapping"][ctx[j]][1]
         assert (got["start"], got["end"], got["answer"]) == (start, end, context[start:end]), question
         assert abs(got["score"] - score) < 1e-5 and len(question) < len(context)
