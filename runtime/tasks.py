@@ -104,8 +104,9 @@ class TaskRunner:
         self.inputs = {s.name for s in model.inputs}
 
     @classmethod
-    def open(cls, model) -> TaskRunner | None:
-        """None when the artifact is not a Hugging Face task; ArtifactError for a bad shipped file."""
+    def open(cls, model, text: bool = True) -> TaskRunner | None:
+        """None when the artifact is not a Hugging Face task; ArtifactError for a bad shipped file. ``text``:
+        load the artifact's tokenizer into this process (the server runs tokenizers in its sandbox instead)."""
         spec = TaskSpec.from_manifest(model.manifest)
         if spec is None:
             return None
@@ -116,7 +117,7 @@ class TaskRunner:
             from precast.runtime.processing import processing_from_config
 
             processing = processing_from_config(_read_json(root / PROCESSOR))
-        if (root / TOKENIZER).is_file() and spec.modality in ("text", "image-text"):
+        if text and (root / TOKENIZER).is_file() and spec.modality in ("text", "image-text"):
             tokenizer, pad_id = _tokenizer(root / TOKENIZER)
         if spec.task == "automatic-speech-recognition" and (root / "tokenizer/vocab.json").is_file():
             from precast.runtime.processing import CTCDecoder
@@ -220,7 +221,7 @@ class TaskRunner:
 
         task = self.spec.task
         if task in _LABELLED and task != "token-classification":
-            return label_scores(out["logits"], self._labels(out["logits"].shape[-1]), top_k)[0]
+            return label_scores(out["logits"], self.labels(out["logits"].shape[-1]), top_k)[0]
         if task == "automatic-speech-recognition":
             self._needs("CTC vocabulary (tokenizer/vocab.json)", self.ctc)
             return {"text": self.ctc.decode(out["logits"])[0]}
@@ -230,7 +231,8 @@ class TaskRunner:
             return self._fill(out["logits"][0], enc, top_k)
         return {"embedding": _embedding(out).tolist()}
 
-    def _labels(self, n: int) -> dict[str, str]:
+    def labels(self, n: int) -> dict[str, str]:
+        """Class index (as a string) -> label, for ``n`` classes (LABEL_i where id2label has none)."""
         labels = self.spec.id2label or {}
         return {str(i): labels.get(i, f"LABEL_{i}") for i in range(n)}
 
@@ -238,7 +240,7 @@ class TaskRunner:
         """Each word piece that is not a special token: its label, score and character span (as the
         token-classification pipeline with aggregation_strategy='none')."""
         probs = softmax(logits)
-        names = self._labels(logits.shape[-1])
+        names = self.labels(logits.shape[-1])
         out = []
         for i, (tok, special, (start, end)) in enumerate(
             zip(enc.tokens, enc.special_tokens_mask, enc.offsets)

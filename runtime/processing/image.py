@@ -16,6 +16,7 @@ rounding. Two deliberate differences, both about inputs transformers refuses or 
 
 from __future__ import annotations
 
+import io
 import os
 import warnings
 from collections.abc import Mapping, Sequence
@@ -319,16 +320,18 @@ def _pil():
     return PIL
 
 
-def load_image(path: str | os.PathLike) -> np.ndarray:
-    """An image file as RGB uint8 HxWx3, as transformers' load_image (EXIF orientation applied, then
-    ``convert("RGB")``: an alpha channel is dropped, not composited). Files over MAX_PIXELS are refused before
-    their pixels are decoded (a decompression bomb is a small file)."""
+def load_image(path: str | os.PathLike | bytes, name: str = "image") -> np.ndarray:
+    """An image file (or its bytes, called ``name`` in errors) as RGB uint8 HxWx3, as transformers' load_image
+    (EXIF orientation applied, then ``convert("RGB")``: an alpha channel is dropped, not composited). Files over
+    MAX_PIXELS are refused before their pixels are decoded (a decompression bomb is a small file)."""
     PIL = _pil()
-    path = Path(path)
+    data = isinstance(path, (bytes, bytearray))
+    source = io.BytesIO(path) if data else Path(path)
+    path = name if data else source
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", PIL.Image.DecompressionBombWarning)
-            with PIL.Image.open(path) as im:
+            with PIL.Image.open(source) as im:
                 width, height = im.size
                 if width * height > MAX_PIXELS:
                     raise InputError(

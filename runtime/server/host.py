@@ -63,6 +63,9 @@ class Served:
     version: int
     digest: str  # sha256 of manifest.json: identifies the artifact build
     encoder: object | None = None  # embeddings.EncoderSpec
+    task: object | None = (
+        None  # tasks.TaskRunner of a Hugging Face task artifact (labels, raw images / audio)
+    )
     llm: object | None = None  # llm_service.LLMService
     loaded_at: float = field(default_factory=time.time)
     unpacked: Path | None = None  # the temp dir a packed artifact was unpacked into: close() removes it
@@ -217,17 +220,20 @@ class ModelHost:
         staged = manifest is not None and manifest.stages is not None
         model = load(root, threads=(self.threads or 1) if staged else self.threads)  # staged: per stage
         try:
+            from precast.runtime.server.embeddings import encoder_spec
+            from precast.runtime.tasks import TaskRunner
+
+            # preprocessing and labels of a task artifact; its tokenizer, if any, runs in the sandbox (encoder)
+            task = TaskRunner.open(model, text=False)
             model = pipelined_if_staged(model)
             _warm_up(model)
-            from precast.runtime.server.embeddings import encoder_spec
-
             encoder = encoder_spec(model)
             if encoder is not None:
                 encoder.start_text(self.text_limits)
         except BaseException:
             model.close()
             raise
-        return Served(model, path, version, _digest(root), encoder=encoder)
+        return Served(model, path, version, _digest(root), encoder=encoder, task=task)
 
     # -- serving -----------------------------------------------------------------------------------
     @contextmanager

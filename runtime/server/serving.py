@@ -33,6 +33,7 @@ from precast.runtime.server.protocol import (
     model_list,
     parse_request,
 )
+from precast.runtime.server.task_infer import raw_feeds, split_raw, task_output_names, task_outputs
 
 __all__ = [
     "check_model",
@@ -82,8 +83,9 @@ async def infer(state, name: str, version: str | None, request):
         raise HTTPError(404, f"model '{name}' has no version {version}; serving version {served.version}")
     body = await read_json(request)
     # Off the event loop: turning up to max_request_bytes of JSON numbers into arrays takes a while.
-    feeds, wanted = await run_in_threadpool(_decode_infer, body, served.model)
+    feeds, wanted = await run_in_threadpool(_decode_infer, body, served.model, served.task)
     outputs = await state.batcher.submit(feeds, timeout=state.config.request_timeout)
+    outputs = {**outputs, **task_outputs(served.task, body, outputs)}  # labels, decoded text
     if wanted is not None:
         outputs = {n: outputs[n] for n in wanted}
     rid = body.get("id") if isinstance(body.get("id"), str) else None
@@ -93,11 +95,15 @@ async def infer(state, name: str, version: str | None, request):
         raise HTTPError(500, f"model '{name}' produced NaN or infinity, which JSON cannot carry") from None
 
 
-def _decode_infer(body: object, model) -> tuple[dict, list[str] | None]:
+def _decode_infer(body: object, model, task=None) -> tuple[dict, list[str] | None]:
     from precast.runtime.feeds import check_feeds
 
-    feeds = check_feeds(decode_request(body), model.inputs)  # fail fast, before queueing
-    return feeds, requested_outputs(body, [o.name for o in model.outputs])
+    raw, rest = split_raw(body, task) if isinstance(body, dict) else ({}, body)
+    feeds = raw_feeds(task, raw) if raw else {}  # an image / a waveform, through the artifact's preprocessing
+    if not raw or rest.get("inputs"):
+        feeds.update(decode_request(rest))
+    feeds = check_feeds(feeds, model.inputs)  # fail fast, before queueing
+    return feeds, requested_outputs(body, [o.name for o in model.outputs] + task_output_names(task))
 
 
 # -- OpenAI-style --------------------------------------------------------------------------------------

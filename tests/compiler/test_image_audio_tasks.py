@@ -268,3 +268,70 @@ def test_unknown_task_and_missing_head_are_one_line(compiled):
         load_hf_folder(folder, task="image-segmentation")
     with pytest.raises(UsageError, match="has no CTC head; its task is 'audio-classification'"):
         load_hf_folder(compiled["wav2vec2_cls"][1], task="automatic-speech-recognition")
+
+
+def test_kserve_takes_images_and_audio_and_answers_labels(compiled):
+    """KServe v2 infer on task artifacts: an encoded image file (base64 BYTES) or a waveform with its sampling
+    rate in, the model's logits plus labels and scores (or CTC text) out; a wrong input is a 400 naming it."""
+    import base64
+    import io
+
+    from fastapi.testclient import TestClient
+    from PIL import Image
+
+    from precast.runtime import load
+    from precast.runtime.processing import label_scores
+    from precast.runtime.server import ServerConfig, create_app
+    from precast.runtime.tasks import TaskRunner
+
+    images = fresh_images()[:2]
+    blobs = []
+    for img in images:
+        buf = io.BytesIO()
+        Image.fromarray(img).save(buf, format="PNG")
+        blobs.append(base64.b64encode(buf.getvalue()).decode())
+    art = compiled["resnet"][2]
+    runner = TaskRunner.open(load(art))
+    want = np.concatenate([runner.model.run(runner.image_feeds(i))["logits"] for i in images])
+    names = {str(k): v for k, v in LABELS.items()}
+    image_input = {"name": "image", "datatype": "BYTES", "shape": [2], "data": blobs}
+    with TestClient(create_app(ServerConfig(art, model_name="cls", max_queue_delay_ms=0))) as c:
+        r = c.post("/v2/models/cls/infer", json={"inputs": [image_input], "parameters": {"top_k": 2}})
+        assert r.status_code == 200, r.text
+        out = {o["name"]: o for o in r.json()["outputs"]}
+        assert set(out) == {"logits", "label", "score"} and out["label"]["datatype"] == "BYTES"
+        assert out["label"]["shape"] == [2, 2] and out["score"]["shape"] == [2, 2]
+        np.testing.assert_allclose(np.array(out["logits"]["data"]).reshape(want.shape), want, atol=1e-5)
+        rows = label_scores(want, names, 2)
+        assert out["label"]["data"] == [r["label"] for row in rows for r in row]
+        for body, why in [
+            ({"inputs": [{**image_input, "data": ["not base64!"]}]}, "data[0] is not base64"),
+            ({"inputs": [{**image_input, "data": [base64.b64encode(b"GIF89a junk").decode()]}]}, "data[0]"),
+            (
+                {"inputs": [{"name": "audio", "datatype": "FP32", "shape": [3], "data": [0, 0, 0]}]},
+                "takes 'image'",
+            ),
+            ({"inputs": [image_input], "parameters": {"top_k": 0}}, "top_k"),
+        ]:
+            r = c.post("/v2/models/cls/infer", json=body)
+            assert r.status_code == 400 and why in r.json()["error"], (why, r.text)
+        r = c.post("/v2/models/cls/infer", json={"inputs": [image_input], "outputs": [{"name": "label"}]})
+        assert [o["name"] for o in r.json()["outputs"]] == ["label"]
+
+    art = compiled["wav2vec2_ctc"][2]
+    runner = TaskRunner.open(load(art))
+    wave_ = _speech(0.7, 5)
+    audio = {"name": "audio", "datatype": "FP32", "shape": [1, wave_.size], "data": wave_.tolist()}
+    with TestClient(create_app(ServerConfig(art, model_name="asr", max_queue_delay_ms=0))) as c:
+        r = c.post(
+            "/v2/models/asr/infer", json={"inputs": [{**audio, "parameters": {"sampling_rate": 16000}}]}
+        )
+        assert r.status_code == 200, r.text
+        out = {o["name"]: o for o in r.json()["outputs"]}
+        assert out["text"]["data"] == [runner.run(audio=[(wave_, 16000)])[0]["text"]]
+        for params, why in [
+            ({"sampling_rate": 8000}, "expected 16000 Hz, got 8000 Hz"),
+            ({}, "sampling_rate"),
+        ]:
+            r = c.post("/v2/models/asr/infer", json={"inputs": [{**audio, "parameters": params}]})
+            assert r.status_code == 400 and why in r.json()["error"], (why, r.text)
