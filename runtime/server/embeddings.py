@@ -37,6 +37,9 @@ class EncoderSpec:
     static: bool = False  # the model has a fixed sequence length: pad every request to max_length
     dim: int | None = None  # embedding size, when the hidden state's last axis is static
     pooled: bool = False  # ``output`` is the sentence embedding (sentence-similarity), not token vectors
+    embeds: bool = (
+        True  # serves /v1/embeddings (a text classifier's spec only tokenizes KServe 'text' inputs)
+    )
     text: object | None = None  # text_sandbox.TextSandbox running the tokenizer for requests (start_text)
 
     def start_text(self, limits=None) -> EncoderSpec:
@@ -69,8 +72,15 @@ class EncoderSpec:
         return await run_in_threadpool(feeds_for, self, [(ids, types) for ids, types in encs])
 
 
-def encoder_spec(model) -> EncoderSpec | None:
-    """An EncoderSpec when the artifact is a text encoder with a shipped tokenizer, else None."""
+_TEXT_HEADS = ("fill-mask", "text-classification", "token-classification")  # one text per row, logits out
+
+
+def encoder_spec(model, task: str | None = None) -> EncoderSpec | None:
+    """An EncoderSpec when the artifact is a text encoder with a shipped tokenizer, else None. ``task``: the
+    Hugging Face task of a task artifact; a text classifier's spec tokenizes KServe 'text' inputs (its logits
+    are not embeddings), a question-answering model (two texts per row) gets none."""
+    if task == "question-answering":
+        return None
     names = {s.name for s in model.inputs}
     if not {"input_ids", "attention_mask"} <= names or not names <= {
         "input_ids",
@@ -85,7 +95,7 @@ def encoder_spec(model) -> EncoderSpec | None:
     pooled = [o for o in model.outputs if o.name == "sentence_embedding" and len(o.shape or ()) == 2]
     hidden = (
         pooled
-        or [o for o in model.outputs if o.name == "last_hidden_state"]
+        or [o for o in model.outputs if o.name == ("logits" if task in _TEXT_HEADS else "last_hidden_state")]
         or [o for o in model.outputs if o.shape is not None and len(o.shape) == 3]
     )
     if not hidden:
@@ -127,6 +137,7 @@ def encoder_spec(model) -> EncoderSpec | None:
         static,
         dim,
         pooled=bool(pooled),
+        embeds=task not in _TEXT_HEADS,
     )
 
 

@@ -227,7 +227,7 @@ class ModelHost:
             task = TaskRunner.open(model, text=False)
             model = pipelined_if_staged(model)
             _warm_up(model)
-            encoder = encoder_spec(model)
+            encoder = encoder_spec(model, task.spec.task if task is not None else None)
             if encoder is not None:
                 encoder.start_text(self.text_limits)
         except BaseException:

@@ -33,7 +33,13 @@ from precast.runtime.server.protocol import (
     model_list,
     parse_request,
 )
-from precast.runtime.server.task_infer import raw_feeds, split_raw, task_output_names, task_outputs
+from precast.runtime.server.task_infer import (
+    raw_feeds,
+    raw_texts,
+    split_raw,
+    task_output_names,
+    task_outputs,
+)
 
 __all__ = [
     "check_model",
@@ -82,8 +88,17 @@ async def infer(state, name: str, version: str | None, request):
     if version is not None and version != str(served.version):
         raise HTTPError(404, f"model '{name}' has no version {version}; serving version {served.version}")
     body = await read_json(request)
+    texts = raw_texts(
+        body, served.task, served.encoder
+    )  # a text classifier's 'text' input: the sandbox tokenizes
+    if texts is not None:
+        config = state.config
+        feeds, _ = await served.encoder.tokenize(texts, config.request_timeout)
+        check_embedding_work(feeds, config.max_embedding_tokens)
     # Off the event loop: turning up to max_request_bytes of JSON numbers into arrays takes a while.
-    feeds, wanted = await run_in_threadpool(_decode_infer, body, served.model, served.task)
+    feeds, wanted = await run_in_threadpool(
+        _decode_infer, body, served.model, served.task, feeds if texts is not None else None
+    )
     outputs = await state.batcher.submit(feeds, timeout=state.config.request_timeout)
     outputs = {**outputs, **task_outputs(served.task, body, outputs)}  # labels, decoded text
     if wanted is not None:
@@ -95,11 +110,14 @@ async def infer(state, name: str, version: str | None, request):
         raise HTTPError(500, f"model '{name}' produced NaN or infinity, which JSON cannot carry") from None
 
 
-def _decode_infer(body: object, model, task=None) -> tuple[dict, list[str] | None]:
+def _decode_infer(body: object, model, task=None, text_feeds=None) -> tuple[dict, list[str] | None]:
     from precast.runtime.feeds import check_feeds
 
     raw, rest = split_raw(body, task) if isinstance(body, dict) else ({}, body)
-    feeds = raw_feeds(task, raw) if raw else {}  # an image / a waveform, through the artifact's preprocessing
+    if text_feeds is not None:
+        feeds = text_feeds
+    else:  # an image / a waveform, through the artifact's preprocessing
+        feeds = raw_feeds(task, raw) if raw else {}
     if not raw or rest.get("inputs"):
         feeds.update(decode_request(rest))
     feeds = check_feeds(feeds, model.inputs)  # fail fast, before queueing
@@ -116,6 +134,12 @@ async def create_embeddings(state, request):
     config = state.config
     body, req = await read_openai_request(request, state, EmbeddingRequest)
     spec = served.encoder
+    if spec is not None and not spec.embeds:
+        raise HTTPError(
+            400,
+            f"model '{state.name}' is a {served.task.spec.task} model, not an embedder; send its texts to "
+            f"/v2/models/{state.name}/infer as a 'text' input",
+        )
     if spec is None:
         raise HTTPError(
             400,

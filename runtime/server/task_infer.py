@@ -2,8 +2,10 @@
 
     inputs "image" (BYTES: base64 of encoded image files, one per row) or "audio" (FP32 [samples] or
     [1, samples], parameters.sampling_rate) ──the artifact's preprocessing──> the model's own feeds
-    logits ──> outputs "label" (BYTES [rows, k]) and "score" (FP32 [rows, k]) for classifiers, "text" (BYTES
-    [rows]) for speech recognition, beside the model's own outputs
+    inputs "text" (BYTES: strings, one per row; text classifiers, tokenized in the server's sandbox)
+    logits ──> outputs "label" (BYTES [rows, k]) and "score" (FP32 [rows, k]) for classifiers ([rows, tokens]:
+    each token's best label, for token classification), "text" (BYTES [rows]) for speech recognition, beside
+    the model's own outputs
 
 A request may also send the model's own tensors (pixel_values, input_values, ...) as before; the labels are
 added all the same. ``parameters.top_k`` (default 5) picks k.
@@ -20,9 +22,10 @@ from precast.errors import InputError
 
 __all__ = ["RAW_INPUTS", "split_raw", "raw_feeds", "task_outputs", "task_output_names"]
 
-RAW_INPUTS = {"image": "BYTES", "audio": "FP32"}
+RAW_INPUTS = {"image": "BYTES", "audio": "FP32", "text": "BYTES"}
 MAX_IMAGES = 64  # images in one request
-_CLASSIFIERS = {"text-classification", "image-classification", "audio-classification"}
+_CLASSIFIERS = {"text-classification", "image-classification", "audio-classification", "token-classification"}
+MAX_TEXTS = 128  # texts in one request
 
 
 def split_raw(body: dict, task) -> tuple[dict, dict]:
@@ -42,11 +45,33 @@ def _parameter(obj: dict, key: str, default=None):
     return params.get(key, default) if isinstance(params, dict) else default
 
 
+def raw_texts(body: object, task, encoder) -> list[str] | None:
+    """The strings of a 'text' input for a text task artifact (tokenized by the server's sandbox), else None."""
+    if not isinstance(body, dict):
+        return None
+    raw, _ = split_raw(body, task)
+    if "text" not in raw:
+        return None
+    if encoder is None or task.spec.modality != "text":
+        raise InputError(f"input 'text': this {task.spec.task} model takes no text through KServe v2")
+    if len(raw) != 1:
+        raise InputError(f"give one raw input, not {', '.join(sorted(raw))}")
+    t = raw["text"]
+    data = t.get("data")
+    if t.get("datatype") != "BYTES" or not isinstance(data, list) or not data:
+        raise InputError("input 'text': datatype must be BYTES with a non-empty list of strings")
+    if len(data) > MAX_TEXTS or not all(isinstance(d, str) and d for d in data):
+        raise InputError(f"input 'text': 1 to {MAX_TEXTS} non-empty strings")
+    return data
+
+
 def raw_feeds(task, raw: dict) -> dict[str, np.ndarray]:
     """The model's feeds from raw inputs, through the artifact's preprocessing; InputError names the input."""
     if len(raw) != 1:
         raise InputError(f"give one raw input ('image' or 'audio'), not {', '.join(sorted(raw))}")
-    (name, t), = raw.items()
+    ((name, t),) = raw.items()
+    if name == "text":
+        raise InputError(f"input 'text': this {task.spec.task} model takes {task.spec.modality}")
     want = "image" if task.spec.modality == "image" else "audio" if task.spec.modality == "audio" else None
     if name != want:
         takes = f"'{want}'" if want else "its own tensors"
@@ -118,6 +143,16 @@ def task_outputs(task, body: dict, outputs: dict[str, np.ndarray]) -> dict[str, 
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
         raise InputError(f"parameters.top_k must be a positive integer, got {top_k!r}")
     logits = outputs["logits"]
+    if logits.ndim == 3:  # token-classification: each position's best label
+        from precast.runtime.tasks import softmax
+
+        probs = softmax(logits)
+        best = probs.argmax(-1)
+        names = task.labels(logits.shape[-1])
+        return {
+            "label": np.array([[names[str(k)] for k in row] for row in best], dtype=object),
+            "score": np.take_along_axis(probs, best[..., None], -1)[..., 0].astype(np.float32),
+        }
     rows = label_scores(logits, task.labels(logits.shape[-1]), min(top_k, logits.shape[-1]))
     return {
         "label": np.array([[r["label"] for r in row] for row in rows], dtype=object),

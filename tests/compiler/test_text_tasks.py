@@ -190,3 +190,39 @@ def test_task_runner_answers_as_transformers_pipelines(compiled):
     want = pipe("fill-mask")("how do i reset my [MASK] ?", top_k=4)
     assert [r["token"] for r in got[0]] == [r["token"] for r in want]
     np.testing.assert_allclose([r["score"] for r in got[0]], [r["score"] for r in want], atol=1e-5)
+
+
+@pytest.mark.slow
+def test_kserve_takes_text_for_text_classifiers(compiled):
+    """A text classifier's KServe v2 'text' input (tokenized in the server's sandbox): labels and scores equal the
+    runtime's; its logits are no embeddings (/v1/embeddings says where to go); a token classifier labels tokens."""
+    from fastapi.testclient import TestClient
+
+    from precast.runtime import load
+    from precast.runtime.server import ServerConfig, create_app
+    from precast.runtime.tasks import TaskRunner
+
+    texts = ["the quick fox plays guitar .", "who plays ?"]
+    art = compiled["text-classification"][3]
+    want = TaskRunner.open(load(art)).run(texts=texts, top_k=2)
+    body = {
+        "inputs": [{"name": "text", "datatype": "BYTES", "shape": [2], "data": texts}],
+        "parameters": {"top_k": 2},
+    }
+    with TestClient(create_app(ServerConfig(art, model_name="sst", max_queue_delay_ms=0))) as c:
+        r = c.post("/v2/models/sst/infer", json=body)
+        assert r.status_code == 200, r.text
+        out = {o["name"]: o for o in r.json()["outputs"]}
+        assert out["label"]["data"] == [x["label"] for row in want for x in row]
+        np.testing.assert_allclose(out["score"]["data"], [x["score"] for row in want for x in row], atol=1e-5)
+        r = c.post("/v1/embeddings", json={"input": "hello"})
+        assert r.status_code == 400 and "not an embedder" in r.json()["error"]["message"]
+        bad = {"inputs": [{"name": "text", "datatype": "BYTES", "shape": [1], "data": [""]}]}
+        assert c.post("/v2/models/sst/infer", json=bad).status_code == 400
+    art = compiled["token-classification"][3]
+    want = TaskRunner.open(load(art)).run(texts=texts[:1])[0]
+    body["inputs"][0].update(shape=[1], data=texts[:1])
+    with TestClient(create_app(ServerConfig(art, model_name="ner", max_queue_delay_ms=0))) as c:
+        out = {o["name"]: o for o in c.post("/v2/models/ner/infer", json=body).json()["outputs"]}
+        labels = out["label"]["data"][1 : 1 + len(want)]  # [CLS] first, then the words' tokens
+        assert labels == [x["entity"] for x in want]
