@@ -43,7 +43,7 @@ from precast.compiler.plan import (
 )
 from precast.compiler.report import CompileReport, CompileResult, artifact_size
 from precast.compiler.verification.verify import Verifier, bisect_parity, sample_feeds
-from precast.errors import InputError, PartialCompileError, PrecastError, UsageError
+from precast.errors import InputError, PartialCompileError, PrecastError
 from precast.ir.parity import io_signature
 from precast.ir.pipeline import PassManager, PassRecord, format_pipeline
 from precast.ir.registry import PassContext, PassFacts
@@ -331,8 +331,8 @@ class _Build:
         stand_in = target.stand_in(out_dir, built)  # e.g. a TensorRT build plan's prepared ONNX
         try:
             actual = stand_in(feeds) if stand_in is not None else runtime_load(out_dir).run(feeds)
-        except InputError as e:
-            raise UsageError(f"compiled model rejects the sample inputs: {e}") from e
+        except InputError as e:  # the source ran these feeds: the compile broke the graph (named by bisection)
+            raise self.verifier.rejected(tp.name, built.precision, tp.pipeline, e, context) from e
         text_metrics = None
         if "llm" in self.source.info:  # causal LMs: top1 / ppl_delta on text vs the fp32 graph
             text_metrics = lambda bounds: self.text_metrics(bounds, out_dir, context)  # noqa: E731

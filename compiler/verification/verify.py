@@ -27,7 +27,7 @@ from precast.compiler.verification.budget import (
     budget_tolerance,
     is_quantized,
 )
-from precast.errors import ParityError, PrecastError, UnsupportedOpError
+from precast.errors import ParityError, PassFailedError, PrecastError, UnsupportedOpError, first_line
 from precast.ir.parity import (
     DEFAULT_TOL,
     Tolerance,
@@ -113,7 +113,11 @@ def bisect_parity(
     for i, spec in enumerate(specs):
         tell.advance(i, len(specs), f"prefix {i + 1}: ..,{spec}")
         model = PassManager([spec], context=context).run(model, copy_input=False)
-        report = compare_outputs(expected, mask_dont_cares(ort_run_model(model, feeds), feeds, rules), tol)
+        try:
+            got = ort_run_model(model, feeds)
+        except Exception as e:  # noqa: BLE001  (ONNX Runtime's errors have no common type)
+            return i, f"its graph no longer runs: {first_line(e)}"
+        report = compare_outputs(expected, mask_dont_cares(got, feeds, rules), tol)
         bad = first_failure(report)
         if bad:
             return i, describe_failure(bad[0], bad[1], tol)
@@ -205,8 +209,18 @@ class Verifier:
             **({"budget": budget} if budget else {}),
         }
 
-    def _culprit(self, target: str, specs: Sequence[PassSpec], tol: Tolerance, context) -> str:
-        self.progress.step(f"[{target}] parity failed; bisecting the pipeline")
+    def rejected(self, target: str, precision, specs: Sequence[PassSpec], error, context) -> PassFailedError:
+        """The error for a compiled model that cannot run the feeds the source ran (a pass left a graph the
+        backend refuses): a compile failure, naming the first pass whose graph no longer runs."""
+        msg = f"target '{target}': the compiled model does not run on the verification inputs: {error}"
+        if self.opts.bisect and specs:
+            msg += self._culprit(target, specs, self.tolerance(precision, specs), context, "does not run")
+        return PassFailedError(msg)
+
+    def _culprit(
+        self, target: str, specs: Sequence[PassSpec], tol: Tolerance, context, what: str = "parity failed"
+    ) -> str:
+        self.progress.step(f"[{target}] {what}; bisecting the pipeline")
         found = self.bisect(specs, tol, context)
         if not found:
             return "; every pass keeps parity on its own, so the target build or the export broke it"

@@ -32,8 +32,25 @@ class ScaleInitializer(Pass):
         return PassResult(model, False, {"scaled": 0})
 
 
+class BreakGraph(Pass):
+    """Deliberately broken: the first MatMul becomes a com.microsoft FusedMatMul with transBatchB=1 on rank-2
+    operands, which ONNX Runtime refuses to run (what onnxscript's batch-transpose rule once did to SigLIP)."""
+
+    def call(self, model: ir.Model) -> PassResult:
+        for node in model.graph:
+            if node.op_type == "MatMul":
+                node.op_type, node.domain = "FusedMatMul", "com.microsoft"
+                node.attributes["transBatchB"] = ir.AttrInt64("transBatchB", 1)
+                model.opset_imports.setdefault("com.microsoft", 1)
+                return PassResult(model, True, {"broken": 1})
+        return PassResult(model, False, {"broken": 0})
+
+
+BREAK = "test-break-graph"
 if WRONG not in registry._REGISTRY:
     registry.register(WRONG)(ScaleInitializer)
+if BREAK not in registry._REGISTRY:
+    registry.register(BREAK)(BreakGraph)
 
 BAD_PIPELINE = f"infer-shapes,fold-constants,{WRONG},eliminate-dead-code"
 
@@ -134,3 +151,21 @@ def test_bisect_holds_a_quantized_pipeline_to_its_budget_like_compile(model_file
     result = bisect_model(str(model_file), CompileOptions(passes="default,quantize-int8"))
     assert result.tolerance == {"atol": None, "rtol": None, "min_cosine": 0.99}
     assert result.index is None
+
+
+def test_compile_whose_graph_no_longer_runs_names_the_pass(model_file, tmp_path, capsys):
+    """A pass that leaves a graph the backend refuses: exit 5 (a compile failure, not the user's input), one line
+    naming the pass, nothing written."""
+    from precast.errors import EXIT_COMPILE
+
+    out_dir = tmp_path / "art"
+    pipeline = f"infer-shapes,fold-constants,{BREAK},eliminate-dead-code"
+    code, _, err = run_cli(capsys, "compile", model_file, "-o", out_dir, "--passes", pipeline, "-q")
+    assert code == EXIT_COMPILE, err
+    assert len(err.strip().splitlines()) == 1
+    assert "does not run on the verification inputs" in err
+    assert (
+        f"first broken by pass '{BREAK}' (after [infer-shapes, fold-constants]): its graph no longer runs"
+        in err
+    )
+    assert not out_dir.exists()
