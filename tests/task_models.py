@@ -47,6 +47,10 @@ FAMILIES = {
     "siglip": ("SiglipModel", "SiglipConfig", {}, "google/siglip-base-patch16-224", "zero-shot-image-classification"),
     "wav2vec2_ctc": ("Wav2Vec2ForCTC", "Wav2Vec2Config", {**_AUDIO, "vocab_size": len(WAV2VEC2_VOCAB),
                      "pad_token_id": 0}, "facebook/wav2vec2-base-960h", "automatic-speech-recognition"),
+    # wav2vec2-large-lv60's layout: layer-norm feature encoder, and an attention mask from the feature extractor
+    "wav2vec2_masked": ("Wav2Vec2ForCTC", "Wav2Vec2Config", {**_AUDIO, "vocab_size": len(WAV2VEC2_VOCAB),
+                        "pad_token_id": 0, "feat_extract_norm": "layer", "do_stable_layer_norm": True},
+                        "facebook/wav2vec2-base-960h", "automatic-speech-recognition"),
     "wav2vec2_cls": ("Wav2Vec2ForSequenceClassification", "Wav2Vec2Config", {**_AUDIO, **_L},
                      "facebook/wav2vec2-base-960h", "audio-classification"),
 }  # fmt: skip
@@ -101,8 +105,10 @@ def build(family: str, folder: Path, processor: bool = True):
         cfg = dict(CONFIGS[processor_name])
         if "sampling_rate" not in cfg:  # the real processor, at the tiny model's image size
             cfg = _resized(cfg)
+        if family == "wav2vec2_masked":
+            cfg["return_attention_mask"] = True
         (folder / "preprocessor_config.json").write_text(json.dumps(cfg))
-    if family == "wav2vec2_ctc":
+    if family in ("wav2vec2_ctc", "wav2vec2_masked"):
         (folder / "vocab.json").write_text(json.dumps(WAV2VEC2_VOCAB))
         (folder / "tokenizer_config.json").write_text(
             json.dumps({**WAV2VEC2_TOKENIZER_CONFIG, "tokenizer_class": "Wav2Vec2CTCTokenizer"})

@@ -37,6 +37,7 @@ from precast.runtime.server.task_infer import (
     raw_feeds,
     raw_texts,
     split_raw,
+    task_metadata,
     task_output_names,
     task_outputs,
 )
@@ -77,7 +78,8 @@ def server_metadata() -> dict:
 def metadata(state, name: str) -> dict:
     check_model(state, name)
     served = state.host.current
-    return model_metadata(state.name, str(served.version), served.model)
+    body = model_metadata(state.name, str(served.version), served.model)
+    return {**body, **task_metadata(served.task, served.encoder)}
 
 
 async def infer(state, name: str, version: str | None, request):

@@ -20,7 +20,15 @@ import numpy as np
 
 from precast.errors import InputError
 
-__all__ = ["RAW_INPUTS", "split_raw", "raw_feeds", "task_outputs", "task_output_names"]
+__all__ = [
+    "RAW_INPUTS",
+    "split_raw",
+    "raw_feeds",
+    "raw_texts",
+    "task_metadata",
+    "task_outputs",
+    "task_output_names",
+]
 
 RAW_INPUTS = {"image": "BYTES", "audio": "FP32", "text": "BYTES"}
 MAX_IMAGES = 64  # images in one request
@@ -158,3 +166,21 @@ def task_outputs(task, body: dict, outputs: dict[str, np.ndarray]) -> dict[str, 
         "label": np.array([[r["label"] for r in row] for row in rows], dtype=object),
         "score": np.array([[r["score"] for r in row] for row in rows], dtype=np.float32),
     }
+
+
+def task_metadata(task, encoder) -> dict:
+    """What model metadata adds for a task artifact: its task, the raw input it takes and the outputs it adds."""
+    if task is None:
+        return {}
+    raw = {"image": "image", "audio": "audio"}.get(task.spec.modality)
+    if raw is None and task.spec.modality == "text" and encoder is not None:
+        raw = "text"
+    shape = {"image": [-1], "audio": [1, -1], "text": [-1]}
+    extra = {"parameters": {"task": task.spec.task}}
+    if raw is not None:
+        extra["parameters"]["raw_inputs"] = [{"name": raw, "datatype": RAW_INPUTS[raw], "shape": shape[raw]}]
+    added = task_output_names(task)
+    if added:
+        types = {"label": "BYTES", "score": "FP32", "text": "BYTES"}
+        extra["parameters"]["task_outputs"] = [{"name": n, "datatype": types[n]} for n in added]
+    return extra

@@ -138,7 +138,7 @@ def _speech(seconds: float, seed: int, rate: int = 16000) -> np.ndarray:
     return (0.3 * tone + 0.02 * rng.standard_normal(t.size)).astype(np.float32)
 
 
-@pytest.mark.parametrize("family", ["wav2vec2_ctc", "wav2vec2_cls"])
+@pytest.mark.parametrize("family", ["wav2vec2_ctc", "wav2vec2_masked", "wav2vec2_cls"])
 def test_audio_task_matches_transformers_on_two_lengths(compiled, family):
     import torch
     import transformers
@@ -157,16 +157,23 @@ def test_audio_task_matches_transformers_on_two_lengths(compiled, family):
         with torch.no_grad():
             logits = model(input_values=torch.from_numpy(values)).logits.numpy()
         _close(runner.model.run(runner.audio_feeds(wave_, 16000))["logits"], logits, f"{family} {wave_.size}")
-        if family == "wav2vec2_ctc":
+        if family != "wav2vec2_cls":
             tok = transformers.Wav2Vec2CTCTokenizer(str(folder / "vocab.json"))
             assert result == {"text": tok.batch_decode(logits.argmax(-1))[0]}
             assert len(result["text"]) > 3  # the random model emits characters, not only blanks
         else:
             want = label_scores(logits, {str(k): v for k, v in LABELS.items()}, len(LABELS))[0]
             assert [r["label"] for r in result] == [r["label"] for r in want]
-    if family == "wav2vec2_ctc":
-        frames = [runner.model.run(runner.audio_feeds(w, 16000))["logits"].shape[1] for w in waves]
-        assert frames[0] > 2 * frames[1]  # the two lengths really ran at their own lengths
+    if family != "wav2vec2_cls":
+        single = [runner.model.run(runner.audio_feeds(w, 16000))["logits"][0] for w in waves]
+        assert single[0].shape[0] > 2 * single[1].shape[0]  # the two lengths really ran at their own lengths
+    if family == "wav2vec2_masked":  # both in one padded batch: the mask keeps the padding out
+        feeds = runner.processing(waves, 16000)
+        assert set(feeds) == {"input_values", "attention_mask"} == {i.name for i in runner.model.inputs}
+        batch = runner.model.run(feeds)["logits"]
+        n = single[1].shape[0]
+        _close(batch[1, :n], single[1], "masked batch, short row")
+        _close(batch[0], single[0], "masked batch, long row")
 
 
 @pytest.mark.parametrize("family", ["clip", "siglip"])
@@ -296,6 +303,8 @@ def test_kserve_takes_images_and_audio_and_answers_labels(compiled):
     names = {str(k): v for k, v in LABELS.items()}
     image_input = {"name": "image", "datatype": "BYTES", "shape": [2], "data": blobs}
     with TestClient(create_app(ServerConfig(art, model_name="cls", max_queue_delay_ms=0))) as c:
+        meta = c.get("/v2/models/cls").json()["parameters"]
+        assert meta["task"] == "image-classification" and meta["raw_inputs"][0]["name"] == "image"
         r = c.post("/v2/models/cls/infer", json={"inputs": [image_input], "parameters": {"top_k": 2}})
         assert r.status_code == 200, r.text
         out = {o["name"]: o for o in r.json()["outputs"]}
