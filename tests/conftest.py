@@ -1,3 +1,4 @@
+import dataclasses
 import os
 import sys
 from pathlib import Path
@@ -9,6 +10,11 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# The CLI prints piped output 200 columns wide unless COLUMNS is set (cli/output.py), and the tests read its
+# tables at that width. An xdist worker has COLUMNS=80 (and LINES): pytest imports readline, and GNU readline
+# exports the size of a terminal it cannot measure. Every test process prints at the same width.
+os.environ.pop("COLUMNS", None)
+os.environ.pop("LINES", None)
 
 
 @pytest.fixture(scope="session")
@@ -48,14 +54,39 @@ def minilm_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def llm_artifact(tmp_path_factory):
-    """A compiled tiny Llama (torch export, ~10 s once per session)."""
+def compiled(tmp_path_factory):
+    """``compiled(source, **options)``: the CompileReport of ``source`` compiled with CompileOptions(**options),
+    once per session for each (source, options): several files need the same tiny LLM artifact, and each
+    compile of one takes seconds. The artifact is shared: a test that edits it edits a copy."""
+    from precast.compiler.driver import CompileOptions, compile_model
+
+    reports: dict = {}
+
+    def compile_once(source, **options):
+        opts = CompileOptions(**options)
+        key = (str(source), repr(dataclasses.replace(opts, targets=tuple(opts.targets))))
+        if key not in reports:
+            reports[key] = compile_model(
+                str(source), tmp_path_factory.mktemp("compiled") / Path(source).name, opts
+            )
+        return reports[key]
+
+    return compile_once
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    """The tiny Llama of tests/llm/fixtures.py as a Hugging Face folder (shared: a test that edits it copies it)."""
     pytest.importorskip("transformers")
     from tests.llm.fixtures import build_llama
-    from tests.llm.test_causal_lm import compile_llm
 
-    folder = build_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
-    return compile_llm(folder, tmp_path_factory.mktemp("art") / "llama").output
+    return build_llama(tmp_path_factory.mktemp("llm") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def llm_artifact(compiled, tiny_llama_dir):
+    """The tiny Llama compiled for ort-cpu with --task causal-lm (head size 16: the mapped KV layout)."""
+    return compiled(tiny_llama_dir, targets=("ort-cpu",), task="causal-lm").output
 
 
 @pytest.fixture

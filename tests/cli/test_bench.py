@@ -1,17 +1,14 @@
 """`precast bench`: tables, JSON, plots, --dim, errors; an LLM artifact; a real `precast serve` over loopback.
 
-Short windows (0.3 s per level) keep the file near 20 s; the tiny LLM artifact is compiled once and cached
-under tests/.cache/ (keyed by the sources that make it), so later runs skip the ~20 s torch export.
+Short windows (0.3 s per level) keep the file near 20 s; the tiny LLM artifact is the session's llm_artifact
+(tests/conftest.py), compiled once for every file that serves or benches it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -22,8 +19,6 @@ import pytest
 
 from tests.helpers import one_line_error, save, tiny_mlp
 
-REPO = Path(__file__).resolve().parents[2]
-CACHE = REPO / "tests" / ".cache"
 SHORT = ("--duration", "0.3s", "--warmup", "0.1s")
 
 
@@ -34,44 +29,6 @@ def mlp(tmp_path_factory) -> Path:
     tmp = tmp_path_factory.mktemp("bench")
     compile_model(str(save(tiny_mlp(), tmp / "mlp.onnx")), tmp / "mlp", CompileOptions())
     return tmp / "mlp"
-
-
-def _llm_key() -> str:
-    import precast
-
-    h = hashlib.sha256(precast.__version__.encode())
-    sources = [REPO / "tests" / "llm" / "fixtures.py", REPO / "scripts" / "train_tiny_lm.py"]
-    for folder in ("compiler", "ir", "passes", "targets"):
-        sources += sorted((REPO / folder).rglob("*.py"))
-    sources += [REPO / "artifact" / "manifest.py", REPO / "runtime" / "llm" / "runners" / "gather.py"]
-    for p in sources:
-        h.update(p.read_bytes())
-    return h.hexdigest()[:16]
-
-
-@pytest.fixture(scope="module")
-def tiny_llm() -> Path:
-    """The tiny Llama of tests/llm/fixtures.py compiled for ort-cpu (causal-lm), cached across runs."""
-    out = CACHE / f"bench-llm-{_llm_key()}"
-    if (out / "manifest.json").is_file():
-        return out
-    CACHE.mkdir(parents=True, exist_ok=True)
-    with open(CACHE / "bench-llm.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not (out / "manifest.json").is_file():  # (another process may have built it while we waited)
-            from precast.compiler.driver import CompileOptions, compile_model
-            from tests.llm.fixtures import build_llama
-
-            tmp = CACHE / f"bench-llm.tmp{os.getpid()}"
-            shutil.rmtree(tmp, ignore_errors=True)
-            folder = build_llama(tmp / "hf")
-            compile_model(str(folder), tmp / "art", CompileOptions(targets=("ort-cpu",), task="causal-lm"))
-            (tmp / "art").rename(out)
-            shutil.rmtree(tmp, ignore_errors=True)
-            for stale in CACHE.glob("bench-llm-*"):
-                if stale != out and stale.is_dir():
-                    shutil.rmtree(stale, ignore_errors=True)
-    return out
 
 
 _one_line_error = one_line_error
@@ -161,11 +118,11 @@ def test_bench_errors_are_one_line(cli, mlp, tmp_path, monkeypatch):
     assert not (tmp_path / "b.png").exists()
 
 
-def test_bench_llm_artifact(cli, tiny_llm, tmp_path):
+def test_bench_llm_artifact(cli, llm_artifact, tmp_path):
     pytest.importorskip("matplotlib")
     plot = tmp_path / "llm.png"
     args = ("--concurrency", "1,2", *SHORT, "--prompt-len", "16", "--output-len", "8")
-    r = cli("bench", tiny_llm, *args, "--json", "--plot", plot)
+    r = cli("bench", llm_artifact, *args, "--json", "--plot", plot)
     assert r.code == 0, r.err
     rep = json.loads(r.out)
     assert rep["kind"] == "llm" and rep["llm"]["prompt_len"] == 16 and rep["llm"]["output_len"] == 8
@@ -181,7 +138,7 @@ def test_bench_llm_artifact(cli, tiny_llm, tmp_path):
 
     r = cli(
         "bench",
-        tiny_llm,
+        llm_artifact,
         "--concurrency",
         "2",
         *SHORT,
@@ -194,8 +151,10 @@ def test_bench_llm_artifact(cli, tiny_llm, tmp_path):
     assert r.code == 0, r.err
     assert "tokens/s per request" in r.out and "TTFT p50 ms" in r.out and "one shared prompt" in r.out
 
-    _one_line_error(cli("bench", tiny_llm, "--prompt-len", "200", "--output-len", "100"), 1, "context is 256")
-    _one_line_error(cli("bench", tiny_llm, "--dim", "batch=2"), 1, "causal-lm artifact")
+    _one_line_error(
+        cli("bench", llm_artifact, "--prompt-len", "200", "--output-len", "100"), 1, "context is 256"
+    )
+    _one_line_error(cli("bench", llm_artifact, "--dim", "batch=2"), 1, "causal-lm artifact")
 
 
 def _free_port() -> int:
@@ -237,10 +196,10 @@ def _serving(*artifacts: Path):
                 proc.kill()
 
 
-def test_bench_url_drives_precast_serve(cli, mlp, tiny_llm, tmp_path):
+def test_bench_url_drives_precast_serve(cli, mlp, llm_artifact, tmp_path):
     for mod in ("httpx", "uvicorn", "matplotlib"):
         pytest.importorskip(mod)
-    with _serving(mlp, tiny_llm) as (mlp_url, llm_url):
+    with _serving(mlp, llm_artifact) as (mlp_url, llm_url):
         r = cli("bench", mlp, "--url", mlp_url, "--concurrency", "1,2", *SHORT, "--json")
         assert r.code == 0, r.err
         rep = json.loads(r.out)
@@ -256,7 +215,7 @@ def test_bench_url_drives_precast_serve(cli, mlp, tiny_llm, tmp_path):
 
         plot = tmp_path / "url.png"
         args = ("--url", llm_url, "--concurrency", "1,2", *SHORT, "--prompt-len", "16", "--output-len", "8")
-        r = cli("bench", tiny_llm, *args, "--json", "--plot", plot)
+        r = cli("bench", llm_artifact, *args, "--json", "--plot", plot)
         assert r.code == 0, r.err
         rep = json.loads(r.out)
         assert rep["mode"] == "http" and rep["endpoint"] == "completions"

@@ -27,10 +27,10 @@ def _one_error_line(err: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(llama_artifact_mapped):
+def engine(llm_artifact):
     from precast.runtime.llm import Engine
 
-    return Engine.load(llama_artifact_mapped, num_blocks=32, threads=1)
+    return Engine.load(llm_artifact, num_blocks=32, threads=1)
 
 
 @pytest.mark.parametrize("bad", [512, 9999, -1])
@@ -42,13 +42,13 @@ def test_prompt_ids_beyond_the_vocab_are_refused_before_running(engine, capfd, b
     assert engine.counters.requests_submitted == 0  # (refused before it reached the scheduler)
 
 
-def test_server_refuses_an_out_of_vocab_prompt_with_a_400(llama_artifact_mapped, capfd):
+def test_server_refuses_an_out_of_vocab_prompt_with_a_400(llm_artifact, capfd):
     from fastapi.testclient import TestClient
 
     from precast.runtime.server import ServerConfig
     from precast.runtime.server.app import create_app
 
-    with TestClient(create_app(ServerConfig(llama_artifact_mapped, model_name="m"))) as c:
+    with TestClient(create_app(ServerConfig(llm_artifact, model_name="m"))) as c:
         capfd.readouterr()
         r = c.post("/v1/completions", json={"model": "m", "prompt": [1, 9999], "max_tokens": 2})
         assert r.status_code == 400 and "unknown token id 9999" in r.text and "vocab size 512" in r.text
@@ -57,12 +57,12 @@ def test_server_refuses_an_out_of_vocab_prompt_with_a_400(llama_artifact_mapped,
         assert "onnxruntime" not in capfd.readouterr().err
 
 
-def test_precast_run_on_a_bad_id_prints_one_line(llama_artifact_mapped, tmp_path):
+def test_precast_run_on_a_bad_id_prints_one_line(llm_artifact, tmp_path):
     """Raw feeds reach ORT's Gather: its own error log line stays off stderr (session log level fatal)."""
     from precast.artifact.manifest import read_manifest
     from precast.runtime.llm.runners.gather import LLMSpec
 
-    spec = LLMSpec.from_manifest(read_manifest(llama_artifact_mapped), str(llama_artifact_mapped))
+    spec = LLMSpec.from_manifest(read_manifest(llm_artifact), str(llm_artifact))
     feeds = {
         "input_ids": np.array([[1, 9999]], np.int64),
         "positions": np.array([[0, 1]], np.int64),
@@ -75,7 +75,7 @@ def test_precast_run_on_a_bad_id_prints_one_line(llama_artifact_mapped, tmp_path
             feeds[name] = np.zeros((1, spec.kv_heads, spec.max_context, spec.head_size), np.float32)
     np.savez(tmp_path / "bad.npz", **feeds)
     r = subprocess.run(
-        [sys.executable, "-m", "precast", "run", str(llama_artifact_mapped), "-i", str(tmp_path / "bad.npz")],
+        [sys.executable, "-m", "precast", "run", str(llm_artifact), "-i", str(tmp_path / "bad.npz")],
         capture_output=True,
         text=True,
         timeout=300,

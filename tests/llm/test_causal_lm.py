@@ -83,13 +83,13 @@ def compile_llm(folder, out):
 
 
 @pytest.fixture(scope="module")
-def llama_artifact(tiny_llama_dir, tmp_path_factory):
-    return compile_llm(tiny_llama_dir, tmp_path_factory.mktemp("art") / "llama")
+def llama_artifact(compiled, tiny_llama_dir):
+    return compiled(tiny_llama_dir, targets=("ort-cpu",), task="causal-lm")
 
 
 @pytest.fixture(scope="module")
-def gpt2_artifact(tiny_gpt2_dir, tmp_path_factory):
-    return compile_llm(tiny_gpt2_dir, tmp_path_factory.mktemp("art") / "gpt2")
+def gpt2_artifact(compiled, tiny_gpt2_dir):
+    return compiled(tiny_gpt2_dir, targets=("ort-cpu",), task="causal-lm")
 
 
 def _encode(result, texts):
@@ -265,7 +265,7 @@ def test_llama_family_paged_math_matches_hf(model_type, head_dim, layout, tmp_pa
 
 @pytest.mark.slow
 def test_kv_layout_option_forces_the_gather_layout_and_rejects_misfits(
-    tiny_llama_dir, tiny_gpt2_dir, cli, tmp_path
+    tiny_llama_dir, tiny_gpt2_dir, llama_artifact, cli, tmp_path
 ):
     """--kv-layout paged on a Llama: the in-graph gather layout (any host), same greedy tokens as mapped."""
     out = tmp_path / "paged"
@@ -277,8 +277,7 @@ def test_kv_layout_option_forces_the_gather_layout_and_rejects_misfits(
     assert llm["kv_layout"] == "paged" and llm["kv_inputs"][0] == ["key_cache.0", "value_cache.0"]
     prompt = [[5, 9, 33, 7, 100, 41]]
     paged = greedy(ModelRunner.from_artifact(out, num_blocks=16), prompt, 12)
-    mapped_art = compile_llm(tiny_llama_dir, tmp_path / "mapped").output
-    assert paged == greedy(ModelRunner.from_artifact(mapped_art, num_blocks=16), prompt, 12)
+    assert paged == greedy(ModelRunner.from_artifact(llama_artifact.output, num_blocks=16), prompt, 12)
     bad = cli(
         "compile",
         str(tiny_gpt2_dir),

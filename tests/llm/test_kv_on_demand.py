@@ -181,23 +181,14 @@ def _rss() -> int:
 
 
 @pytest.fixture(scope="module")
-def artifacts(tiny_llama_dir, llama_artifact_mapped, tmp_path_factory):
-    from precast.compiler.driver import CompileOptions, compile_model
-
-    out = {"mapped": llama_artifact_mapped}
-    root = tmp_path_factory.mktemp("kv-on-demand")
-    out["paged"] = compile_model(
-        str(tiny_llama_dir),
-        root / "paged",
-        CompileOptions(targets=("ort-cpu",), task="causal-lm", kv_layout="paged"),
-    ).output
+def artifacts(compiled, tiny_llama_dir, llm_artifact):
+    out = {"mapped": llm_artifact}
+    out["paged"] = compiled(tiny_llama_dir, targets=("ort-cpu",), task="causal-lm", kv_layout="paged").output
     try:
         import openvino  # noqa: F401
     except ImportError:
         return out
-    out["openvino"] = compile_model(
-        str(tiny_llama_dir), root / "ov", CompileOptions(targets=("openvino",), task="causal-lm")
-    ).output
+    out["openvino"] = compiled(tiny_llama_dir, targets=("openvino",), task="causal-lm").output
     return out
 
 

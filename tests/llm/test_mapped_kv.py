@@ -132,12 +132,12 @@ def _mixed_schedule(runner, seed: int = 0):
 
 
 @pytest.mark.slow
-def test_in_place_steps_match_the_copying_path_under_a_changing_batch(llama_artifact_mapped):
+def test_in_place_steps_match_the_copying_path_under_a_changing_batch(llm_artifact):
     """IO-bound shared past/present (in place) == run + copy the new rows, while requests join and leave."""
     from precast.runtime.model import load
 
-    fast = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24)
-    model = load(llama_artifact_mapped, verify=False)
+    fast = ModelRunner.from_artifact(llm_artifact, num_blocks=24)
+    model = load(llm_artifact, verify=False)
     slow = MappedModelRunner(_NoBinding(model.session), fast.spec, 24, slots=8)
     assert type(fast).__name__ == "MappedModelRunner" and fast.kv_bytes == fast.kv.pool.nbytes
     a, b = _mixed_schedule(fast), _mixed_schedule(slow)
@@ -163,14 +163,14 @@ class _Counting:
 
 
 @pytest.mark.slow
-def test_steps_run_ort_binding_directly_and_a_wrapped_session_through_its_own_run(llama_artifact_mapped):
+def test_steps_run_ort_binding_directly_and_a_wrapped_session_through_its_own_run(llm_artifact):
     """ORT's Python run_with_iobinding is skipped for its C++ session (~6 us a step); a session wrapping
     ORT's (no own _sess) still has its run_with_iobinding called. Same logits either way."""
     from precast.runtime.model import load
 
-    direct = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24, spinning=False)
+    direct = ModelRunner.from_artifact(llm_artifact, num_blocks=24, spinning=False)
     inner = direct._session._sess = _Counting(direct._session._sess)
-    wrapper = _Counting(load(llama_artifact_mapped, verify=False).session)
+    wrapper = _Counting(load(llm_artifact, verify=False).session)
     wrapped = MappedModelRunner(wrapper, direct.spec, 24)
     a, b = _mixed_schedule(direct), _mixed_schedule(wrapped)
     assert inner.calls == wrapper.calls > 9  # every run of both (prefill rows alone, decodes batched)
@@ -180,8 +180,8 @@ def test_steps_run_ort_binding_directly_and_a_wrapped_session_through_its_own_ru
 
 
 @pytest.mark.slow
-def test_batched_decode_equals_each_request_alone(llama_artifact_mapped):
-    runner = ModelRunner.from_artifact(llama_artifact_mapped, num_blocks=24, spinning=False)
+def test_batched_decode_equals_each_request_alone(llm_artifact):
+    runner = ModelRunner.from_artifact(llm_artifact, num_blocks=24, spinning=False)
     bs = runner.spec.block_size
     pasts = [5, 70, 33]
     rng = np.random.default_rng(3)

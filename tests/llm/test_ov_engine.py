@@ -27,8 +27,8 @@ def _compile(folder, out, **target_options):
 
 
 @pytest.fixture(scope="module")
-def ov_llama(tiny_llama_dir, tmp_path_factory):
-    return _compile(tiny_llama_dir, tmp_path_factory.mktemp("ov") / "llama-ov")
+def ov_llama(compiled, tiny_llama_dir):
+    return compiled(tiny_llama_dir, targets=("openvino",), task="causal-lm").output
 
 
 def _prompts(seed: int = 0) -> list[list[int]]:

@@ -225,12 +225,8 @@ class _Flip:
 
 
 @pytest.fixture(scope="module")
-def paged_artifact(tiny_llama_dir, tmp_path_factory):
-    from precast.compiler.driver import CompileOptions, compile_model
-
-    out = tmp_path_factory.mktemp("art") / "llama-paged"
-    opts = CompileOptions(targets=("ort-cpu",), task="causal-lm", kv_layout="paged")
-    return compile_model(str(tiny_llama_dir), out, opts).output
+def paged_artifact(compiled, tiny_llama_dir):
+    return compiled(tiny_llama_dir, targets=("ort-cpu",), task="causal-lm", kv_layout="paged").output
 
 
 def _greedy(engine, prompts, n=24):
@@ -241,10 +237,10 @@ def _greedy(engine, prompts, n=24):
 
 
 @pytest.mark.parametrize("layout", ["mapped", "paged"])
-def test_flipping_sessions_every_step_keeps_greedy_tokens(layout, llama_artifact_mapped, paged_artifact):
+def test_flipping_sessions_every_step_keeps_greedy_tokens(layout, llm_artifact, paged_artifact):
     from precast.runtime.llm import Engine
 
-    art = llama_artifact_mapped if layout == "mapped" else paged_artifact
+    art = llm_artifact if layout == "mapped" else paged_artifact
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, 512, n).tolist() for n in (5, 40, 70, 12)]
     calm = Engine.load(art, num_blocks=32, threads=2, spinning=False)
@@ -287,10 +283,10 @@ class _Recorded(SpinSwitch):
         return self.picks[-1]
 
 
-def test_engine_runs_calm_on_busy_readings_and_spins_again_on_quiet_ones(llama_artifact_mapped):
+def test_engine_runs_calm_on_busy_readings_and_spins_again_on_quiet_ones(llm_artifact):
     from precast.runtime.llm import Engine
 
-    engine = Engine.load(llama_artifact_mapped, num_blocks=32, threads=2)
+    engine = Engine.load(llm_artifact, num_blocks=32, threads=2)
     real = engine.runner.spin_switch
     assert real.interval == 0.02 and isinstance(real.load, ThreadWait)
     assert real.spinning_now == real.load.available  # a quiet start
@@ -315,9 +311,9 @@ def test_engine_runs_calm_on_busy_readings_and_spins_again_on_quiet_ones(llama_a
     assert set(sw.picks) == {spin} and sw.spinning_now and sw.switches == 2
 
 
-def test_spinning_value_is_checked(llama_artifact_mapped):
+def test_spinning_value_is_checked(llm_artifact):
     from precast.errors import UsageError
     from precast.runtime.llm.runners.gather import ModelRunner
 
     with pytest.raises(UsageError, match="spinning must be True, False or 'auto'"):
-        ModelRunner.from_artifact(llama_artifact_mapped, spinning="yes")
+        ModelRunner.from_artifact(llm_artifact, spinning="yes")

@@ -26,18 +26,25 @@ NEW_TOKENS = 32
 STAGED = "default,split-stages{n=2}"
 
 
-def _compile(folder, out, passes=None, kv_layout=None):
+def _plain_and_staged(folder, root):
+    """``folder`` compiled for ort-cpu plain and with STAGED: one export (the loaded Source), two pipelines."""
     from precast.compiler.driver import CompileOptions, compile_model
+    from precast.compiler.frontends.source import load_source
 
-    opts = CompileOptions(targets=("ort-cpu",), task="causal-lm", passes=passes, kv_layout=kv_layout)
-    return compile_model(str(folder), out, opts).output
+    source = load_source(str(folder), task="causal-lm")
+    return tuple(
+        compile_model(
+            source, root / name, CompileOptions(targets=("ort-cpu",), task="causal-lm", passes=passes)
+        ).output
+        for name, passes in (("plain", None), ("staged", STAGED))
+    )
 
 
 @pytest.fixture(scope="module")
 def llama4(tmp_path_factory):
     root = tmp_path_factory.mktemp("staged")
     folder = build_causal_lm(root / "llama4", "llama", seed=5, num_hidden_layers=4, num_key_value_heads=2)
-    return folder, _compile(folder, root / "plain"), _compile(folder, root / "staged", STAGED)
+    return folder, *_plain_and_staged(folder, root)
 
 
 def _prompts(engine, n: int) -> list[list[int]]:
@@ -169,6 +176,9 @@ def test_engine_close_joins_the_stage_workers(llama4):
     from precast.runtime.llm import Engine
 
     _, _, staged = llama4
+    # Stage workers that another engine of this process left running (a Triton model's finalize() only stops
+    # its engine) are not this engine's: close() must leave none of the ones this engine started.
+    before = set(threading.enumerate())
     engine = Engine.load(staged, num_blocks=16)
     workers = list(engine.runner.workers)
     assert [w.name for w in workers] == ["precast-llm-stage-0", "precast-llm-stage-1"]
@@ -177,7 +187,7 @@ def test_engine_close_joins_the_stage_workers(llama4):
     engine.close()
     engine.close()  # idempotent
     assert not any(w.is_alive() for w in workers)
-    assert not any(t.name.startswith("precast-llm-stage") for t in threading.enumerate())
+    assert not [t for t in set(threading.enumerate()) - before if t.name.startswith("precast-llm-stage")]
 
 
 def test_tampered_kv_ownership_is_refused(llama4, tmp_path):
@@ -205,7 +215,7 @@ def test_paged_generic_decoder_staged_matches_unsplit_and_hf(tmp_path):
     from precast.runtime.llm import Engine
 
     folder = build_causal_lm(tmp_path / "qwen3", "qwen3", seed=3, num_hidden_layers=4)
-    plain, staged = _compile(folder, tmp_path / "plain"), _compile(folder, tmp_path / "staged", STAGED)
+    plain, staged = _plain_and_staged(folder, tmp_path)
     manifest = json.loads((staged / "manifest.json").read_text())
     assert manifest["llm"]["kv_layout"] == "paged"
     owned = [st["kv_layers"] for st in manifest["stages"]["stages"]]

@@ -44,15 +44,10 @@ def mlp_index(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def ov_llm(tmp_path_factory):
+def ov_llm(compiled, tiny_llama_dir):
     """The tiny Llama compiled for OpenVINO (PagedAttention step graph; kv_layout ov-paged)."""
     pytest.importorskip("openvino")
-    pytest.importorskip("transformers")
-    from tests.llm.fixtures import build_llama
-
-    folder = build_llama(tmp_path_factory.mktemp("hf") / "tiny-llama")
-    opts = CompileOptions(targets=("openvino",), task="causal-lm")
-    return compile_model(str(folder), tmp_path_factory.mktemp("ov") / "llama-ov", opts).output
+    return compiled(tiny_llama_dir, targets=("openvino",), task="causal-lm").output
 
 
 @pytest.fixture

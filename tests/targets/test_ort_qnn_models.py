@@ -36,6 +36,19 @@ def _mean_pool(hidden: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return (hidden * m).sum(-2) / m.sum(-2)
 
 
+def test_minilm_ort_cpu_and_ort_qnn(minilm_multi):
+    """The issue-17 compile: it segfaulted (exit 139), then missed the INT8 budget (cosine 0.31); now both
+    targets verify within the default budget (cosine>=0.99) and the index offers the NPU first."""
+    out, result = minilm_multi
+    assert sorted(result.manifest["targets"]) == ["ort-cpu", "ort-qnn"] and "failed" not in result.manifest
+    qnn = json.loads((out / "ort-qnn" / "manifest.json").read_text())
+    assert qnn["target"]["placement"]["on_htp"] == qnn["target"]["placement"]["nodes"] > 500
+    assert qnn["parity"]["budget"]["ok"] and qnn["parity"]["budget"]["budget"] == "cosine>=0.99"
+    stats = {p["pass"].split("{")[0]: p["stats"] for p in qnn["passes"]}
+    assert stats["lower-gathernd"]["lowered"] == 1 and stats["lower-where-constants"]["lowered"] == 1
+    assert load(out).target == "ort-qnn"
+
+
 def test_minilm_every_node_on_the_htp(minilm_multi):
     block = _assert_all_on_htp(minilm_multi[0] / "ort-qnn")
     assert block["placement"]["nodes"] > 500

@@ -278,19 +278,19 @@ def test_malformed_llm_block_is_an_artifact_error(field, value):
         LLMSpec.from_json({**block, field: value}, "art")
 
 
-def test_engine_load_packed_artifact_threads_and_bad_manifest(llama_artifact_mapped, tmp_path):
+def test_engine_load_packed_artifact_threads_and_bad_manifest(llm_artifact, tmp_path):
     from precast.compiler.pack import pack_artifact
 
     packed = tmp_path / "llama.precast"
-    pack_artifact(llama_artifact_mapped, packed)
-    want = Engine.load(llama_artifact_mapped, num_blocks=4).generate("hi", SamplingParams(max_tokens=3))
+    pack_artifact(llm_artifact, packed)
+    want = Engine.load(llm_artifact, num_blocks=4).generate("hi", SamplingParams(max_tokens=3))
     got = Engine.load(packed, num_blocks=np.int64(4)).generate("hi", SamplingParams(max_tokens=3))
     assert got[0].token_ids == want[0].token_ids
     for threads in ("2", 1.5, -1, 10**4):
         with pytest.raises(UsageError, match="threads must be an integer in 1..256"):
-            Engine.load(llama_artifact_mapped, threads=threads)
+            Engine.load(llm_artifact, threads=threads)
     bad = tmp_path / "bad"
-    shutil.copytree(llama_artifact_mapped, bad)
+    shutil.copytree(llm_artifact, bad)
     manifest = json.loads((bad / "manifest.json").read_text())
     manifest["llm"]["block_size"] = 0
     (bad / "manifest.json").write_text(json.dumps(manifest))

@@ -73,11 +73,9 @@ def _count_kinds(eng) -> collections.Counter:
 
 
 @pytest.fixture(scope="module")
-def gpt2(tiny_gpt2_dir, tmp_path_factory):
+def gpt2(compiled, tiny_gpt2_dir):
     """The tiny GPT-2: the gather ("paged") KV layout, run by ModelRunner itself."""
-    from tests.llm.test_causal_lm import compile_llm
-
-    return compile_llm(tiny_gpt2_dir, tmp_path_factory.mktemp("art") / "gpt2").output
+    return compiled(tiny_gpt2_dir, targets=("ort-cpu",), task="causal-lm").output
 
 
 @pytest.fixture(scope="module")
