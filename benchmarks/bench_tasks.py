@@ -417,6 +417,15 @@ def spread(rat: list[float]) -> str:
     return f"{statistics.median(rat):.3f} ({pctl(rat, 10):.3f}-{pctl(rat, 90):.3f})"
 
 
+def fastest(names: list[str], t: dict[str, list[float]]) -> str | None:
+    """The engine with the lowest median per-round time relative to the first one: when other work comes and
+    goes the times are bimodal, and a plain median can pick the engine that the round-by-round ratio says is
+    slower."""
+    if not names:
+        return None
+    return min(names, key=lambda n: statistics.median(x / y for x, y in zip(t[n], t[names[0]])))
+
+
 def report(spec: TaskModel, res: dict, aa: str) -> list[str]:
     """Markdown: one table per batch, then precast's best target against the best anchor."""
     lines = [f"- {spec.name}: {n} not run: {why}" for n, why in res["notes"].items() if why]
@@ -424,7 +433,7 @@ def report(spec: TaskModel, res: dict, aa: str) -> list[str]:
         t = r["rounds"]
         med = {n: statistics.median(v) * 1e3 for n, v in t.items()}
         anchors = [n for n in ANCHORS if n in t]
-        best = min(anchors, key=med.get) if anchors else None
+        best = fastest(anchors, t)
         what = f" ({AUDIO_SECONDS:.0f} s of audio a row)" if spec.audio else ""
         load = "1-min load {:.1f} -> {:.1f}".format(*r["load"])
         lines += [
@@ -447,7 +456,7 @@ def report(spec: TaskModel, res: dict, aa: str) -> list[str]:
             )
         ours = [n for n in PRECAST if n in t]
         if best and ours:
-            top = min(ours, key=med.get)
+            top = fastest(ours, t)
             rat = spread([x / y for x, y in zip(t[top], t[best])])
             lines.append(
                 f"\nprecast's best target: {top}, {rat} x the time of {best} (median, p10-p90 over rounds; "
