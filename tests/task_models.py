@@ -43,6 +43,8 @@ FAMILIES = {
                "image_size": 32, "patch_size": 8}, "facebook/dinov2-small", "image-feature-extraction"),
     "clip_vision": ("CLIPVisionModel", "CLIPVisionConfig", {**_H, "image_size": 32, "patch_size": 8},
                     "openai/clip-vit-base-patch32", "image-feature-extraction"),
+    "siglip_vision": ("SiglipVisionModel", "SiglipVisionConfig", {**_H, "image_size": 32, "patch_size": 8},
+                      "google/siglip-base-patch16-224", "image-feature-extraction"),
     "clip": ("CLIPModel", "CLIPConfig", {}, "openai/clip-vit-base-patch32", "zero-shot-image-classification"),
     "siglip": ("SiglipModel", "SiglipConfig", {}, "google/siglip-base-patch16-224", "zero-shot-image-classification"),
     "wav2vec2_ctc": ("Wav2Vec2ForCTC", "Wav2Vec2Config", {**_AUDIO, "vocab_size": len(WAV2VEC2_VOCAB),

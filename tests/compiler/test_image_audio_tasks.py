@@ -1,4 +1,4 @@
-"""Image, audio and two-tower tasks: tiny random models of ten families (tests/task_models.py), compiled from their
+"""Image, audio and two-tower tasks: tiny random models of twelve families (tests/task_models.py), compiled from their
 folders -- half with the task inferred from config.architectures, half with it given -- then run on inputs the
 verification never saw, through the artifact's own preprocessing, and compared with transformers: the model's
 forward on transformers' processor output, the labels, the CTC text, the zero-shot ranking.
