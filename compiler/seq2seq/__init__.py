@@ -1,0 +1,1 @@
+"""Encoder-decoder models (text2text, Whisper speech recognition): export, compile, verification."""
