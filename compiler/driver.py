@@ -9,6 +9,7 @@ tolerances, budget, bisection), ``compiler/artifact.py`` assembles and writes ma
 from __future__ import annotations
 
 import dataclasses
+import os
 import platform
 import shutil
 import time
@@ -104,6 +105,11 @@ def compile_model(
     model: str | Source, output: str | Path, opts: CompileOptions, progress: Progress | None = None
 ) -> CompileReport:
     """Compile ``model`` into a verified artifact at ``output``; every user mistake fails before any work."""
+    seq2seq = _seq2seq_task(model, opts)
+    if seq2seq is not None:  # encoder-decoder generation: two part artifacts + the engine's contract
+        from precast.compiler.seq2seq.compile import compile_seq2seq
+
+        return compile_seq2seq(Path(model), seq2seq, output, opts, progress)
     run = _Run(plan_compile(model, output, opts), reporter(progress))
     clean_stale_siblings(run.plan.output)  # staging dirs of compiles that were killed (their pid is gone)
     cached = run.restore(run.plan.source_sha_before_loading(), run.plan.source.name)
@@ -187,6 +193,16 @@ class _Run:
         return CompileReport(
             self.plan.output, manifest, records, self.timings, self.cache_status, warnings, size, count
         )
+
+
+def _seq2seq_task(model, opts: CompileOptions) -> str | None:
+    """The seq2seq task of a local Hugging Face folder (None for anything else)."""
+    if not isinstance(model, (str, os.PathLike)) or not (Path(model) / "config.json").is_file():
+        return None
+    from precast.compiler.frontends.hf_source import read_config
+    from precast.compiler.seq2seq.export import seq2seq_task
+
+    return seq2seq_task(read_config(Path(model)), opts.task)
 
 
 @dataclass

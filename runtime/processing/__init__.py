@@ -3,6 +3,7 @@ its outputs at run time without torch or transformers.
 
     preprocessor_config.json --processing_from_config--> ImageProcessing | AudioProcessing
     images / waveforms --processing--> pixel_values / input_values --model--> logits
+    WAV / FLAC bytes --read_audio--> waveform --split_windows, WhisperFeatures--> input_features (Whisper)
     logits --CTCDecoder.decode / label_scores--> text / labels
 
 The config is the model folder's file as the artifact ships it: untrusted data, read strictly (fields.py).
@@ -16,15 +17,19 @@ from precast.runtime.processing.audio import AUDIO_TYPES, AudioProcessing, read_
 from precast.runtime.processing.fields import CONFIG, processor_type
 from precast.runtime.processing.image import IMAGE_ALIASES, IMAGE_TYPES, ImageProcessing, load_image
 from precast.runtime.processing.postprocess import CTCDecoder, label_scores
+from precast.runtime.processing.whisper import WhisperFeatures, read_audio, split_windows
 
 __all__ = [
     "AudioProcessing",
     "CTCDecoder",
     "ImageProcessing",
+    "WhisperFeatures",
     "label_scores",
     "load_image",
     "processing_from_config",
+    "read_audio",
     "read_wav",
+    "split_windows",
 ]
 
 

@@ -10,6 +10,7 @@ them over the padded row, so a short waveform's values depend on its batch-mates
 
 from __future__ import annotations
 
+import io
 import os
 import wave
 from collections.abc import Sequence
@@ -21,11 +22,12 @@ import numpy as np
 from precast.errors import ArtifactError, InputError, first_line
 from precast.runtime.processing.fields import CONFIG, bad, processor_type, read_bool, read_float, read_int
 
-__all__ = ["AUDIO_TYPES", "MAX_WAV_BYTES", "AudioProcessing", "read_wav"]
+__all__ = ["AUDIO_TYPES", "MAX_WAV_BYTES", "AudioProcessing", "decode_wav", "read_wav"]
 
 AUDIO_TYPES = ("Wav2Vec2FeatureExtractor",)  # HuBERT, WavLM and Data2Vec-Audio configs name this one too
 MAX_WAV_BYTES = 256 * 2**20  # over two hours of 16 kHz 16-bit mono; bounds what one request may cost
 _PCM, _FLOAT, _EXTENSIBLE = 1, 3, 0xFFFE
+_STREAMED = 0xFFFFFFFF  # the data size a writer that cannot seek back leaves in the header
 
 
 @dataclass(frozen=True)
@@ -108,27 +110,42 @@ def read_wav(path: str | os.PathLike) -> tuple[np.ndarray, int]:
     path = Path(path)
     try:
         size = path.stat().st_size
+        if size <= MAX_WAV_BYTES:
+            blob = path.read_bytes()
     except OSError as e:
         raise InputError(f"{path}: cannot read ({e.strerror or first_line(e)})") from None
     if size > MAX_WAV_BYTES:
         raise InputError(f"{path}: {size:,} bytes; WAV files over {MAX_WAV_BYTES:,} bytes are refused")
+    return decode_wav(blob, str(path))
+
+
+def decode_wav(blob: bytes, name: str) -> tuple[np.ndarray, int]:
+    """The bytes of a WAV file -> what ``read_wav`` returns for it; errors name the file ``name``. A data chunk
+    shorter than its header says is a truncated file (unless the size is the 0xFFFFFFFF of a streamed one)."""
+    if len(blob) > MAX_WAV_BYTES:
+        raise InputError(f"{name}: {len(blob):,} bytes; WAV files over {MAX_WAV_BYTES:,} bytes are refused")
     try:
-        with wave.open(str(path), "rb") as w:
+        with wave.open(io.BytesIO(blob), "rb") as w:
             channels, width, rate = w.getnchannels(), w.getsampwidth(), w.getframerate()
+            declared = w.getnframes() * channels * width
             tag, data = _PCM, w.readframes(w.getnframes())
     except wave.Error:
-        tag, channels, rate, width, data = _read_chunks(path)
+        tag, channels, rate, width, declared, data = _read_chunks(blob, name)
     except (EOFError, OSError) as e:
-        raise InputError(f"{path}: not a readable WAV file ({first_line(e)})") from None
+        raise InputError(f"{name}: not a readable WAV file ({first_line(e)})") from None
     if not 1 <= channels <= 64 or not 1 <= rate <= 1_000_000:
-        raise InputError(f"{path}: implausible WAV header ({channels} channels at {rate} Hz)")
+        raise InputError(f"{name}: implausible WAV header ({channels} channels at {rate} Hz)")
+    if len(data) < declared <= _STREAMED - channels * width:
+        raise InputError(
+            f"{name}: truncated WAV file (data chunk declares {declared:,} bytes, holds {len(data):,})"
+        )
     if tag == _PCM and width in (1, 2, 3, 4):
         samples = _pcm(data, width)
     elif tag == _FLOAT and width in (4, 8):
         samples = np.frombuffer(data[: len(data) // width * width], "<f4" if width == 4 else "<f8")
     else:
         raise InputError(
-            f"{path}: unsupported WAV encoding (format {tag}, {8 * width}-bit); precast reads PCM 8/16/24/32-bit "
+            f"{name}: unsupported WAV encoding (format {tag}, {8 * width}-bit); precast reads PCM 8/16/24/32-bit "
             "and IEEE float 32/64-bit"
         )
     samples = samples[: len(samples) // channels * channels].astype(np.float32).reshape(-1, channels)
@@ -147,13 +164,13 @@ def _pcm(data: bytes, width: int) -> np.ndarray:
     return np.frombuffer(data, "<i2" if width == 2 else "<i4") / 2.0 ** (8 * width - 1)
 
 
-def _read_chunks(path: Path) -> tuple[int, int, int, int, bytes]:
-    """(format tag, channels, rate, bytes per sample, data) of a RIFF/WAVE file ``wave`` did not take; an
-    EXTENSIBLE file's tag is its sub-format's (PCM or float)."""
-    blob = path.read_bytes()
+def _read_chunks(blob: bytes, name: str) -> tuple[int, int, int, int, int, bytes]:
+    """(format tag, channels, rate, bytes per sample, declared data size, data) of a RIFF/WAVE file ``wave`` did
+    not take; an EXTENSIBLE file's tag is its sub-format's (PCM or float)."""
     if len(blob) < 12 or blob[:4] != b"RIFF" or blob[8:12] != b"WAVE":
-        raise InputError(f"{path}: not a WAV file (no RIFF/WAVE header)")
+        raise InputError(f"{name}: not a WAV file (no RIFF/WAVE header)")
     fmt = data = None
+    declared = 0
     pos = 12
     while pos + 8 <= len(blob) and data is None:
         chunk, n = blob[pos : pos + 4], int.from_bytes(blob[pos + 4 : pos + 8], "little")
@@ -161,13 +178,13 @@ def _read_chunks(path: Path) -> tuple[int, int, int, int, bytes]:
         if chunk == b"fmt ":
             fmt = body
         elif chunk == b"data":
-            data = body
+            data, declared = body, n
         pos += 8 + n + (n & 1)
     if fmt is None or len(fmt) < 16 or data is None:
-        raise InputError(f"{path}: not a readable WAV file (no 'fmt ' or 'data' chunk)")
+        raise InputError(f"{name}: not a readable WAV file (no 'fmt ' or 'data' chunk)")
     tag, channels = int.from_bytes(fmt[0:2], "little"), int.from_bytes(fmt[2:4], "little")
     rate, block = int.from_bytes(fmt[4:8], "little"), int.from_bytes(fmt[12:14], "little")
     if tag == _EXTENSIBLE and len(fmt) >= 26:
         tag = int.from_bytes(fmt[24:26], "little")
     # the container's width, not bits_per_sample: 20-bit audio sits left-justified in 3 bytes
-    return tag, channels, rate, block // channels if channels else 0, data
+    return tag, channels, rate, block // channels if channels else 0, declared, data

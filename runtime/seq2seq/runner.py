@@ -1,0 +1,107 @@
+"""Seq2SeqRunner: the encoder and the decoder step of a seq2seq artifact over numpy pools.
+
+    encode(feeds)  -> per request: each layer's cross K and V [H, E_b, D] (its own source length E_b)
+    step(ids, positions, past_lens, new_lens, block_tables, cross) -> logits [B, V]
+        self-attention K/V: the paged pools ``[L, NB, H, block_size, D]`` (blocks from the engine's BlockPool);
+        the graph gathers each row's blocks and returns the new tokens' K/V, scattered here into their slots.
+        cross: a CrossBatch (every layer's [B, H, E, D] K and V, and encoder_mask [B, E]) of the rows.
+
+Both parts are ordinary precast artifacts loaded through the HAL (runtime.load: sha256 of every file, the
+best target this host runs). The decoder graph's inputs must be exactly the step contract's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from precast.artifact.seq2seq_spec import Seq2SeqSpec
+from precast.errors import ArtifactError
+
+__all__ = ["CrossBatch", "Seq2SeqRunner", "decoder_inputs"]
+
+
+def decoder_inputs(layers: int) -> list[str]:
+    head = ["input_ids", "positions", "past_lens", "new_lens", "block_tables"]
+    pools = [f"key_cache.{i}" for i in range(layers)] + [f"value_cache.{i}" for i in range(layers)]
+    cross = [f"cross_key.{i}" for i in range(layers)] + [f"cross_value.{i}" for i in range(layers)]
+    return [*head, *pools, *cross, "encoder_mask"]
+
+
+@dataclass
+class CrossBatch:
+    """The cross-attention inputs of one step's rows (stacked from each request's CrossState)."""
+
+    keys: list  # per layer [B, H, E, D]
+    values: list
+    mask: np.ndarray  # [B, E] int64
+
+
+class Seq2SeqRunner:
+    def __init__(self, root: Path, spec: Seq2SeqSpec, num_blocks: int, threads: int | None = None,
+                 verify: bool = True):
+        from precast.runtime.model import load
+
+        self.spec = spec
+        self.encoder = load(root / "encoder", threads=threads, verify=verify)
+        self.decoder = load(root / "decoder", threads=threads, verify=verify)
+        self._check(root)
+        self.num_blocks = int(num_blocks)
+        shape = (spec.layers, self.num_blocks, spec.heads, spec.block_size, spec.head_size)
+        self.k_pool = np.zeros(shape, dtype=np.float32)  # lazily backed: pages appear when written
+        self.v_pool = np.zeros(shape, dtype=np.float32)
+        self._outputs = ["logits"] + [f"new_{kv}.{i}" for i in range(spec.layers) for kv in ("key", "value")]
+
+    def _check(self, root: Path) -> None:
+        where = f"{root}/decoder"
+        names = {i.name for i in self.decoder.session.get_inputs()}
+        want = set(decoder_inputs(self.spec.layers))
+        if names != want:
+            extra = sorted(names ^ want)[0]
+            raise ArtifactError(
+                f"{where}: the step graph does not match seq2seq.json (layers={self.spec.layers}): input {extra!r}"
+            )
+        outs = {o.name for o in self.encoder.session.get_outputs()}
+        for i in range(self.spec.layers):
+            for name in (f"cross_key.{i}", f"cross_value.{i}"):
+                if name not in outs:
+                    raise ArtifactError(f"{root}/encoder: the encoder has no output {name!r}")
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.k_pool.nbytes + self.v_pool.nbytes
+
+    def encode(self, feeds: dict[str, np.ndarray], lengths: list[int]) -> list[tuple[list, list]]:
+        """The encoder on a batch; -> per request (keys, values): each layer's [H, E_b, D], E_b = lengths[b]."""
+        names = [f"cross_{kv}.{i}" for i in range(self.spec.layers) for kv in ("key", "value")]
+        out = self.encoder.session.run(names, feeds)
+        keys, values = out[0::2], out[1::2]
+        return [
+            ([np.ascontiguousarray(k[b, :, :n]) for k in keys], [np.ascontiguousarray(v[b, :, :n]) for v in values])
+            for b, n in enumerate(lengths)
+        ]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.k_pool[:, dst] = self.k_pool[:, src]
+        self.v_pool[:, dst] = self.v_pool[:, src]
+
+    def step(self, ids, pos, past, new, tables, cross: CrossBatch) -> np.ndarray:
+        layers = self.spec.layers
+        feeds = {"input_ids": ids, "positions": pos, "past_lens": past, "new_lens": new, "block_tables": tables}
+        for i in range(layers):
+            feeds[f"key_cache.{i}"] = self.k_pool[i]
+            feeds[f"value_cache.{i}"] = self.v_pool[i]
+            feeds[f"cross_key.{i}"] = cross.keys[i]
+            feeds[f"cross_value.{i}"] = cross.values[i]
+        feeds["encoder_mask"] = cross.mask
+        out = self.decoder.session.run(self._outputs, feeds)
+        bs = self.spec.block_size
+        b_idx, s_idx = np.nonzero(np.arange(ids.shape[1])[None, :] < new[:, None])
+        slot = past[b_idx] + s_idx
+        blocks = tables[b_idx, slot // bs]
+        offsets = slot % bs
+        self.k_pool[:, blocks, :, offsets] = np.stack(out[1::2])[:, b_idx, :, s_idx]
+        self.v_pool[:, blocks, :, offsets] = np.stack(out[2::2])[:, b_idx, :, s_idx]
+        return out[0]
