@@ -204,15 +204,34 @@ def verify(artifact, as_json, pubkey, expect_name, min_version, junit, quiet):
 @click.option("--top-k", default=5, show_default=True, type=click.IntRange(1, 1000), help="Labels per input.")
 @click.option("-o", "--output", "output_file", type=click.Path(), default=None, help="Save outputs to .npz.")
 @click.option("--prefer", default=None, help="Target to prefer in a multi-target artifact.")
+@click.option("--max-new-tokens", type=click.IntRange(1, 65536), default=None,
+              help="Generation tasks: tokens to generate at most (default: the model's generation config).")
+@click.option("--num-beams", type=click.IntRange(1, 64), default=None,
+              help="Generation tasks: beam search width (default: the model's generation config).")
+@click.option("--language", default=None, help="Whisper: the spoken language (e.g. en); default: detected.")
+@click.option("--translate", is_flag=True, help="Whisper: translate to English instead of transcribing.")
 @THREADS
 @click.option("--json", "as_json", is_flag=True, help="Print outputs as JSON lists.")
 def run(
-    artifact, input_file, images, audios, texts, context, labels, top_k, output_file, prefer, threads, as_json
+    artifact, input_file, images, audios, texts, context, labels, top_k, output_file, prefer,
+    max_new_tokens, num_beams, language, translate, threads, as_json
 ):
     """Run an artifact on feeds from a file (-i), or a task artifact on images, WAV files or text, and print
-    (or save) the outputs: labels and scores, decoded text, an answer span, an embedding."""
+    (or save) the outputs: labels and scores, decoded text, an answer span, an embedding; an encoder-decoder
+    artifact translates / summarizes --text or transcribes --audio (WAV or FLAC, any length)."""
     from precast.runtime import load
 
+    generation = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("num_beams", num_beams),
+                                    ("language", language)) if v is not None}
+    if translate:
+        generation["task"] = "translate"
+    if (Path(artifact) / "seq2seq.json").is_file():
+        if input_file or images:
+            raise UsageError(f"{artifact} is an encoder-decoder artifact: give --text or --audio")
+        _run_seq2seq(artifact, audios, texts, generation, threads, as_json)
+        return
+    if generation:
+        raise UsageError(f"--{next(iter(generation)).replace('_', '-')} applies to encoder-decoder artifacts")
     given = bool(images or audios or texts)
     if input_file and given:
         raise UsageError("give either -i FEEDS or --image/--audio/--text, not both")
@@ -274,6 +293,51 @@ def _run_task(model, images, audios, texts, context, labels, top_k, as_json) -> 
         return
     for name, result in zip(names, results):
         out_console.print(escape(f"{name}: {_describe(result)}"))
+
+
+def _run_seq2seq(artifact, audios, texts, generation: dict, threads, as_json) -> None:
+    """``precast run`` on an encoder-decoder artifact: each --text translated / summarized, each --audio
+    transcribed (30 s windows); the texts are served together (one batch)."""
+    from precast.runtime.seq2seq.engine import Seq2SeqEngine
+
+    engine = Seq2SeqEngine.load(artifact, threads=threads)
+    speech = engine.spec.input == "speech"
+    if (texts if speech else audios) or not (audios if speech else texts):
+        want = "--audio FILE (WAV or FLAC)" if speech else "--text TEXT"
+        raise UsageError(f"{artifact} is an encoder-decoder artifact for {engine.spec.task}: give {want}")
+    if not speech and ("language" in generation or "task" in generation):
+        raise UsageError("--language and --translate apply to speech recognition (Whisper) artifacts")
+    try:
+        if speech:
+            from precast.runtime.processing.whisper import read_audio
+
+            rate = engine.features.sampling_rate
+            waves = [read_audio(_read_bytes(p), p, rate) for p in audios]
+            results = [engine.transcribe(w, **generation) for w in waves]
+            names = list(audios)
+        else:
+            results = engine.generate(list(texts), **generation)
+            names = list(texts)
+    finally:
+        engine.close()
+    if as_json:
+        emit_json([{"input": n, "text": r.text, "tokens": r.tokens, **({"language": r.language} if r.language else {})}
+                   for n, r in zip(names, results)])
+        return
+    for name, r in zip(names, results):
+        out_console.print(escape(f"{name}: {r.text}"))
+
+
+def _read_bytes(path: str) -> bytes:
+    from precast.runtime.processing.audio import MAX_WAV_BYTES
+
+    p = Path(path)
+    try:
+        if p.stat().st_size > MAX_WAV_BYTES:
+            raise InputError(f"{path}: {p.stat().st_size} bytes is over the {MAX_WAV_BYTES}-byte audio limit")
+        return p.read_bytes()
+    except OSError as e:
+        raise InputError(f"{path}: cannot read it ({e.strerror or e})") from e
 
 
 def _mono(wav, path):

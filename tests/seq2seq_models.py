@@ -105,8 +105,11 @@ def _tokenizer(vocab: int, specials: dict[str, int], template: tuple[list[str], 
     return Tokenizer.from_str(json.dumps(data))
 
 
-def make_folder(kind: str, path: Path, seed: int = 0, *, d_model: int = 64, layers: int = 2) -> Path:
-    """Save a tiny ``kind`` (t5 | bart | marian | whisper) model folder at ``path``."""
+def make_folder(
+    kind: str, path: Path, seed: int = 0, *, d_model: int = 64, layers: int = 2, eos_bias: float = 0.0
+) -> Path:
+    """Save a tiny ``kind`` (t5 | bart | marian | whisper) model folder at ``path``. ``eos_bias`` (BART, Marian:
+    added to final_logits_bias at the EOS id) makes beams end at different lengths within a few dozen steps."""
     import torch
     import transformers as t
 
@@ -155,6 +158,8 @@ def make_folder(kind: str, path: Path, seed: int = 0, *, d_model: int = 64, laye
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.1)
+        if eos_bias:
+            model.final_logits_bias[0, cfg.eos_token_id] += eos_bias
     path = Path(path)
     model.save_pretrained(path)
     (path / "generation_config.json").write_text(json.dumps(gen, indent=2))
