@@ -23,6 +23,7 @@ _LIMITS = (
     "instances",
     "drain_timeout",
     "max_request_bytes",
+    "max_audio_bytes",
     "max_embedding_inputs",
     "max_embedding_tokens",
     "max_text_chars",

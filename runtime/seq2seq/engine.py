@@ -290,12 +290,13 @@ class Seq2SeqEngine:
         """Every item served together (one batch: the encoder once, the decoder steps shared)."""
         reqs = [self._make(item, overrides) for item in items]
         with self._cond:
-            if self._thread is not None:
-                handles = [self._enqueue(r) for r in reqs]
-                return [h.result() for h in handles]
-            self._waiting.extend(reqs)
-            while self._waiting or self._active:
-                self._step()
+            threaded = self._thread is not None
+            if not threaded:  # no serving thread: run the steps here until these requests end
+                self._waiting.extend(reqs)
+                while self._waiting or self._active:
+                    self._step()
+        if threaded:  # (waited on outside the lock: the serving thread takes it for each step)
+            return [h.result() for h in [self._enqueue(r) for r in reqs]]
         for r in reqs:
             if r.error is not None:
                 raise r.error
@@ -372,10 +373,14 @@ class Seq2SeqEngine:
             beams = r.settings.num_beams
             need = beams * -(-r.max_length // bs)
             if rows + beams > MAX_ROWS or need > self.pool.num_free - self._reserved(new):
-                if not self._active and not new:
-                    raise InputError(
-                        f"one request needs {need} KV blocks; the pool has {self.pool.num_free} free"
+                if not self._active and not new:  # it can never fit: fail it alone, serve the rest
+                    self._waiting.popleft()
+                    r.error = InputError(
+                        f"the request needs {need} KV blocks ({beams} beams x {r.max_length} tokens); the pool "
+                        f"has {self.pool.num_free} (start the engine with more num_blocks)"
                     )
+                    r.event.set()
+                    continue
                 break
             self._waiting.popleft()
             new.append(r)

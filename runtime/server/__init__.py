@@ -60,6 +60,11 @@ def startup_line(config: ServerConfig, state) -> str:
             f"max_embedding_inputs={config.max_embedding_inputs}",
             f"max_embedding_tokens={config.max_embedding_tokens}",
         ]
+    if served.kind == "seq2seq":
+        if served.seq2seq.speech:
+            limits.append(f"max_audio_bytes={_mib(config.max_audio_bytes)}")
+        else:
+            limits.append(f"max_text_chars={config.max_text_chars}")
     if served.kind == "llm":
         limits += [f"max_text_chars={config.max_text_chars}", f"max_stop_strings={config.max_stop_strings}"]
         limits += [f"{k}={v}" for k, v in sorted(config.llm.items())]

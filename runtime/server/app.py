@@ -2,8 +2,9 @@
 
 Laid out like vLLM's entrypoints: protocol.py (request models, response bodies), serving.py and
 serving_llm.py (what each route does), routes.py / llm_api.py / admin.py (thin routers), http_errors.py
-(the one mapping from exceptions to statuses). LLM artifacts add llm_api.py's routes. Every bad request
-gets a 4xx with a one-line message naming the culprit; nothing a client sends can stop the server.
+(the one mapping from exceptions to statuses). LLM artifacts add llm_api.py's routes, encoder-decoder
+(seq2seq) artifacts seq2seq_api.py's. Every bad request gets a 4xx with a one-line message naming the
+culprit; nothing a client sends can stop the server.
 """
 
 from __future__ import annotations
@@ -88,17 +89,23 @@ class ServerState:
         return served
 
     def _bind_llm_metrics(self) -> None:
-        llm = self.host.current.llm
-        if llm is not None:
-            llm.bind_metrics(self.metrics)
+        served = self.host.current
+        if served.llm is not None:
+            served.llm.bind_metrics(self.metrics)
+        seq2seq = getattr(served, "seq2seq", None)  # (tests serve stand-ins without it)
+        if seq2seq is not None:
+            seq2seq.bind_metrics(self.metrics)
 
     def render_metrics(self) -> tuple[bytes, str]:
         """The /metrics page, with the gauges that are read at scrape time brought up to date."""
         self.metrics.queue_depth.set(self.batcher.depth)
         self.metrics.queue_capacity.set(self.config.max_queue)
-        llm = self.host.current.llm
-        if llm is not None:
-            llm.export_gauges(self.metrics)
+        served = self.host.current
+        if served.llm is not None:
+            served.llm.export_gauges(self.metrics)
+        seq2seq = getattr(served, "seq2seq", None)
+        if seq2seq is not None:
+            seq2seq.export_gauges(self.metrics)
         return self.metrics.render()
 
     def close(self) -> None:
@@ -126,11 +133,13 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
 
     app = FastAPI(title="precast serve", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.precast = state
+    seq2seq = getattr(state.host.current, "seq2seq", None)
     # Added first = innermost: the metrics middleware outside it counts the 413s and 503s it answers.
     app.add_middleware(
         BodyLimitMiddleware,
         max_request_bytes=config.max_request_bytes,
         max_inflight_bytes=config.max_inflight_bytes,
+        path_limits=_upload_limits(config) if seq2seq is not None and seq2seq.speech else None,
     )
     if config.api_key is not None:  # outside the body limit: no key, no body read
         from precast.runtime.server.api_key import ApiKeyMiddleware
@@ -144,7 +153,18 @@ def create_app(config: ServerConfig, state: ServerState | None = None):
         from precast.runtime.server.llm_api import add_llm_routes
 
         add_llm_routes(app)
+    if seq2seq is not None:
+        from precast.runtime.server.seq2seq_api import add_seq2seq_routes
+
+        add_seq2seq_routes(app, seq2seq)
     return app
+
+
+def _upload_limits(config: ServerConfig) -> dict:
+    """The audio routes' body limit: one file of --max-audio-bytes and its form (seq2seq_api.py)."""
+    from precast.runtime.server.seq2seq_api import AUDIO_PATHS, upload_limit
+
+    return {p: (upload_limit(config), "--max-audio-bytes") for p in AUDIO_PATHS}
 
 
 def _install_sighup(state: ServerState) -> None:

@@ -4,6 +4,9 @@
     a streamed (chunked) body passing it             -> 413 as soon as it does
     bodies held by all requests over max_inflight    -> 503 + Retry-After (this request's body unread)
 
+A route may have its own limit instead of max_request_bytes (``path_limits``: path -> (bytes, the flag that
+sets it)): the audio uploads of a speech artifact (seq2seq_api.py).
+
 A pure ASGI middleware, not a FastAPI dependency or a BaseHTTPMiddleware: it must act before any
 handler calls ``request.body()`` (which buffers the whole body), see each ``http.request`` message of a
 chunked upload as it arrives, and leave streaming responses alone. A refused request's connection is
@@ -29,9 +32,12 @@ class BodyTooLarge(Exception):
 
 
 class BodyLimitMiddleware:
-    def __init__(self, app, max_request_bytes: int, max_inflight_bytes: int):
+    def __init__(
+        self, app, max_request_bytes: int, max_inflight_bytes: int, path_limits: dict | None = None
+    ):
         self.app = app
         self.limit = max_request_bytes
+        self.path_limits = path_limits or {}  # path -> (limit, flag)
         self.budget = max_inflight_bytes
         self.inflight = 0  # body bytes held by requests in progress (one event loop: no lock needed)
         self.trimmer = Trimmer()
@@ -40,9 +46,10 @@ class BodyLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope.get("path", "")
+        limit, flag = self.path_limits.get(path, (self.limit, "--max-request-bytes"))
         declared = _content_length(scope)
-        if declared is not None and declared > self.limit:
-            return await _refuse(send, path, 413, self._too_large(declared))
+        if declared is not None and declared > limit:
+            return await _refuse(send, path, 413, self._too_large(declared, limit, flag))
         if declared is not None and self.inflight + declared > self.budget:
             return await _refuse(send, path, 503, self._busy(), retry_after=True)
         state = {"received": 0, "reserved": declared or 0, "started": False, "large": False}
@@ -53,8 +60,8 @@ class BodyLimitMiddleware:
             message = await receive()
             if message["type"] == "http.request":
                 state["received"] += len(message.get("body", b""))
-                if state["received"] > self.limit:
-                    raise BodyTooLarge(413, self._too_large(None))
+                if state["received"] > limit:
+                    raise BodyTooLarge(413, self._too_large(None, limit, flag))
                 extra = state["received"] - state["reserved"]
                 if extra > 0:  # a chunked body (no Content-Length): reserve what arrives
                     if self.inflight + extra > self.budget:
@@ -80,11 +87,11 @@ class BodyLimitMiddleware:
             if state["large"]:
                 self.trimmer.finished()
 
-    def _too_large(self, declared: int | None) -> str:
+    def _too_large(self, declared: int | None, limit: int, flag: str) -> str:
         size = f"of {declared} bytes " if declared is not None else ""
         return (
-            f"request body {size}is larger than this server's limit of {self.limit} bytes "
-            f"({self.limit / (1 << 20):g} MiB, --max-request-bytes)"
+            f"request body {size}is larger than this server's limit of {limit} bytes "
+            f"({limit / (1 << 20):g} MiB, {flag})"
         )
 
     def _busy(self) -> str:

@@ -7,6 +7,9 @@ field                     default   refused with
 ========================  ========  =======================================================================
 max_request_bytes         8 MiB     413 before the body is read (Content-Length) or as soon as a streamed
                                     (chunked) body passes it
+max_audio_bytes           25 MiB    400 naming the file: one uploaded audio file (/v1/audio/*, speech seq2seq
+                                    artifacts); those routes' body limit is this + 1 MiB of form, not
+                                    max_request_bytes
 max_inflight_bytes        64 MiB    503 + Retry-After: request bodies held in memory at once, all requests
                                     together (default: 8 x max_request_bytes)
 max_connections           1024      503 from uvicorn (its ``limit_concurrency``): open connections + tasks
@@ -78,6 +81,7 @@ LLM_OPTIONS = tuple(f.name for f in fields(KVPoolOptions)) + SCHEDULER_OPTIONS
 # Fields that must be positive integers (checked in __post_init__, so a library caller gets one line too).
 _COUNTS = (
     "max_request_bytes",
+    "max_audio_bytes",
     "max_inflight_bytes",
     "max_connections",
     "max_embedding_inputs",
@@ -125,6 +129,11 @@ class ServerConfig:
     # Per-request limits (see the table above).
     max_request_bytes: int = opt(
         8 * MiB, "Largest request body accepted (413 beyond it, before the body is read).", min=1
+    )
+    max_audio_bytes: int = opt(
+        25 * MiB,
+        "Largest audio file one /v1/audio/* request uploads (speech seq2seq artifacts; OpenAI's limit).",
+        min=1,
     )
     max_inflight_bytes: int | None = None  # default: 8 x max_request_bytes
     max_connections: int = opt(1024, "Open connections and requests at once (503 beyond them).", min=1)

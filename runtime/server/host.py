@@ -6,9 +6,9 @@ on the old version. The old version is then closed: at once when nothing uses it
 lease (an LLM drains its running requests first). Closing removes the temp dir a packed artifact was
 unpacked into, so a server reloading a packed artifact holds one copy, not one per reload.
 
-A reload must keep the served API: an artifact of another kind (LLM / embeddings / tensor) or with
-other inputs is refused (ReloadKindError, HTTP 409), since the routes and clients were set up for the
-first one.
+A reload must keep the served API: an artifact of another kind (LLM / embeddings / tensor / seq2seq) or
+with other inputs (a seq2seq artifact: another task) is refused (ReloadKindError, HTTP 409), since the
+routes and clients were set up for the first one.
 
 With a SignaturePolicy (``precast serve --pubkey``), every load, the first and each reload, must be a pack
 whose signed statement meets it (artifact/signing.py); a directory is refused (it carries no signature). A
@@ -41,6 +41,7 @@ _ENDPOINTS = {
     "llm": "/v1/completions and /v1/chat/completions",
     "embeddings": "/v1/embeddings and /v2 infer",
     "tensor": "/v2 infer",
+    "seq2seq": "/v1/completions or /v1/audio/*",
 }
 
 
@@ -67,6 +68,7 @@ class Served:
         None  # tasks.TaskRunner of a Hugging Face task artifact (labels, raw images / audio)
     )
     llm: object | None = None  # llm_service.LLMService
+    seq2seq: object | None = None  # seq2seq_service.Seq2SeqService (an encoder-decoder artifact)
     loaded_at: float = field(default_factory=time.time)
     unpacked: Path | None = None  # the temp dir a packed artifact was unpacked into: close() removes it
     statement: object | None = None  # signing.Statement the pack was checked against (serve --pubkey)
@@ -81,9 +83,13 @@ class Served:
 
     @property
     def kind(self) -> str:
+        if self.seq2seq is not None:
+            return "seq2seq"
         return "llm" if self.llm is not None else "embeddings" if self.encoder is not None else "tensor"
 
     def signature(self) -> list[str]:
+        if self.seq2seq is not None:  # its routes follow from its task
+            return [f"task:{self.seq2seq.spec.task}"]
         return [f"{s.name}:{s.dtype}" for s in self.model.inputs]
 
     def close(self, drain: float = 0.0) -> None:
@@ -95,6 +101,8 @@ class Served:
         try:
             if self.llm is not None:
                 self.llm.close(drain)
+            elif self.seq2seq is not None:
+                self.seq2seq.close()
             elif hasattr(self.model, "close"):
                 self.model.close()
             if self.encoder is not None:
@@ -192,7 +200,10 @@ class ModelHost:
 
     def _load_dir(self, root: Path, path: Path, version: int) -> Served:
         from precast.runtime.model import load
+        from precast.runtime.server.seq2seq_service import is_seq2seq_dir
 
+        if is_seq2seq_dir(root):
+            return self._load_seq2seq(root, path, version)
         manifest = read_manifest(root) if root.is_dir() else None
         if manifest is not None and manifest.is_multi_target:  # a causal LM's index: its fastest target here
             from precast.runtime.llm.engine import llm_index_target
@@ -234,6 +245,17 @@ class ModelHost:
             model.close()
             raise
         return Served(model, path, version, _digest(root), encoder=encoder, task=task)
+
+    def _load_seq2seq(self, root: Path, path: Path, version: int) -> Served:
+        """An encoder-decoder artifact (seq2seq.json): its engine, checked (sha256, parity) and warmed up."""
+        from precast.runtime.server.seq2seq_service import Seq2SeqService
+
+        if self.llm_options:
+            raise UsageError(
+                f"{path}: LLM options ({', '.join(sorted(self.llm_options))}) given, but it is a seq2seq artifact"
+            )
+        svc = Seq2SeqService.from_artifact(root, threads=self.threads, verify=self.verify)
+        return Served(svc.model, path, version, _digest(root), seq2seq=svc)
 
     # -- serving -----------------------------------------------------------------------------------
     @contextmanager
@@ -318,6 +340,8 @@ class ModelHost:
 
 def _digest(root: Path) -> str:
     m = root / "manifest.json"
+    if not m.is_file():  # an encoder-decoder artifact: its seq2seq.json holds every part's sha256
+        m = root / "seq2seq.json"
     return hashlib.sha256(m.read_bytes()).hexdigest()[:16] if m.is_file() else "packed"
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["METRIC_NAMES", "ServerMetrics"]
+__all__ = ["METRIC_NAMES", "SEQ2SEQ_METRIC_NAMES", "ServerMetrics"]
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -41,6 +41,11 @@ METRIC_NAMES = [
     "precast_llm_request_generation_tokens",
 ]
 
+# Registered only by a server of a seq2seq (encoder-decoder) artifact (``ServerMetrics.seq2seq_gauges``), so not
+# in METRIC_NAMES: the dashboard does not show them yet. Its decoder KV blocks are precast_llm_kv_blocks_*, its
+# requests precast_requests_total and precast_llm_{tokens,request_*,e2e_*}.
+SEQ2SEQ_METRIC_NAMES = ["precast_seq2seq_cross_attention_bytes"]
+
 
 class _Maker:
     """Metric constructors bound to one registry, so that each metric below is declared on one line."""
@@ -69,6 +74,8 @@ class ServerMetrics:
 
         self.registry = CollectorRegistry()
         m = _Maker(self.registry)
+        self._maker = m
+        self._cross_bytes = None
         self._request_metrics(m)
         self._llm_metrics(m)
 
@@ -134,6 +141,15 @@ class ServerMetrics:
         self.llm_generation_tokens = m.histogram(
             "precast_llm_request_generation_tokens", "Generated tokens per LLM request", _TOKENS
         )
+
+    def seq2seq_gauges(self):
+        """The seq2seq engine's cross-attention cache gauge, registered on first use (SEQ2SEQ_METRIC_NAMES)."""
+        if self._cross_bytes is None:
+            self._cross_bytes = self._maker.gauge(
+                "precast_seq2seq_cross_attention_bytes",
+                "Cross-attention K/V bytes held by running seq2seq requests (the encoder's output, per request)",
+            )
+        return self._cross_bytes
 
     def on_batch(self, rows: int, waits: list[float], seconds: float) -> None:
         self.batch_size.observe(rows)

@@ -87,6 +87,8 @@ async def infer(state, name: str, version: str | None, request):
     served = state.host.current
     if served.llm is not None:
         raise HTTPError(400, f"model '{name}' is an LLM; use /v1/completions or /v1/chat/completions")
+    if getattr(served, "seq2seq", None) is not None:
+        raise HTTPError(400, f"model '{name}' is a seq2seq model; use {served.seq2seq.endpoints}")
     if version is not None and version != str(served.version):
         raise HTTPError(404, f"model '{name}' has no version {version}; serving version {served.version}")
     body = await read_json(request)

@@ -1,0 +1,164 @@
+"""Encoder-decoder text models (T5, BART, Marian: tiny N(0, 0.1) folders with the real vocab sizes and generation
+configs) compile with no --task, and the engine's tokens equal transformers' generate(): greedy 32 tokens and
+4 beams (sequences, order and scores), for sources of different lengths served together."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from precast.compiler.driver import CompileOptions, compile_model  # noqa: E402
+from precast.errors import ArtifactError, InputError, UsageError  # noqa: E402
+from precast.runtime.seq2seq.engine import Seq2SeqEngine  # noqa: E402
+from tests.seq2seq_models import make_folder  # noqa: E402
+
+KINDS = ("t5", "bart", "marian")
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    out = {}
+    for kind in KINDS:
+        root = tmp_path_factory.mktemp(kind)
+        folder = make_folder(kind, root / "model", seed=KINDS.index(kind))
+        report = compile_model(str(folder), str(root / "out"), CompileOptions())  # no task: inferred
+        hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+        out[kind] = (root / "out", hf, report)
+    transformers.utils.logging.set_verbosity_error()
+    return out
+
+
+def _sources(hf, seed: int = 1) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    eos = hf.generation_config.eos_token_id
+    return [[int(x) for x in rng.integers(5, 20000, n)] + [eos] for n in (14, 6, 9)]
+
+
+def _padded(seqs: list[list[int]], fill: int) -> list[list[int]]:
+    n = max(map(len, seqs))
+    return [s + [fill] * (n - len(s)) for s in seqs]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_compiles_without_task_and_is_checked_end_to_end(built, kind):
+    out, _hf, report = built[kind]
+    spec = json.loads((out / "seq2seq.json").read_text())
+    assert spec["task"] == "text2text-generation" and spec["model_type"] == kind
+    assert spec["vocab"] == {"t5": 32128, "bart": 50265, "marian": 58101}[kind]
+    assert spec["parity"]["encoder"]["ok"] and spec["parity"]["decoder"]["ok"]
+    assert spec["parity"]["generate"] == {"ok": True, "sources": 3, "tokens": 48, "identical": True}
+    assert (out / "encoder" / "manifest.json").is_file() and (out / "decoder" / "manifest.json").is_file()
+    assert report.manifest["task"] == "text2text-generation"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_batch_matches_generate(built, kind):
+    out, hf, _ = built[kind]
+    engine = Seq2SeqEngine.load(out)
+    sources = _sources(hf)
+    results = engine.generate(sources, num_beams=1, max_new_tokens=32)  # one batch, three lengths
+    assert engine.pool.num_used == 0  # every block back
+    for src, res in zip(sources, results):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([src]), num_beams=1, max_new_tokens=32)[0].tolist()
+        assert res.sequences[0] == ref
+        assert len(res.tokens) == 32
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("penalty, early", [(1.0, True), (2.0, False)])
+def test_beam_search_matches_generate(built, kind, penalty, early):
+    out, hf, _ = built[kind]
+    engine = Seq2SeqEngine.load(out)
+    sources = _sources(hf, seed=2)
+    kw = dict(num_beams=4, num_return_sequences=4, max_new_tokens=24, length_penalty=penalty, early_stopping=early)
+    results = engine.generate(sources, **kw)
+    assert engine.pool.num_used == 0
+    for src, res in zip(sources, results):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([src]), output_scores=True, return_dict_in_generate=True, **kw)
+        assert _padded(res.sequences, engine.settings.beam_fill_token_id) == ref.sequences.tolist()
+        np.testing.assert_allclose(res.scores, ref.sequences_scores.numpy(), rtol=0, atol=2e-5)
+
+
+def test_default_beams_come_from_the_generation_config(built):
+    out, hf, _ = built["bart"]
+    engine = Seq2SeqEngine.load(out)
+    assert engine.settings.num_beams == 4  # bart-base's generation_config
+    src = _sources(hf)[0]
+    [res] = engine.generate([src], max_new_tokens=12)
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([src]), max_new_tokens=12)[0].tolist()
+    assert res.sequences[0] == ref
+
+
+def test_submitted_requests_batch_and_cancel(built):
+    out, hf, _ = built["t5"]
+    engine = Seq2SeqEngine.load(out)
+    try:
+        srcs = _sources(hf, seed=3)
+        handles = [engine.submit(s, max_new_tokens=16) for s in srcs]
+        victim = engine.submit(srcs[0], max_new_tokens=200)
+        victim.cancel()
+        got = [h.result(timeout=60) for h in handles]
+        with pytest.raises(InputError, match="cancelled"):
+            victim.result(timeout=60)
+        want = engine.generate(srcs, max_new_tokens=16)
+        assert [g.sequences for g in got] == [w.sequences for w in want]
+    finally:
+        engine.close()
+    assert engine.pool.num_used == 0 and engine.cross_bytes == 0
+
+
+def test_bad_requests_are_named(built):
+    out, _hf, _ = built["t5"]
+    engine = Seq2SeqEngine.load(out)
+    with pytest.raises(UsageError, match="unknown generation option 'beams'"):
+        engine.generate([[5, 6, 1]], beams=2)
+    with pytest.raises(InputError, match="token ids"):
+        engine.generate([[5, 10**9]])
+    with pytest.raises(InputError, match="empty source"):
+        engine.generate([[]])
+    with pytest.raises(UsageError, match="language applies to Whisper"):
+        engine.generate([[5, 1]], language="en")
+
+
+def test_tampered_artifact_is_refused(built, tmp_path):
+    import shutil
+
+    out, _hf, _ = built["marian"]
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy)
+    gen = copy / "tokenizer" / "generation_config.json"
+    gen.write_text(gen.read_text().replace('"num_beams": 4', '"num_beams": 1'))
+    with pytest.raises(ArtifactError, match="generation_config.json does not match its sha256"):
+        Seq2SeqEngine.load(copy)
+    spec = json.loads((out / "seq2seq.json").read_text())
+    spec["files"]["../../etc/passwd"] = "0" * 64
+    (copy / "seq2seq.json").write_text(json.dumps(spec))
+    with pytest.raises(ArtifactError, match="outside the artifact"):
+        Seq2SeqEngine.load(copy)
+
+
+def test_cli_run_text(built):
+    out, _hf, _ = built["t5"]
+    run = subprocess.run(
+        [sys.executable, "-c", "from precast.cli.main import main; main()", "run", str(out), "--text", "hello", "--text", "a longer text",
+         "--max-new-tokens", "5", "--json"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    rows = json.loads(run.stdout)
+    assert [r["input"] for r in rows] == ["hello", "a longer text"] and all(len(r["tokens"]) == 5 for r in rows)
+    bad = subprocess.run(
+        [sys.executable, "-c", "from precast.cli.main import main; main()", "run", str(out), "--audio", "x.wav"],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert bad.returncode == 1 and "give --text TEXT" in bad.stderr
