@@ -106,7 +106,8 @@ def _tokenizer(vocab: int, specials: dict[str, int], template: tuple[list[str], 
 
 
 def make_folder(
-    kind: str, path: Path, seed: int = 0, *, d_model: int = 64, layers: int = 2, eos_bias: float = 0.0
+    kind: str, path: Path, seed: int = 0, *, d_model: int = 64, layers: int = 2, eos_bias: float = 0.0,
+    heads: int = 4, d_kv: int = 16,
 ) -> Path:
     """Save a tiny ``kind`` (t5 | bart | marian | whisper) model folder at ``path``. ``eos_bias`` (BART, Marian:
     added to final_logits_bias at the EOS id) makes beams end at different lengths within a few dozen steps."""
@@ -116,7 +117,7 @@ def make_folder(
     vocab, gen = REAL[kind]
     common = dict(vocab_size=vocab, d_model=d_model)
     if kind == "t5":
-        cfg = t.T5Config(**common, d_kv=16, d_ff=2 * d_model, num_layers=layers, num_heads=4,
+        cfg = t.T5Config(**common, d_kv=d_kv, d_ff=4 * d_model if d_model >= 512 else 2 * d_model, num_layers=layers, num_heads=heads,
                          relative_attention_num_buckets=32, relative_attention_max_distance=128,
                          decoder_start_token_id=0, eos_token_id=1, pad_token_id=0)
         cfg.architectures = ["T5ForConditionalGeneration"]
@@ -128,8 +129,8 @@ def make_folder(
             ids = dict(pad_token_id=58100, bos_token_id=0, eos_token_id=0, decoder_start_token_id=58100,
                        forced_eos_token_id=0)
         cfgcls = t.BartConfig if kind == "bart" else t.MarianConfig
-        cfg = cfgcls(**common, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
-                     decoder_attention_heads=4, encoder_ffn_dim=2 * d_model, decoder_ffn_dim=2 * d_model,
+        cfg = cfgcls(**common, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads,
+                     decoder_attention_heads=heads, encoder_ffn_dim=2 * d_model, decoder_ffn_dim=2 * d_model,
                      max_position_embeddings=256, **ids)
         cfg.architectures = ["BartForConditionalGeneration" if kind == "bart" else "MarianMTModel"]
         cls = t.BartForConditionalGeneration if kind == "bart" else t.MarianMTModel

@@ -98,7 +98,7 @@ def _check_architecture(folder: Path, config: dict) -> str:
     if config.get("is_encoder_decoder"):
         raise UsageError(
             f"{folder}: '{model_type}' is an encoder-decoder model, not a causal LM: its task is "
-            f"{_seq2seq_task(config)} (encoder-decoder models are not supported yet)"
+            f"{_seq2seq_task(config)} (compile it without --task, or with --task {_seq2seq_task(config)})"
         )
     if model_type == "falcon" and config.get("alibi"):
         raise ModelLoadError(
