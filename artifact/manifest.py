@@ -247,6 +247,11 @@ def read_manifest(artifact_dir: str | os.PathLike) -> Manifest:
         raise ArtifactError(f"artifact must be a directory, got a file: {root}")
     mpath = root / MANIFEST_NAME
     if not mpath.is_file():
+        if (root / "seq2seq.json").is_file():  # (artifact/seq2seq_spec.py: two part artifacts, not one model)
+            raise ArtifactError(
+                f"{root} is an encoder-decoder artifact (seq2seq.json): open it with "
+                "precast.runtime.seq2seq.Seq2SeqEngine.load, `precast run` or `precast serve`"
+            )
         raise ArtifactError(f"not a precast artifact: {root} has no {MANIFEST_NAME}")
     data = parse_json(mpath.read_bytes(), f"{mpath}: manifest")
     if not isinstance(data, dict):

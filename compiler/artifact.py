@@ -73,7 +73,34 @@ def check_replaceable(final: str | os.PathLike, *, shown: str | os.PathLike | No
         _check_artifact_files(final, shown)
 
 
+def _check_seq2seq_files(root: Path, shown: Path) -> None:
+    """An encoder-decoder artifact: its two part artifacts, and only the top-level files seq2seq.json lists."""
+    import json
+
+    from precast.artifact.seq2seq_spec import PARTS, SEQ2SEQ_FILE, Seq2SeqSpec
+
+    try:
+        spec = Seq2SeqSpec.from_json(json.loads((root / SEQ2SEQ_FILE).read_text()), str(root))
+    except (ArtifactError, OSError, ValueError) as e:
+        raise _not_replaceable(shown, f"is not a precast artifact ({e})") from None
+    for dirpath, dirs, files in os.walk(root):
+        rel = Path(dirpath).relative_to(root).as_posix()
+        if rel in PARTS:
+            dirs.clear()
+            _check_artifact_files(Path(dirpath), shown / rel)
+            continue
+        for name in [*files, *dirs]:
+            path = name if rel == "." else f"{rel}/{name}"
+            if os.path.islink(Path(dirpath) / name):
+                raise _not_replaceable(shown, f"holds a symlink '{path}', which precast never writes")
+            if name in files and path not in spec.files and path != SEQ2SEQ_FILE:
+                raise _not_replaceable(shown, f"holds '{path}', which its {SEQ2SEQ_FILE} does not list")
+
+
 def _check_artifact_files(root: Path, shown: Path) -> None:
+    if not os.path.lexists(root / MANIFEST_NAME) and os.path.isfile(root / "seq2seq.json"):
+        _check_seq2seq_files(root, shown)
+        return
     try:
         if not stat.S_ISREG(os.lstat(root / MANIFEST_NAME).st_mode):
             raise ArtifactError(f"{root}: {MANIFEST_NAME} is not a regular file")

@@ -162,3 +162,25 @@ def test_cli_run_text(built):
         capture_output=True, text=True, timeout=300,
     )
     assert bad.returncode == 1 and "give --text TEXT" in bad.stderr
+
+
+def test_runtime_load_points_at_the_engine(built):
+    import precast.runtime as rt
+
+    out, _hf, _ = built["bart"]
+    with pytest.raises(ArtifactError, match="encoder-decoder artifact .*Seq2SeqEngine.load"):
+        rt.load(out)
+
+
+def test_recompiling_replaces_a_seq2seq_artifact_but_not_a_foreign_folder(built, tmp_path):
+    from precast.compiler.artifact import check_replaceable
+
+    out, _hf, _ = built["t5"]
+    check_replaceable(out)  # a compile into the same -o may replace it
+    foreign = tmp_path / "foreign"
+    import shutil
+
+    shutil.copytree(out, foreign)
+    (foreign / "notes.txt").write_text("mine")
+    with pytest.raises(UsageError, match="notes.txt"):
+        check_replaceable(foreign)
