@@ -140,8 +140,9 @@ def make_folder(
             specials, template = {"</s>": 0, "<unk>": 1, "<pad>": 58100}, ([], "</s>")
     elif kind == "whisper":
         gen = _whisper_generation_config()
-        cfg = t.WhisperConfig(**common, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=4,
-                              decoder_attention_heads=4, encoder_ffn_dim=2 * d_model, decoder_ffn_dim=2 * d_model,
+        ffn = 4 * d_model if d_model >= 384 else 2 * d_model  # (whisper-tiny: 384 -> 1536)
+        cfg = t.WhisperConfig(**common, encoder_layers=layers, decoder_layers=layers, encoder_attention_heads=heads,
+                              decoder_attention_heads=heads, encoder_ffn_dim=ffn, decoder_ffn_dim=ffn,
                               num_mel_bins=80, max_source_positions=1500, max_target_positions=448,
                               pad_token_id=50257, bos_token_id=50257, eos_token_id=50257,
                               decoder_start_token_id=50258, begin_suppress_tokens=None, suppress_tokens=None)
