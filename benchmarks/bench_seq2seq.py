@@ -63,9 +63,16 @@ def _worker(kind: str, path: str, threads: int, new: int) -> None:
             m = max(map(len, batch))
             ids = torch.tensor([s + [0] * (m - len(s)) for s in batch])
             mask = torch.tensor([[1] * len(s) + [0] * (m - len(s)) for s in batch])
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 num_beams=1, do_sample=False)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                num_beams=1,
+                do_sample=False,
+            )
             return int((out.shape[1] - 1) * n)
+
     run(1)  # warm up
     print("ready", flush=True)
     for line in sys.stdin:
@@ -83,11 +90,34 @@ def _build(work: Path, venv: Path) -> tuple[Path, Path]:
 
         make_folder("t5", folder, d_model=512, layers=6, heads=8, d_kv=64)
     if not art.exists():
-        subprocess.run([sys.executable, "-c", "from precast.cli.main import main; main()", "compile", str(folder),
-                        "-o", str(art), "--quiet"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from precast.cli.main import main; main()",
+                "compile",
+                str(folder),
+                "-o",
+                str(art),
+                "--quiet",
+            ],
+            check=True,
+        )
     if not opt.exists():
-        subprocess.run([str(venv / "bin" / "optimum-cli"), "export", "onnx", "--model", str(folder), "--task",
-                        "text2text-generation-with-past", str(opt)], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                str(venv / "bin" / "optimum-cli"),
+                "export",
+                "onnx",
+                "--model",
+                str(folder),
+                "--task",
+                "text2text-generation-with-past",
+                str(opt),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return art, opt
 
 
@@ -106,14 +136,31 @@ def main() -> None:
         return
     a.work.mkdir(parents=True, exist_ok=True)
     art, opt = _build(a.work, a.optimum_venv)
-    engines = {"precast": (sys.executable, art), "precast-AA": (sys.executable, art),
-               "optimum": (str(a.optimum_venv / "bin" / "python"), opt)}
+    engines = {
+        "precast": (sys.executable, art),
+        "precast-AA": (sys.executable, art),
+        "optimum": (str(a.optimum_venv / "bin" / "python"), opt),
+    }
     procs = {}
     for name, (py, path) in engines.items():
         kind = "optimum" if name == "optimum" else "precast"
         procs[name] = subprocess.Popen(
-            [py, __file__, "--worker", kind, "--path", str(path), "--threads", str(a.threads), "--new", str(a.new)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+            [
+                py,
+                __file__,
+                "--worker",
+                kind,
+                "--path",
+                str(path),
+                "--threads",
+                str(a.threads),
+                "--new",
+                str(a.new),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=REPO,
         )
         assert procs[name].stdout.readline().strip() == "ready", name
     names = list(engines)
@@ -138,9 +185,11 @@ def main() -> None:
         mine, theirs, aa = rates[("precast", c)], rates[("optimum", c)], rates[("precast-AA", c)]
         ratio = [m / t for m, t in zip(mine, theirs)]
         aa_r = [x / m for x, m in zip(aa, mine)]
-        print(f"| {c} | {statistics.median(mine):.0f} | {statistics.median(theirs):.0f} | "
-              f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
-              f"{statistics.median(aa_r):.2f} ({min(aa_r):.2f}-{max(aa_r):.2f}) |")
+        print(
+            f"| {c} | {statistics.median(mine):.0f} | {statistics.median(theirs):.0f} | "
+            f"{statistics.median(ratio):.2f} ({min(ratio):.2f}-{max(ratio):.2f}) | "
+            f"{statistics.median(aa_r):.2f} ({min(aa_r):.2f}-{max(aa_r):.2f}) |"
+        )
 
 
 if __name__ == "__main__":

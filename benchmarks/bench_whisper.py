@@ -79,6 +79,7 @@ def _worker(kind: str, path: str, wav: str, threads: int) -> None:
                 gen.generate_next_token()
                 k += 1
             return k
+
     run(4)  # warm up
     print("ready", flush=True)
     for line in sys.stdin:
@@ -101,8 +102,11 @@ def _wav(path: Path) -> None:
 
 def _build(work: Path, name: str, ov_venv: Path, genai_venv: Path) -> dict[str, Path]:
     folder = work / f"whisper-{name}"
-    out = {"precast": work / f"whisper-{name}.precast", "ov-genai": work / f"whisper-{name}.ov",
-           "ort-genai": work / f"whisper-{name}.genai"}
+    out = {
+        "precast": work / f"whisper-{name}.precast",
+        "ov-genai": work / f"whisper-{name}.ov",
+        "ort-genai": work / f"whisper-{name}.genai",
+    }
     quiet = dict(check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if not folder.exists():
         sys.path.insert(0, str(REPO))
@@ -110,15 +114,53 @@ def _build(work: Path, name: str, ov_venv: Path, genai_venv: Path) -> dict[str, 
 
         make_folder("whisper", folder, **SHAPES[name])
     if not out["precast"].exists():
-        subprocess.run([sys.executable, "-c", "from precast.cli.main import main; main()", "compile", str(folder),
-                        "-o", str(out["precast"]), "--quiet"], **quiet)
+        subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                "from precast.cli.main import main; main()",
+                "compile",
+                str(folder),
+                "-o",
+                str(out["precast"]),
+                "--quiet",
+            ],
+            **quiet,
+        )
     if not out["ov-genai"].exists():
-        subprocess.run([str(ov_venv / "bin" / "optimum-cli"), "export", "openvino", "--model", str(folder), "--task",
-                        "automatic-speech-recognition-with-past", "--weight-format", "fp32", str(out["ov-genai"])],
-                       **quiet)
+        subprocess.run(
+            [
+                str(ov_venv / "bin" / "optimum-cli"),
+                "export",
+                "openvino",
+                "--model",
+                str(folder),
+                "--task",
+                "automatic-speech-recognition-with-past",
+                "--weight-format",
+                "fp32",
+                str(out["ov-genai"]),
+            ],
+            **quiet,
+        )
     if not out["ort-genai"].exists():
-        subprocess.run([str(genai_venv / "bin" / "python"), "-m", "onnxruntime_genai.models.builder", "-i",
-                        str(folder), "-o", str(out["ort-genai"]), "-p", "fp32", "-e", "cpu"], cwd="/tmp", **quiet)
+        subprocess.run(
+            [
+                str(genai_venv / "bin" / "python"),
+                "-m",
+                "onnxruntime_genai.models.builder",
+                "-i",
+                str(folder),
+                "-o",
+                str(out["ort-genai"]),
+                "-p",
+                "fp32",
+                "-e",
+                "cpu",
+            ],
+            cwd="/tmp",
+            **quiet,
+        )
     return out
 
 
@@ -141,16 +183,34 @@ def main() -> None:
     wav = a.work / "chirp30.wav"
     if not wav.exists():
         _wav(wav)
-    pythons = {"precast": sys.executable, "precast-AA": sys.executable,
-               "ov-genai": str(a.ov_venv / "bin" / "python"), "ort-genai": str(a.genai_venv / "bin" / "python")}
+    pythons = {
+        "precast": sys.executable,
+        "precast-AA": sys.executable,
+        "ov-genai": str(a.ov_venv / "bin" / "python"),
+        "ort-genai": str(a.genai_venv / "bin" / "python"),
+    }
     for name in a.models.split(","):
         paths = _build(a.work, name, a.ov_venv, a.genai_venv)
         procs = {}
         for eng, py in pythons.items():
             kind = "precast" if eng.startswith("precast") else eng
             procs[eng] = subprocess.Popen(
-                [py, __file__, "--worker", kind, "--path", str(paths[kind]), "--wav", str(wav), "--threads",
-                 str(a.threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd="/tmp",
+                [
+                    py,
+                    __file__,
+                    "--worker",
+                    kind,
+                    "--path",
+                    str(paths[kind]),
+                    "--wav",
+                    str(wav),
+                    "--threads",
+                    str(a.threads),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                cwd="/tmp",
             )
             line = procs[eng].stdout.readline().strip()
             assert line == "ready", f"{eng}: {line!r}"
@@ -172,17 +232,21 @@ def main() -> None:
         for p in procs.values():
             p.stdin.close()
             p.wait()
-        print(f"\nwhisper-{name} shape, 30 s of audio, greedy 64 tokens, {a.threads} threads, {a.rounds} rounds "
-              f"(tokens: {tokens})\n")
+        print(
+            f"\nwhisper-{name} shape, 30 s of audio, greedy 64 tokens, {a.threads} threads, {a.rounds} rounds "
+            f"(tokens: {tokens})\n"
+        )
         print("| engine | RTF (64 tokens) | first token (s) | anchor / precast, 64 tokens | first token |")
         print("|---|---|---|---|---|")
         for eng in engines:
             full, first = times[(eng, 64)], times[(eng, 1)]
             r_full = [x / m for x, m in zip(full, times[("precast", 64)])]
             r_first = [x / m for x, m in zip(first, times[("precast", 1)])]
-            print(f"| {eng} | {statistics.median(full) / 30:.4f} | {statistics.median(first):.3f} | "
-                  f"{statistics.median(r_full):.2f} ({min(r_full):.2f}-{max(r_full):.2f}) | "
-                  f"{statistics.median(r_first):.2f} ({min(r_first):.2f}-{max(r_first):.2f}) |")
+            print(
+                f"| {eng} | {statistics.median(full) / 30:.4f} | {statistics.median(first):.3f} | "
+                f"{statistics.median(r_full):.2f} ({min(r_full):.2f}-{max(r_full):.2f}) | "
+                f"{statistics.median(r_first):.2f} ({min(r_first):.2f}-{max(r_first):.2f}) |"
+            )
 
 
 if __name__ == "__main__":

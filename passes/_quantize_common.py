@@ -78,6 +78,21 @@ def count_ops(model: ir.Model) -> dict[str, int]:
     return counts
 
 
+def import_quietly(module: str):
+    """Import ``module`` keeping the root logger as it was: ONNX Runtime's matmul_nbits_quantizer calls
+    logging.basicConfig(level=INFO) on import, after which every library's INFO records (onnxscript's constant
+    folding, onnx_ir's passes) were printed on stderr for the rest of the compile."""
+    import importlib
+
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        return importlib.import_module(module)
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+
+
 @contextlib.contextmanager
 def quiet() -> Iterator[None]:
     """Silence the quantizers' prints and root-logger warnings (they would corrupt ``--json`` stdout)."""

@@ -28,6 +28,7 @@ from precast.ir.registry import Pass, PassFacts, PassResult, option, register
 from precast.passes._quantize_common import (
     count_ops,
     from_proto,
+    import_quietly,
     quiet,
     resolve_exclude,
     to_proto,
@@ -82,12 +83,13 @@ class QuantizeInt4(Pass):
                 )
 
     def call(self, model: ir.Model) -> PassResult:
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+        MatMulNBitsQuantizer = import_quietly("onnxruntime.quantization.matmul_nbits_quantizer").MatMulNBitsQuantizer
 
         o = self.options
         level = o.accuracy_level
         if level is None:
             level = 4 if self.context.task == "causal-lm" else 0
+        unfused = _plain_matmuls(model)
         before = count_ops(model).get("MatMul", 0)
         proto = to_proto(model)
         excluded = resolve_exclude(model, o.exclude, self.name)
@@ -132,7 +134,42 @@ class QuantizeInt4(Pass):
                 "excluded": len(excluded),
             }
         )
+        if unfused:
+            stats["unfused_transposed"] = unfused
         if before and not stats["quantized"]:
             stats["note"] = "no MatMul had a constant 2-D weight to quantize"
         facts = PassFacts(calibration_used=used_user_data(stats.get("calibration")))
         return PassResult(result, True, stats, facts)  # True: rebuilt through the quantizer's proto
+
+
+def _plain_matmuls(model: ir.Model) -> int:
+    """FusedMatMul(x, W, transB=1) over a constant 2-D W (a tied lm head, which fuse-matmul-add leaves reading the
+    embedding table [V, E] in place) -> MatMul(x, W^T): the quantizer only takes MatMul. W^T is a new constant
+    (the embedding Gather keeps W, and quantizes it as a table of its own)."""
+    import numpy as np
+
+    count = 0
+    for node in list(model.graph):
+        if node.op_type != "FusedMatMul" or node.domain != "com.microsoft" or len(node.inputs) != 2:
+            continue
+        attrs = {k: a.value for k, a in node.attributes.items()}
+        plain = {"alpha": 1.0, "transA": 0, "transB": 1, "transBatchA": 0, "transBatchB": 0}
+        if any(attrs.get(k, {"alpha": 1.0}.get(k, 0)) != v for k, v in plain.items()):
+            continue
+        w = node.inputs[1]
+        if w is None or w.const_value is None or len(w.const_value.shape) != 2 or w.producer() is not None:
+            continue
+        wt = ir.Value(name=f"{w.name}_T", const_value=ir.tensor(np.ascontiguousarray(w.const_value.numpy().T)))
+        model.graph.register_initializer(wt)
+        matmul = ir.Node("", "MatMul", [node.inputs[0], wt], name=f"{node.name}_matmul")
+        model.graph.insert_before(node, matmul)
+        node.outputs[0].replace_all_uses_with(matmul.outputs[0])
+        if node.outputs[0].is_graph_output():
+            idx = model.graph.outputs.index(node.outputs[0])
+            name = node.outputs[0].name
+            model.graph.outputs[idx] = matmul.outputs[0]
+            matmul.outputs[0].name = name
+        matmul.outputs[0].shape, matmul.outputs[0].type = node.outputs[0].shape, node.outputs[0].type
+        model.graph.remove(node, safe=True)
+        count += 1
+    return count

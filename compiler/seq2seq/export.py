@@ -45,7 +45,9 @@ def seq2seq_task(config: dict, task: str | None) -> str | None:
         return None
     want = "automatic-speech-recognition" if speech else "text2text-generation"
     if canon != want:
-        raise UsageError(f"task '{task}' does not fit this {config.get('model_type')} model: its task is '{want}'")
+        raise UsageError(
+            f"task '{task}' does not fit this {config.get('model_type')} model: its task is '{want}'"
+        )
     return canon
 
 
@@ -135,14 +137,18 @@ def _decoder_args(t: dict, layers: int) -> tuple:
     return (*head, kc, vc, ck, cv, t["encoder_mask"])
 
 
-def export_parts(folder: Path, config: dict, task: str, sha: str, progress: ProgressReporter = SILENT) -> Seq2SeqParts:
+def export_parts(
+    folder: Path, config: dict, task: str, sha: str, progress: ProgressReporter = SILENT
+) -> Seq2SeqParts:
     import torch
     from torch.export import Dim
 
     speech = task == "automatic-speech-recognition"
     model_type = str(config.get("model_type"))
     if model_type not in SUPPORTED:
-        progress.note(f"{model_type} is not among the tested encoder-decoders ({', '.join(SUPPORTED)}); trying it")
+        progress.note(
+            f"{model_type} is not among the tested encoder-decoders ({', '.join(SUPPORTED)}); trying it"
+        )
     hf = _load(folder, speech, progress)
     where = str(folder)
     shape = prepare(hf, where)
@@ -174,7 +180,11 @@ def export_parts(folder: Path, config: dict, task: str, sha: str, progress: Prog
         enc_len = 9
     enc_args = tuple(torch.from_numpy(enc_feeds[n]) for n in enc_names_in)
     enc_model = dynamo_export(
-        encoder, enc_args, input_names=enc_names_in, output_names=enc_names_out, dynamic_shapes=enc_dynamic,
+        encoder,
+        enc_args,
+        input_names=enc_names_in,
+        output_names=enc_names_out,
+        dynamic_shapes=enc_dynamic,
         progress=progress,
     )
     decoder = DecoderStep(hf, shape, where)
@@ -185,27 +195,47 @@ def export_parts(folder: Path, config: dict, task: str, sha: str, progress: Prog
     nb = {0: Dim("num_blocks")}
     cross = {0: b, 2: e}
     dynamic = (
-        {0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b}, {0: b, 1: Dim("max_blocks")},
-        [nb] * layers, [nb] * layers, [cross] * layers, [cross] * layers, {0: b, 1: e},
+        {0: b, 1: s},
+        {0: b, 1: s},
+        {0: b},
+        {0: b},
+        {0: b, 1: Dim("max_blocks")},
+        [nb] * layers,
+        [nb] * layers,
+        [cross] * layers,
+        [cross] * layers,
+        {0: b, 1: e},
     )
     dec_model = dynamo_export(
-        decoder, _decoder_args(t, layers), input_names=dec_in, output_names=dec_out, dynamic_shapes=dynamic,
+        decoder,
+        _decoder_args(t, layers),
+        input_names=dec_in,
+        output_names=dec_out,
+        dynamic_shapes=dynamic,
         progress=progress,
     )
     got = [v.name for v in dec_model.graph.outputs]
     if got != dec_out:
-        raise ModelLoadError(f"{folder}: exported decoder outputs {got[:3]}... do not match the step contract")
+        raise ModelLoadError(
+            f"{folder}: exported decoder outputs {got[:3]}... do not match the step contract"
+        )
     name = folder.name
     part_sha = lambda part: hashlib.sha256(f"{sha}:{part}".encode()).hexdigest()  # noqa: E731
     enc_src = Source(
-        "hf", f"{name}-encoder", enc_model, part_sha("encoder"),
+        "hf",
+        f"{name}-encoder",
+        enc_model,
+        part_sha("encoder"),
         reference=_reference(encoder, enc_names_in, enc_names_out, layers, False),
         reference_name="torch (the transformers encoder + cross-attention projections)",
         info={"model_type": model_type, "task": task, "part": "encoder"},
         sample_feeds=enc_feeds,
     )
     dec_src = Source(
-        "hf", f"{name}-decoder", dec_model, part_sha("decoder"),
+        "hf",
+        f"{name}-decoder",
+        dec_model,
+        part_sha("decoder"),
         reference=_reference(decoder, dec_in, dec_out, layers, True),
         reference_name="torch (the transformers decoder over the paged pool)",
         info={"model_type": model_type, "task": task, "part": "decoder"},

@@ -198,7 +198,9 @@ def prepare(hf: nn.Module, where: str) -> Seq2SeqShape:
         h = getattr(sa, "num_heads", None) or getattr(sa, "n_heads", None)
         d = getattr(sa, "head_dim", None) or getattr(sa, "key_value_proj_dim", None)
         if h is None or d is None:
-            raise ModelLoadError(f"{where}: cannot read the heads / head size of decoder layer {i}'s attention")
+            raise ModelLoadError(
+                f"{where}: cannot read the heads / head size of decoder layer {i}'s attention"
+            )
         if (heads, head) not in ((None, None), (h, d)):
             raise ModelLoadError(f"{where}: decoder layers with different head shapes are not supported")
         heads, head = int(h), int(d)
@@ -248,8 +250,19 @@ class DecoderStep(nn.Module):
         self._head_seen = True
         return (last_token(args[0], self._new_lens)[:, None], *args[1:])
 
-    def forward(self, input_ids, positions, past_lens, new_lens, block_tables, key_caches, value_caches,
-                cross_keys, cross_values, encoder_mask):
+    def forward(
+        self,
+        input_ids,
+        positions,
+        past_lens,
+        new_lens,
+        block_tables,
+        key_caches,
+        value_caches,
+        cross_keys,
+        cross_values,
+        encoder_mask,
+    ):
         from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
         cross = DynamicCache()
@@ -299,10 +312,14 @@ class EncoderStep(nn.Module):
             enc = self.hf.get_encoder()(input_ids=x, attention_mask=mask).last_hidden_state
         cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         start = torch.zeros(enc.shape[0], 1, dtype=torch.long)
-        self.hf(encoder_outputs=(enc,), attention_mask=mask, decoder_input_ids=start, cache=cache, use_cache=True)
+        self.hf(
+            encoder_outputs=(enc,), attention_mask=mask, decoder_input_ids=start, cache=cache, use_cache=True
+        )
         layers = cache.cross_attention_cache.layers
         if len(layers) != self.shape.layers:
-            raise ModelLoadError(f"{type(self.hf).__name__}: the decoder filled {len(layers)} cross-attention caches")
+            raise ModelLoadError(
+                f"{type(self.hf).__name__}: the decoder filled {len(layers)} cross-attention caches"
+            )
         return tuple(t for layer in layers for t in (layer.keys, layer.values))
 
 

@@ -240,7 +240,9 @@ class Seq2SeqEngine:
             if not ids:
                 raise InputError("empty source text")
             if len(ids) > self.spec.max_source:
-                raise InputError(f"the source has {len(ids)} tokens; this model takes at most {self.spec.max_source}")
+                raise InputError(
+                    f"the source has {len(ids)} tokens; this model takes at most {self.spec.max_source}"
+                )
             if min(ids) < 0 or max(ids) >= self.spec.vocab:
                 raise InputError(f"source token ids must be in [0, {self.spec.vocab})")
             return ids
@@ -278,9 +280,13 @@ class Seq2SeqEngine:
             prompt = [int(start)]
         max_length = settings.resolve_max_length(len(prompt), self.spec.max_target)
         if max_length > self.spec.max_target:
-            raise InputError(f"max length {max_length} exceeds the decoder's {self.spec.max_target} positions")
+            raise InputError(
+                f"max length {max_length} exceeds the decoder's {self.spec.max_target} positions"
+            )
         if max_length <= len(prompt):
-            raise InputError(f"max length {max_length} leaves no room after the {len(prompt)}-token decoder prompt")
+            raise InputError(
+                f"max length {max_length} leaves no room after the {len(prompt)}-token decoder prompt"
+            )
         req = _Request(next(self._ids), source, settings, prompt, max_length, detect_language=detect)
         if settings.do_sample:
             req.rng = np.random.default_rng(seed)
@@ -321,15 +327,21 @@ class Seq2SeqEngine:
 
         if self.features is None:
             raise UsageError("transcribe() needs a speech (Whisper) artifact")
-        windows = split_windows(np.asarray(waveform, dtype=np.float32), self.features.sampling_rate,
-                                self.features.chunk_length)
+        windows = split_windows(
+            np.asarray(waveform, dtype=np.float32), self.features.sampling_rate, self.features.chunk_length
+        )
         feats = self.features(windows)
         handles = [self.submit(f, **overrides) for f in feats]
         results = [h.result() for h in handles]
         tokens = [t for r in results for t in r.tokens]
         text = self.tokenizer.decode(tokens) if self.tokenizer else ""
-        return Seq2SeqResult(text, [results[0].sequences[0][: results[0].prompt_len] + tokens], [],
-                             results[0].prompt_len, results[0].language)
+        return Seq2SeqResult(
+            text,
+            [results[0].sequences[0][: results[0].prompt_len] + tokens],
+            [],
+            results[0].prompt_len,
+            results[0].language,
+        )
 
     def _cancel(self, req: _Request) -> None:
         with self._cond:
@@ -490,7 +502,9 @@ class Seq2SeqEngine:
             at += n
 
     def _advance(self, r: _Request, logits: np.ndarray) -> None:
-        if r.detect_language:  # Whisper: the language token with the highest logit after <|startoftranscript|>
+        if (
+            r.detect_language
+        ):  # Whisper: the language token with the highest logit after <|startoftranscript|>
             lang_ids = np.array(sorted(int(v) for v in self.whisper.langs.values()))
             lang = int(lang_ids[int(np.argmax(logits[0, lang_ids]))])
             r.detect_language = False
@@ -513,7 +527,9 @@ class Seq2SeqEngine:
             return
         q = r.seqs[0]
         if r.settings.do_sample:
-            tok = int(sample_next(r.settings, logits, [q.tokens], len(r.prompt), r.rng, max_length=r.max_length)[0])
+            tok = int(
+                sample_next(r.settings, logits, [q.tokens], len(r.prompt), r.rng, max_length=r.max_length)[0]
+            )
         else:
             tok = int(greedy_next(r.settings, logits, [q.tokens], len(r.prompt), max_length=r.max_length)[0])
         q.tokens.append(tok)
@@ -532,7 +548,11 @@ class Seq2SeqEngine:
         if hyps is not None and r.error is None:
             best = hyps[0][0][len(r.prompt) :]
             text = self.tokenizer.decode(best) if self.tokenizer is not None else ""
-            lang = self.whisper.language_name(r.prompt[1]) if self.whisper and self.whisper.multilingual else None
+            lang = (
+                self.whisper.language_name(r.prompt[1])
+                if self.whisper and self.whisper.multilingual
+                else None
+            )
             scores = [h[1] for h in hyps] if r.beam is not None else []
             r.result = Seq2SeqResult(text, [h[0] for h in hyps], scores, len(r.prompt), lang)
         r.event.set()

@@ -40,8 +40,9 @@ class CrossBatch:
 
 
 class Seq2SeqRunner:
-    def __init__(self, root: Path, spec: Seq2SeqSpec, num_blocks: int, threads: int | None = None,
-                 verify: bool = True):
+    def __init__(
+        self, root: Path, spec: Seq2SeqSpec, num_blocks: int, threads: int | None = None, verify: bool = True
+    ):
         from precast.runtime.model import load
 
         self.spec = spec
@@ -59,7 +60,9 @@ class Seq2SeqRunner:
 
     def _check(self, root: Path) -> None:
         where = f"{root}/decoder"
-        names = {i.name for i in self.decoder.inputs}  # (the manifest's io, checked against the session at load)
+        names = {
+            i.name for i in self.decoder.inputs
+        }  # (the manifest's io, checked against the session at load)
         want = set(decoder_inputs(self.spec.layers))
         if names != want:
             extra = sorted(names ^ want)[0]
@@ -82,7 +85,10 @@ class Seq2SeqRunner:
         out = self.encoder.session.run(names, feeds)
         keys, values = out[0::2], out[1::2]
         return [
-            ([np.ascontiguousarray(k[b, :, :n]) for k in keys], [np.ascontiguousarray(v[b, :, :n]) for v in values])
+            (
+                [np.ascontiguousarray(k[b, :, :n]) for k in keys],
+                [np.ascontiguousarray(v[b, :, :n]) for v in values],
+            )
             for b, n in enumerate(lengths)
         ]
 
@@ -92,7 +98,13 @@ class Seq2SeqRunner:
 
     def step(self, ids, pos, past, new, tables, cross: CrossBatch) -> np.ndarray:
         layers = self.spec.layers
-        feeds = {"input_ids": ids, "positions": pos, "past_lens": past, "new_lens": new, "block_tables": tables}
+        feeds = {
+            "input_ids": ids,
+            "positions": pos,
+            "past_lens": past,
+            "new_lens": new,
+            "block_tables": tables,
+        }
         for i in range(layers):
             feeds[f"key_cache.{i}"] = self.k_pool[i]
             feeds[f"value_cache.{i}"] = self.v_pool[i]

@@ -29,7 +29,9 @@ def built(tmp_path_factory):
         root = tmp_path_factory.mktemp(kind)
         folder = make_folder(kind, root / "model", seed=KINDS.index(kind))
         report = compile_model(str(folder), str(root / "out"), CompileOptions())  # no task: inferred
-        hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(folder), attn_implementation="eager").eval()
+        hf = transformers.AutoModelForSeq2SeqLM.from_pretrained(
+            str(folder), attn_implementation="eager"
+        ).eval()
         out[kind] = (root / "out", hf, report)
     transformers.utils.logging.set_verbosity_error()
     return out
@@ -78,7 +80,9 @@ def test_beam_search_matches_generate(built, kind, penalty, early):
     out, hf, _ = built[kind]
     engine = Seq2SeqEngine.load(out)
     sources = _sources(hf, seed=2)
-    kw = dict(num_beams=4, num_return_sequences=4, max_new_tokens=24, length_penalty=penalty, early_stopping=early)
+    kw = dict(
+        num_beams=4, num_return_sequences=4, max_new_tokens=24, length_penalty=penalty, early_stopping=early
+    )
     results = engine.generate(sources, **kw)
     assert engine.pool.num_used == 0
     for src, res in zip(sources, results):
@@ -150,16 +154,42 @@ def test_tampered_artifact_is_refused(built, tmp_path):
 def test_cli_run_text(built):
     out, _hf, _ = built["t5"]
     run = subprocess.run(
-        [sys.executable, "-c", "from precast.cli.main import main; main()", "run", str(out), "--text", "hello", "--text", "a longer text",
-         "--max-new-tokens", "5", "--json"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "from precast.cli.main import main; main()",
+            "run",
+            str(out),
+            "--text",
+            "hello",
+            "--text",
+            "a longer text",
+            "--max-new-tokens",
+            "5",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     rows = json.loads(run.stdout)
-    assert [r["input"] for r in rows] == ["hello", "a longer text"] and all(len(r["tokens"]) == 5 for r in rows)
+    assert [r["input"] for r in rows] == ["hello", "a longer text"] and all(
+        len(r["tokens"]) == 5 for r in rows
+    )
     bad = subprocess.run(
-        [sys.executable, "-c", "from precast.cli.main import main; main()", "run", str(out), "--audio", "x.wav"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "from precast.cli.main import main; main()",
+            "run",
+            str(out),
+            "--audio",
+            "x.wav",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert bad.returncode == 1 and "give --text TEXT" in bad.stderr
 

@@ -27,7 +27,9 @@ def whisper(tmp_path_factory):
     root = tmp_path_factory.mktemp("whisper")
     folder = make_folder("whisper", root / "model", seed=3)
     compile_model(str(folder), str(root / "out"), CompileOptions())
-    hf = transformers.WhisperForConditionalGeneration.from_pretrained(str(folder), attn_implementation="eager")
+    hf = transformers.WhisperForConditionalGeneration.from_pretrained(
+        str(folder), attn_implementation="eager"
+    )
     fe = transformers.WhisperFeatureExtractor.from_pretrained(str(folder))
     transformers.utils.logging.set_verbosity_error()
     return root / "out", hf.eval(), fe
@@ -36,7 +38,9 @@ def whisper(tmp_path_factory):
 def _audio(seconds: float, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     t = np.arange(int(seconds * SR)) / SR
-    return (0.2 * np.sin(2 * np.pi * (200 + 40 * seed) * t) + 0.05 * rng.standard_normal(t.size)).astype(np.float32)
+    return (0.2 * np.sin(2 * np.pi * (200 + 40 * seed) * t) + 0.05 * rng.standard_normal(t.size)).astype(
+        np.float32
+    )
 
 
 def _hf_tokens(hf, fe, samples, **kw) -> list[int]:
@@ -81,7 +85,9 @@ def test_forty_five_seconds_in_sequential_windows(whisper):
         got = engine.transcribe(samples, max_new_tokens=24, language="en")
         want = []
         for start in (0, 30 * SR):  # 30 s, then the last 15 s
-            want += _hf_tokens(hf, fe, samples[start : start + 30 * SR], max_new_tokens=24, language="en")[-24:]
+            want += _hf_tokens(hf, fe, samples[start : start + 30 * SR], max_new_tokens=24, language="en")[
+                -24:
+            ]
         assert got.tokens == want
     finally:
         engine.close()
@@ -109,16 +115,40 @@ def test_cli_transcribes_a_wav(whisper, tmp_path):
         w.setframerate(SR)
         w.writeframes(pcm.tobytes())
     run = subprocess.run(
-        [sys.executable, "-c", "from precast.cli.main import main; main()", "run", str(out), "--audio", str(path), "--language", "en",
-         "--max-new-tokens", "6", "--json"],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "from precast.cli.main import main; main()",
+            "run",
+            str(out),
+            "--audio",
+            str(path),
+            "--language",
+            "en",
+            "--max-new-tokens",
+            "6",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert run.returncode == 0, run.stderr
     [row] = json.loads(run.stdout)
     assert row["language"] == "en" and len(row["tokens"]) == 6
     (tmp_path / "bad.wav").write_bytes(b"not audio at all")
     bad = subprocess.run(
-        [sys.executable, "-c", "from precast.cli.main import main; main()", "run", str(out), "--audio", str(tmp_path / "bad.wav")],
-        capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-c",
+            "from precast.cli.main import main; main()",
+            "run",
+            str(out),
+            "--audio",
+            str(tmp_path / "bad.wav"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert bad.returncode != 0 and "bad.wav" in bad.stderr and "Traceback" not in bad.stderr
