@@ -3,6 +3,7 @@ onnxruntime-genai's Whisper, side by side (real-time factor and first-token late
 
     python benchmarks/bench_whisper.py                        # whisper-tiny and -base shapes, 7 rounds
     python benchmarks/bench_whisper.py --models tiny --rounds 3
+    python benchmarks/bench_whisper.py --precision int4        # INT4 weights: each engine's own INT4 recipe
 
 Models: WhisperConfig with whisper-tiny's shape (d_model 384, 4 + 4 layers, 6 heads) and whisper-base's (512, 6 + 6,
 8 heads), vocab 51865, random weights N(0, 0.1), built once under --work (tests/seq2seq_models.py). Engines, 2 threads
@@ -12,6 +13,9 @@ each, every one in its own worker process, loaded once:
   ov-genai     `optimum-cli export openvino --task automatic-speech-recognition-with-past --weight-format fp32`,
                openvino_genai.WhisperPipeline (INFERENCE_PRECISION_HINT f32: this CPU would otherwise use bf16)
   ort-genai    `python -m onnxruntime_genai.models.builder -p fp32 -e cpu`, og.Generator over og.Audios.open(WAV)
+--precision int4: precast `--passes 'default,quantize-int4{accuracy_level=4}'` (MatMulNBits, block 32, the lm head
+and the embedding tables too), OpenVINO `--weight-format int4`, onnxruntime-genai `-p int4`; int8: precast
+`quantize-int4{bits=8}` is not there, so `quantize-int8` (dynamic), OpenVINO `--weight-format int8`, genai `-p int8`.
 Every engine reads the same 30 s WAV (a chirp + noise), decodes with language en, task transcribe, no timestamps,
 exactly 64 new tokens (min = max). "first token": the same call with 1 new token (audio read, features, encoder,
 one decoder step). RTF = seconds / 30. A round asks every engine once (order rotated); medians over rounds, and the
@@ -100,12 +104,16 @@ def _wav(path: Path) -> None:
         w.writeframes((x * 32767).astype("<i2").tobytes())
 
 
-def _build(work: Path, name: str, ov_venv: Path, genai_venv: Path) -> dict[str, Path]:
+PASSES = {"fp32": None, "int4": "default,quantize-int4{accuracy_level=4}", "int8": "default,quantize-int8"}
+
+
+def _build(work: Path, name: str, ov_venv: Path, genai_venv: Path, precision: str) -> dict[str, Path]:
     folder = work / f"whisper-{name}"
+    tag = "" if precision == "fp32" else f"-{precision}"
     out = {
-        "precast": work / f"whisper-{name}.precast",
-        "ov-genai": work / f"whisper-{name}.ov",
-        "ort-genai": work / f"whisper-{name}.genai",
+        "precast": work / f"whisper-{name}.precast{tag}",
+        "ov-genai": work / f"whisper-{name}.ov{tag}",
+        "ort-genai": work / f"whisper-{name}.genai{tag}",
     }
     quiet = dict(check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if not folder.exists():
@@ -113,54 +121,19 @@ def _build(work: Path, name: str, ov_venv: Path, genai_venv: Path) -> dict[str, 
         from tests.seq2seq_models import make_folder
 
         make_folder("whisper", folder, **SHAPES[name])
+    cli = [sys.executable, "-c", "from precast.cli.main import main; main()"]
+    passes = ["--passes", PASSES[precision]] if PASSES[precision] else []
     if not out["precast"].exists():
-        subprocess.run(
-            [
-                sys.executable,
-                "-c",
-                "from precast.cli.main import main; main()",
-                "compile",
-                str(folder),
-                "-o",
-                str(out["precast"]),
-                "--quiet",
-            ],
-            **quiet,
-        )
+        subprocess.run([*cli, "compile", str(folder), "-o", str(out["precast"]), "--quiet", *passes], **quiet)
     if not out["ov-genai"].exists():
-        subprocess.run(
-            [
-                str(ov_venv / "bin" / "optimum-cli"),
-                "export",
-                "openvino",
-                "--model",
-                str(folder),
-                "--task",
-                "automatic-speech-recognition-with-past",
-                "--weight-format",
-                "fp32",
-                str(out["ov-genai"]),
-            ],
-            **quiet,
-        )
+        task = "automatic-speech-recognition-with-past"
+        optimum = str(ov_venv / "bin" / "optimum-cli")
+        cmd = [optimum, "export", "openvino", "--model", str(folder), "--task", task]
+        subprocess.run([*cmd, "--weight-format", precision, str(out["ov-genai"])], **quiet)
     if not out["ort-genai"].exists():
-        subprocess.run(
-            [
-                str(genai_venv / "bin" / "python"),
-                "-m",
-                "onnxruntime_genai.models.builder",
-                "-i",
-                str(folder),
-                "-o",
-                str(out["ort-genai"]),
-                "-p",
-                "fp32",
-                "-e",
-                "cpu",
-            ],
-            cwd="/tmp",
-            **quiet,
-        )
+        builder = [str(genai_venv / "bin" / "python"), "-m", "onnxruntime_genai.models.builder"]
+        cmd = [*builder, "-i", str(folder), "-o", str(out["ort-genai"]), "-p", precision, "-e", "cpu"]
+        subprocess.run(cmd, cwd="/tmp", **quiet)
     return out
 
 
@@ -169,6 +142,7 @@ def main() -> None:
     ap.add_argument("--models", default="tiny,base")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--precision", choices=sorted(PASSES), default="fp32")
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench-whisper")
     ap.add_argument("--ov-venv", type=Path, default=Path("/work/venvs/ovgenai"))
     ap.add_argument("--genai-venv", type=Path, default=Path("/work/venvs/genai"))
@@ -190,7 +164,7 @@ def main() -> None:
         "ort-genai": str(a.genai_venv / "bin" / "python"),
     }
     for name in a.models.split(","):
-        paths = _build(a.work, name, a.ov_venv, a.genai_venv)
+        paths = _build(a.work, name, a.ov_venv, a.genai_venv, a.precision)
         procs = {}
         for eng, py in pythons.items():
             kind = "precast" if eng.startswith("precast") else eng
