@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import queue
 import threading
 from collections import deque
 from dataclasses import dataclass, field
@@ -65,7 +66,9 @@ class _Seq:
 
 
 class Seq2SeqHandle:
-    """One submitted request: ``result()`` blocks until it ends (or raises its error); ``cancel()``."""
+    """One submitted request: ``result()`` blocks until it ends (or raises its error); ``stream()`` yields the
+    generated token ids as each decoder step picks them (greedy and sampling; beam search yields the best
+    sequence's tokens at the end, when the beams are decided); ``cancel()``."""
 
     def __init__(self, engine: Seq2SeqEngine, req: _Request):
         self._engine, self._req = engine, req
@@ -76,6 +79,20 @@ class Seq2SeqHandle:
         if self._req.error is not None:
             raise self._req.error
         return self._req.result
+
+    def stream(self, timeout: float | None = None):
+        """Token ids as they come; raises the request's error (after the tokens it had) when it fails."""
+        q = self._req.tokens
+        while True:
+            try:
+                tok = q.get(timeout=timeout)
+            except queue.Empty:
+                raise TimeoutError("no token in time") from None
+            if tok is None:
+                break
+            yield tok
+        if self._req.error is not None:
+            raise self._req.error
 
     def cancel(self) -> None:
         self._engine._cancel(self._req)
@@ -98,7 +115,10 @@ class _Request:
     result: Seq2SeqResult | None = None
     error: BaseException | None = None
     cancelled: bool = False
+    priority: int = 0  # lower runs first (ties: arrival order), as the LLM engine's classes
+    finished_step: int = -1  # the engine step it ended at (tests, metrics)
     event: threading.Event = field(default_factory=threading.Event)
+    tokens: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)  # generated ids, then None
 
 
 def read_spec(root: Path) -> Seq2SeqSpec:
@@ -259,6 +279,9 @@ class Seq2SeqEngine:
         language = overrides.pop("language", None)
         task = overrides.pop("task", "transcribe")
         seed = overrides.pop("seed", None)
+        priority = overrides.pop("priority", 0)
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise UsageError(f"priority must be an integer (lower runs first), got {priority!r}")
         settings = self.settings.with_overrides(**overrides)
         source = self._source(item)
         detect = False
@@ -287,7 +310,9 @@ class Seq2SeqEngine:
             raise InputError(
                 f"max length {max_length} leaves no room after the {len(prompt)}-token decoder prompt"
             )
-        req = _Request(next(self._ids), source, settings, prompt, max_length, detect_language=detect)
+        req = _Request(
+            next(self._ids), source, settings, prompt, max_length, detect_language=detect, priority=priority
+        )
         if settings.do_sample:
             req.rng = np.random.default_rng(seed)
         return req
@@ -345,12 +370,16 @@ class Seq2SeqEngine:
 
     def _cancel(self, req: _Request) -> None:
         with self._cond:
+            if req.event.is_set():  # (already ended: its result stands)
+                return
+            req.cancelled = True
+            req.error = InputError("the request was cancelled")
+            if req in self._active:
+                self._finish(req, None)  # its blocks and cross K/V back now
+                return
             if req in self._waiting:
                 self._waiting.remove(req)
-            req.cancelled = True
-            if req in self._active:
-                self._finish(req, None)
-            req.error = req.error or InputError("the request was cancelled")
+            req.tokens.put(None)
             req.event.set()
 
     def close(self) -> None:
@@ -380,6 +409,8 @@ class Seq2SeqEngine:
         rows = sum(len(r.seqs) for r in self._active)
         new: list[_Request] = []
         bs = self.spec.block_size
+        if len(self._waiting) > 1:  # lower priority value first, arrival order within one
+            self._waiting = deque(sorted(self._waiting, key=lambda q: (q.priority, q.id)))
         while self._waiting:
             r = self._waiting[0]
             beams = r.settings.num_beams
@@ -391,6 +422,7 @@ class Seq2SeqEngine:
                         f"the request needs {need} KV blocks ({beams} beams x {r.max_length} tokens); the pool "
                         f"has {self.pool.num_free} (start the engine with more num_blocks)"
                     )
+                    r.tokens.put(None)
                     r.event.set()
                     continue
                 break
@@ -533,6 +565,7 @@ class Seq2SeqEngine:
         else:
             tok = int(greedy_next(r.settings, logits, [q.tokens], len(r.prompt), max_length=r.max_length)[0])
         q.tokens.append(tok)
+        r.tokens.put(tok)
         if is_finished(r.settings, q.tokens, r.max_length):
             self._finish(r, [(list(q.tokens), 0.0)])
 
@@ -555,6 +588,11 @@ class Seq2SeqEngine:
             )
             scores = [h[1] for h in hyps] if r.beam is not None else []
             r.result = Seq2SeqResult(text, [h[0] for h in hyps], scores, len(r.prompt), lang)
+            if r.beam is not None:  # (greedy rows streamed each token as it came)
+                for tok in best:
+                    r.tokens.put(tok)
+        r.finished_step = self.steps
+        r.tokens.put(None)
         r.event.set()
 
 

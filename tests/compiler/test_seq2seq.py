@@ -214,3 +214,34 @@ def test_recompiling_replaces_a_seq2seq_artifact_but_not_a_foreign_folder(built,
     (foreign / "notes.txt").write_text("mine")
     with pytest.raises(UsageError, match="notes.txt"):
         check_replaceable(foreign)
+
+
+def test_streaming_and_priorities(built):
+    out, hf, _ = built["t5"]
+    engine = Seq2SeqEngine.load(out)
+    try:
+        srcs = _sources(hf, seed=4)
+        streamed = list(engine.submit(srcs[0], max_new_tokens=12).stream(timeout=60))
+        [whole] = engine.generate([srcs[0]], max_new_tokens=12)
+        assert streamed == whole.tokens and len(streamed) == 12
+        beams = engine.submit(srcs[1], max_new_tokens=8, num_beams=3)
+        assert list(beams.stream(timeout=60)) == beams.result().tokens
+        with pytest.raises(UsageError, match="priority must be an integer"):
+            engine.submit(srcs[0], priority="high")
+    finally:
+        engine.close()
+    # a pool of one block: one request at a time, so the waiting queue's order shows in when each one ends
+    engine = Seq2SeqEngine.load(out, num_blocks=1)
+    try:
+        with engine._cond:  # (the loop waits for the lock: all three are queued before its first step)
+            low = engine.submit(srcs[0], max_new_tokens=4, priority=5)
+            high = engine.submit(srcs[1], max_new_tokens=4, priority=-1)
+            mid = engine.submit(srcs[2], max_new_tokens=4, priority=0)
+        ends = [h.result(timeout=60) and h._req.finished_step for h in (high, mid, low)]
+        assert ends == sorted(ends) and len(set(ends)) == 3, ends
+        done = engine.submit(srcs[0], max_new_tokens=2)
+        done.result(timeout=60)
+        done.cancel()  # after the end: the result stands
+        assert len(done.result().tokens) == 2
+    finally:
+        engine.close()
