@@ -195,6 +195,17 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     from precast.runtime.model import load
 
     root = Path(path)
+    if (root / "seq2seq.json").is_file() and not (root / "manifest.json").exists():
+        # an encoder-decoder artifact: its listed files' sha256 (seq2seq.json), then each part as an artifact
+        from precast.runtime.seq2seq.engine import read_spec
+
+        read_spec(root)
+        out = {}
+        for part in ("encoder", "decoder"):
+            report = verify_artifact(root / part, threads)
+            reports = report if "ok" not in report else {report["target"]: report}
+            out.update({f"{part}:{name}": r for name, r in reports.items()})
+        return out
     manifest = read_manifest(root)
     if manifest.is_multi_target:
         return {

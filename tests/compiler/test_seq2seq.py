@@ -140,10 +140,18 @@ def test_tampered_artifact_is_refused(built, tmp_path):
     out, _hf, _ = built["marian"]
     copy = tmp_path / "copy"
     shutil.copytree(out, copy)
+    from precast.runtime.verify import verify_artifact
+
+    reports = verify_artifact(copy)  # `precast verify`: the listed files, then each part's parity re-run
+    assert sorted(reports) == ["decoder:ort-cpu", "encoder:ort-cpu"] and all(
+        r["ok"] for r in reports.values()
+    )
     gen = copy / "tokenizer" / "generation_config.json"
     gen.write_text(gen.read_text().replace('"num_beams": 4', '"num_beams": 1'))
     with pytest.raises(ArtifactError, match="generation_config.json does not match its sha256"):
         Seq2SeqEngine.load(copy)
+    with pytest.raises(ArtifactError, match="generation_config.json does not match its sha256"):
+        verify_artifact(copy)
     spec = json.loads((out / "seq2seq.json").read_text())
     spec["files"]["../../etc/passwd"] = "0" * 64
     (copy / "seq2seq.json").write_text(json.dumps(spec))
