@@ -21,7 +21,8 @@ Text artifacts (T5, BART, Marian) get ``POST /v1/completions``: ``prompt`` is th
 of them, token ids or a list of those: each prompt is one choice, all decoded together); ``max_tokens`` ->
 max_new_tokens (absent: the generation config's, else 20); ``temperature`` absent or 0: greedy, or the beam search
 the generation config asks for; > 0: sampling (``top_p``, ``seed``; extensions ``top_k``, ``num_beams``).
-Not supported, so refused (400 naming the field): ``stream`` = true (no streaming for seq2seq yet), ``n`` or
+``stream`` = true (one prompt): server-sent events, a chunk per text delta as tokens come. Not supported, so
+refused (400 naming the field): ``n`` or
 ``best_of`` other than 1 (use ``num_beams``: the best beam is returned), ``logprobs``, ``stop``, penalties,
 ``ignore_eos``, ``echo``, ``suffix``, and what openai_params.py refuses for every model. ``usage`` counts the
 source's tokens (prompt) and the generated ones (completion).
@@ -33,6 +34,7 @@ away and for --timeout (504): a completion is then cancelled in the engine; a tr
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 
@@ -227,10 +229,7 @@ def _is(v, *ok) -> bool:
 
 
 _COMPLETION_REFUSED = {  # field -> (is its value harmless?, why it is refused)
-    "stream": (
-        lambda v: _is(v, False),
-        "streaming is not supported for seq2seq models yet; send stream=false",
-    ),
+    "stream": (lambda v: v is None or isinstance(v, bool), "'stream' must be true or false"),
     "n": (lambda v: _is(v, 1), "n > 1 is not supported for seq2seq models; num_beams runs a beam search"),
     "best_of": (lambda v: _is(v, 1), "best_of > 1 is not supported for seq2seq models; use num_beams"),
     "logprobs": (lambda v: v is None, "logprobs are not supported for seq2seq models yet"),
@@ -330,6 +329,10 @@ async def completions(request: Request):
     t0 = time.perf_counter()
     body, _ = await read_openai_request(request, state, error_cls=LLMRequestError)
     prompts, overrides = _parse_completion(body, svc, config)
+    if body.get("stream") is True:
+        if len(prompts) != 1:
+            raise ParamError("'stream': streaming takes one prompt per request", "stream")
+        return await _stream(request, state, svc, prompts, overrides, deadline, t0)
     with svc.admit(config.max_queue):
         handles, lengths = await svc.run(_submit, svc, prompts, overrides)
         future = asyncio.ensure_future(svc.run(_results, handles))
@@ -349,6 +352,74 @@ async def completions(request: Request):
         "choices": choices,
         "usage": usage(sum(lengths), generated),
     }
+
+
+async def _stream(request: Request, state, svc, prompts: list, overrides: dict, deadline: float, t0: float):
+    """Server-sent events of one text2text completion: a chunk per decoded text delta (greedy and sampled
+    decoding stream token by token; a beam search's text comes when its beams are decided), then the finish
+    reason, then ``[DONE]``. A client that disconnects cancels the request (its blocks come back)."""
+    from fastapi.responses import StreamingResponse
+
+    engine = svc.engine
+    admitted = svc.admit(state.config.max_queue)
+    admitted.__enter__()
+    try:
+        handles, lengths = await svc.run(_submit, svc, prompts, overrides)
+    except BaseException:
+        admitted.__exit__(None, None, None)
+        raise
+    handle, cid, created = handles[0], f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+    tokens_in = handle.stream(
+        timeout=max(deadline - time.monotonic(), 0.001)
+    )  # (next() blocks: a worker thread)
+    eos = set(engine.settings.eos_token_id)
+
+    def chunk(text: str, finish: str | None) -> str:
+        payload = {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": state.name,
+            "choices": [completion_choice(0, text, finish, None)],
+        }
+        return f"data: {json.dumps(payload)}\n\n"
+
+    async def events():
+        tokens: list[int] = []
+        sent = ""
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0 or await request.is_disconnected():
+                    handle.cancel()
+                    return
+                try:
+                    tok = await svc.run(next, tokens_in, None)
+                except TimeoutError:
+                    handle.cancel()
+                    return
+                if tok is None:
+                    break
+                tokens.append(tok)
+                text = engine.tokenizer.decode(tokens) if engine.tokenizer is not None else ""
+                if text.startswith(sent) and not text.endswith("\ufffd") and len(text) > len(sent):
+                    yield chunk(text[len(sent) :], None)
+                    sent = text
+            try:
+                result = handle.result(timeout=0)
+            except Exception as e:  # (the request failed after its stream began: say so in the stream)
+                yield f"data: {json.dumps({'error': {'message': str(e), 'type': type(e).__name__}})}\n\n"
+                return
+            if result.text.startswith(sent) and len(result.text) > len(sent):
+                yield chunk(result.text[len(sent) :], None)
+            finish = "stop" if result.tokens and result.tokens[-1] in eos else "length"
+            yield chunk("", finish)
+            yield "data: [DONE]\n\n"
+            svc.observe(t0, sum(lengths), len(result.tokens))
+        finally:
+            admitted.__exit__(None, None, None)
+
+    return StreamingResponse(events(), media_type="text/event-stream")
 
 
 # -- the routers -----------------------------------------------------------------------------------------------

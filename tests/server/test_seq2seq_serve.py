@@ -192,10 +192,32 @@ def test_t5_completions_match_the_engine(t5):
     assert all(g.choices[0].text == want.text and g.usage.completion_tokens == len(want.tokens) for g in got)
 
 
+def test_t5_streams_server_sent_events(t5):
+    url, state = t5
+    engine = _reference(state)
+    source = "translate English to German: the house is wonderful"
+    want = engine.generate([source], max_new_tokens=8)[0]
+    chunks = list(_client(url).completions.create(model="t5", prompt=source, max_tokens=8, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want.text
+    assert [c.choices[0].finish_reason for c in chunks][-1] == (
+        "stop" if want.tokens[-1] in engine.settings.eos_token_id else "length"
+    )
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-1])
+    with httpx.stream(
+        "POST",
+        f"{url}/v1/completions",
+        timeout=60,
+        json={"model": "t5", "prompt": source, "max_tokens": 4, "stream": True},
+    ) as r:
+        lines = [x for x in r.iter_lines() if x]
+    assert r.status_code == 200 and lines[-1] == "data: [DONE]" and all(x.startswith("data: ") for x in lines)
+
+
 def test_t5_refuses_what_it_does_not_do(t5):
     url, _ = t5
     for body, param in (
-        ({"stream": True}, "stream"),
+        ({"stream": "yes"}, "stream"),
+        ({"stream": True, "prompt": ["a", "b"]}, "stream"),
         ({"n": 2}, "n"),
         ({"logprobs": 1}, "logprobs"),
         ({"stop": ["x"]}, "stop"),
