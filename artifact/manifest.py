@@ -21,7 +21,7 @@ from precast.artifact.target_blocks import (
     TargetBlock,
     target_block_from_json,
 )
-from precast.errors import ArtifactError, IntegrityError, SchemaVersionError, first_line
+from precast.errors import ArtifactError, IntegrityError, SchemaVersionError, UsageError, first_line
 
 __all__ = [
     "SCHEMA_VERSION",
@@ -248,9 +248,9 @@ def read_manifest(artifact_dir: str | os.PathLike) -> Manifest:
     mpath = root / MANIFEST_NAME
     if not mpath.is_file():
         if (root / "seq2seq.json").is_file():  # (artifact/seq2seq_spec.py: two part artifacts, not one model)
-            raise ArtifactError(
-                f"{root} is an encoder-decoder artifact (seq2seq.json): open it with "
-                "precast.runtime.seq2seq.Seq2SeqEngine.load, `precast run` or `precast serve`"
+            raise UsageError(
+                f"{root} is an encoder-decoder artifact (seq2seq.json), which this does not take yet: `precast "
+                "run`, `serve` and `verify` do (Python: precast.runtime.seq2seq.engine.Seq2SeqEngine.load)"
             )
         raise ArtifactError(f"not a precast artifact: {root} has no {MANIFEST_NAME}")
     data = parse_json(mpath.read_bytes(), f"{mpath}: manifest")

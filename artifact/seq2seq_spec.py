@@ -65,6 +65,8 @@ class Seq2SeqSpec(Record):
             raise ArtifactError(f"{where}: task must be one of {', '.join(TASKS)}, got {self.task!r}")
         if self.input not in ("text", "speech"):
             raise ArtifactError(f"{where}: input must be 'text' or 'speech', got {self.input!r}")
+        if (self.input == "speech") != (self.task == "automatic-speech-recognition"):
+            raise ArtifactError(f"{where}: task {self.task!r} does not take input {self.input!r}")
         for name, limit in _LIMITS.items():
             value = getattr(self, name)
             if not 1 <= value <= limit:

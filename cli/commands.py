@@ -225,9 +225,15 @@ def run(
                                     ("language", language)) if v is not None}
     if translate:
         generation["task"] = "translate"
+    if (Path(artifact).parent / "seq2seq.json").is_file() and Path(artifact).name in ("encoder", "decoder"):
+        raise UsageError(f"{artifact} is a part of the encoder-decoder artifact {Path(artifact).parent}: run that")
     if (Path(artifact) / "seq2seq.json").is_file():
         if input_file or images:
             raise UsageError(f"{artifact} is an encoder-decoder artifact: give --text or --audio")
+        unused = [("-o", output_file), ("--context", context), ("--labels", labels), ("--top-k", top_k != 5)]
+        for option, value in unused:
+            if value:
+                raise UsageError(f"{option} does not apply to an encoder-decoder artifact (it prints text; --json)")
         _run_seq2seq(artifact, audios, texts, generation, threads, as_json)
         return
     if generation:

@@ -211,7 +211,7 @@ def check_output_path(path: str | os.PathLike, option: str, *, directory: bool =
     if not os.access(parent, os.W_OK):
         raise UsageError(f"{option} {path}: {parent} is not writable")
     for above in p.absolute().parents:
-        if (above / "manifest.json").is_file():
+        if (above / "manifest.json").is_file() or (above / "seq2seq.json").is_file():
             raise UsageError(
                 f"{option} {path}: inside the artifact {above}; a file written there would break its integrity"
             )

@@ -198,8 +198,9 @@ def verify_artifact(path: str | Path, threads: int | None = None) -> dict:
     if (root / "seq2seq.json").is_file() and not (root / "manifest.json").exists():
         # an encoder-decoder artifact: its listed files' sha256 (seq2seq.json), then each part as an artifact
         from precast.runtime.seq2seq.engine import read_spec
+        from precast.runtime.seq2seq.runner import Seq2SeqRunner
 
-        read_spec(root)
+        Seq2SeqRunner(root, read_spec(root), num_blocks=1, threads=threads)  # seq2seq.json's sizes vs the graphs
         out = {}
         for part in ("encoder", "decoder"):
             report = verify_artifact(root / part, threads)

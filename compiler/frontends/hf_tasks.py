@@ -133,8 +133,13 @@ def resolve_task(config: dict, task: str | None, others: list[str]) -> tuple[str
     return task, False
 
 
+# generation tasks of encoder-decoders (compiler/seq2seq/export.py SEQ2SEQ_TASKS; automatic-speech-recognition
+# is in TASKS already: the CTC models'), compiled before this module is asked
+SEQ2SEQ_NAMES = ("text2text-generation", "translation", "summarization")
+
+
 def known_tasks(others: list[str]) -> list[str]:
-    return [*TASKS, *sorted(others)]
+    return [*TASKS, *sorted({*others, *SEQ2SEQ_NAMES})]
 
 
 def task_dims(config: dict, task: str) -> frozenset[str] | None:

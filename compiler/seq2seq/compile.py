@@ -62,6 +62,12 @@ def compile_seq2seq(folder: Path, task: str, output, opts, progress=None) -> Com
     if opts.passes is not None and "split-stages" in opts.passes:
         raise UsageError(f"task {task}: splitting the step graphs into stages is not supported (--passes)")
     quantized = opts.passes is not None and "quantize" in opts.passes
+    from precast.compiler.artifact import check_replaceable
+
+    check_replaceable(output)  # (before the export: a wrong -o fails in milliseconds)
+    for above in output.absolute().parents:
+        if (above / "manifest.json").is_file() or (above / SEQ2SEQ_FILE).is_file():
+            raise UsageError(f"-o {output}: inside the artifact {above}; writing there would break its integrity")
     config = read_config(folder)
     if not sorted(folder.glob("*.safetensors")):
         raise ModelLoadError(f"{folder}: no *.safetensors weights (pickled checkpoints are refused)")

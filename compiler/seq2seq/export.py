@@ -36,14 +36,25 @@ SUPPORTED = ("bart", "mbart", "marian", "pegasus", "t5", "mt5", "whisper")
 def seq2seq_task(config: dict, task: str | None) -> str | None:
     """The seq2seq task of a folder (None: not an encoder-decoder, or a task that is not a generation)."""
     if not config.get("is_encoder_decoder"):
+        if task in SEQ2SEQ_TASKS and task != "automatic-speech-recognition":  # (ASR is also CTC models')
+            raise UsageError(
+                f"task '{task}' generates with an encoder-decoder; this folder's model "
+                f"({config.get('model_type', '?')}) is not one (is_encoder_decoder is not set in config.json)"
+            )
         return None
     speech = "num_mel_bins" in config
     if task is None:
         return "automatic-speech-recognition" if speech else "text2text-generation"
     canon = SEQ2SEQ_TASKS.get(task)
-    if canon is None:
-        return None
     want = "automatic-speech-recognition" if speech else "text2text-generation"
+    if canon is None:
+        archs = [a for a in config.get("architectures") or [] if isinstance(a, str)]
+        if archs and all(a.endswith(("ForConditionalGeneration", "MTModel")) for a in archs):
+            raise UsageError(
+                f"task '{task}': the folder's model ({', '.join(archs)}) is an encoder-decoder; its task is {want} "
+                "(compile it without --task)"
+            )
+        return None
     if canon != want:
         raise UsageError(
             f"task '{task}' does not fit this {config.get('model_type')} model: its task is '{want}'"

@@ -126,6 +126,10 @@ def read_spec(root: Path) -> Seq2SeqSpec:
     import hashlib
 
     path = root / SEQ2SEQ_FILE
+    if not root.is_dir():
+        raise ArtifactError(
+            f"artifact not found: {root}" if not root.exists() else f"{root} is not a directory"
+        )
     try:
         data = json.loads(path.read_text())
     except FileNotFoundError as e:
@@ -228,6 +232,10 @@ class Seq2SeqEngine:
     def load(cls, path, num_blocks: int | None = None, threads: int | None = None, verify: bool = True):
         root = Path(path)
         spec = read_spec(root)
+        if num_blocks is not None and (
+            not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1
+        ):
+            raise UsageError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         if num_blocks is None:  # 8 full-length requests of 4 beams
             num_blocks = 32 * -(-spec.max_target // spec.block_size)
         runner = Seq2SeqRunner(root, spec, num_blocks, threads=threads, verify=verify)
@@ -252,11 +260,24 @@ class Seq2SeqEngine:
     def _source(self, item) -> object:
         if self.spec.input == "text":
             if isinstance(item, str):
+                if not item.strip():
+                    raise InputError("empty source text")
                 if self.tokenizer is None:
                     raise UsageError("this artifact ships no tokenizer: pass token ids")
                 ids = self.tokenizer.encode(item)
             else:
-                ids = [int(t) for t in item]
+                try:
+                    arr = np.asarray(item)
+                except (TypeError, ValueError) as e:
+                    raise InputError(
+                        f"a source must be a text or a list of token ids, got {type(item).__name__}"
+                    ) from e
+                if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
+                    raise InputError(
+                        f"a source must be a text or a 1-D list of integer token ids, got {type(item).__name__}"
+                        + (f" of shape {list(arr.shape)}" if arr.ndim else "")
+                    )
+                ids = [int(t) for t in arr]
             if not ids:
                 raise InputError("empty source text")
             if len(ids) > self.spec.max_source:
@@ -266,7 +287,12 @@ class Seq2SeqEngine:
             if min(ids) < 0 or max(ids) >= self.spec.vocab:
                 raise InputError(f"source token ids must be in [0, {self.spec.vocab})")
             return ids
-        arr = np.asarray(item, dtype=np.float32)
+        try:
+            arr = np.asarray(item, dtype=np.float32)
+        except (TypeError, ValueError) as e:
+            raise InputError(
+                f"a speech source must be a waveform (1-D float samples) or log-mel features, got {type(item).__name__}"
+            ) from e
         if arr.ndim == 1:  # a waveform at the model's rate: one 30 s window (transcribe() splits longer ones)
             arr = self.features([arr])[0]
         want = (self.features.feature_size, self.spec.max_source)
@@ -303,9 +329,14 @@ class Seq2SeqEngine:
             prompt = [int(start)]
         max_length = settings.resolve_max_length(len(prompt), self.spec.max_target)
         if max_length > self.spec.max_target:
-            raise InputError(
-                f"max length {max_length} exceeds the decoder's {self.spec.max_target} positions"
-            )
+            if "max_new_tokens" in overrides or "max_length" in overrides:
+                raise InputError(
+                    f"max_new_tokens / max_length: {max_length} decoder tokens exceed the decoder's "
+                    f"{self.spec.max_target} positions (at most {self.spec.max_target - len(prompt)} new tokens)"
+                )
+            # the folder's generation_config asks for more than the model has positions (opus-mt: 512 vs 256):
+            # transformers would fail at position max_target; precast stops there
+            max_length = self.spec.max_target
         if max_length <= len(prompt):
             raise InputError(
                 f"max length {max_length} leaves no room after the {len(prompt)}-token decoder prompt"
@@ -321,11 +352,20 @@ class Seq2SeqEngine:
         """Every item served together (one batch: the encoder once, the decoder steps shared)."""
         reqs = [self._make(item, overrides) for item in items]
         with self._cond:
+            if self._stop:
+                raise UsageError("the engine is closed")
             threaded = self._thread is not None
             if not threaded:  # no serving thread: run the steps here until these requests end
                 self._waiting.extend(reqs)
-                while self._waiting or self._active:
-                    self._step()
+                try:
+                    while self._waiting or self._active:
+                        self._step()
+                except BaseException as e:  # (a failed step: its requests end with it, their blocks back)
+                    for r in [*self._active, *self._waiting]:
+                        r.error = r.error or e
+                        self._finish(r, None)
+                    self._waiting.clear()
+                    raise
         if threaded:  # (waited on outside the lock: the serving thread takes it for each step)
             return [h.result() for h in [self._enqueue(r) for r in reqs]]
         for r in reqs:
@@ -339,6 +379,8 @@ class Seq2SeqEngine:
 
     def _enqueue(self, req: _Request) -> Seq2SeqHandle:
         with self._cond:
+            if self._stop:
+                raise UsageError("the engine is closed")
             self._waiting.append(req)
             if self._thread is None:
                 self._thread = threading.Thread(target=self._loop, name="precast-seq2seq", daemon=True)
@@ -388,6 +430,11 @@ class Seq2SeqEngine:
             self._cond.notify_all()
         if self._thread is not None:
             self._thread.join()
+        with self._cond:  # what was still queued or running ends now (nobody would wait on it forever)
+            for r in [*self._active, *self._waiting]:
+                r.error = r.error or UsageError("the engine was closed before this request ended")
+                self._finish(r, None)
+            self._waiting.clear()
 
     def _loop(self) -> None:
         while True:
@@ -431,7 +478,14 @@ class Seq2SeqEngine:
             rows += beams
         if not new:
             return
-        for r, cross in zip(new, self._encode(new)):
+        try:
+            crosses = self._encode(new)
+        except Exception as e:  # (an input the encoder cannot take: these requests fail, the rest go on)
+            for r in new:
+                r.error = e
+                self._finish(r, None)
+            return
+        for r, cross in zip(new, crosses):
             r.cross, r.cross_len = cross, cross[0][0].shape[1]
             if r.settings.num_beams > 1 and not r.settings.do_sample:
                 r.beam = BeamSearch(r.settings, r.prompt, r.max_length)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.artifact.seq2seq_spec import Seq2SeqSpec
+from precast.artifact.seq2seq_spec import SEQ2SEQ_FILE, Seq2SeqSpec
 from precast.errors import ArtifactError
 
 __all__ = ["CrossBatch", "Seq2SeqRunner", "decoder_inputs"]
@@ -74,6 +74,29 @@ class Seq2SeqRunner:
             for name in (f"cross_key.{i}", f"cross_value.{i}"):
                 if name not in outs:
                     raise ArtifactError(f"{root}/encoder: the encoder has no output {name!r}")
+        # every size the engine allocates by must be the graphs' (seq2seq.json is untrusted data)
+        spec, dec = self.spec, {t.name: t.shape for t in (*self.decoder.inputs, *self.decoder.outputs)}
+        enc = {t.name: t.shape for t in (*self.encoder.inputs, *self.encoder.outputs)}
+        want = {
+            ("decoder", "key_cache.0", 1): ("heads", spec.heads),
+            ("decoder", "key_cache.0", 2): ("block_size", spec.block_size),
+            ("decoder", "key_cache.0", 3): ("head_size", spec.head_size),
+            ("decoder", "logits", 1): ("vocab", spec.vocab),
+            ("encoder", "cross_key.0", 1): ("heads", spec.heads),
+            ("encoder", "cross_key.0", 3): ("head_size", spec.head_size),
+        }
+        if spec.input == "speech":
+            want[("encoder", "input_features", 2)] = ("max_source", spec.max_source)
+        elif "input_ids" not in enc:
+            raise ArtifactError(f"{root}/{SEQ2SEQ_FILE}: input 'text', but the encoder takes no input_ids")
+        for (part, name, axis), (key, value) in want.items():
+            shape = (dec if part == "decoder" else enc).get(name)
+            dim = shape[axis] if shape is not None and len(shape) > axis else None
+            if not isinstance(dim, int) or dim != value:
+                raise ArtifactError(
+                    f"{root}/{SEQ2SEQ_FILE} does not match the {part} graph: {key}={value}, but its {name!r} "
+                    f"has {dim} at axis {axis}"
+                )
 
     @property
     def kv_bytes(self) -> int:
@@ -82,7 +105,7 @@ class Seq2SeqRunner:
     def encode(self, feeds: dict[str, np.ndarray], lengths: list[int]) -> list[tuple[list, list]]:
         """The encoder on a batch; -> per request (keys, values): each layer's [H, E_b, D], E_b = lengths[b]."""
         names = [f"cross_{kv}.{i}" for i in range(self.spec.layers) for kv in ("key", "value")]
-        out = self.encoder.session.run(names, feeds)
+        out = _run(self.encoder.session, names, feeds, "the encoder")
         keys, values = out[0::2], out[1::2]
         return [
             (
@@ -111,7 +134,7 @@ class Seq2SeqRunner:
             feeds[f"cross_key.{i}"] = cross.keys[i]
             feeds[f"cross_value.{i}"] = cross.values[i]
         feeds["encoder_mask"] = cross.mask
-        out = self.decoder.session.run(self._outputs, feeds)
+        out = _run(self.decoder.session, self._outputs, feeds, "the decoder step")
         bs = self.spec.block_size
         b_idx, s_idx = np.nonzero(np.arange(ids.shape[1])[None, :] < new[:, None])
         slot = past[b_idx] + s_idx
@@ -120,3 +143,16 @@ class Seq2SeqRunner:
         self.k_pool[:, blocks, :, offsets] = np.stack(out[1::2])[:, b_idx, :, s_idx]
         self.v_pool[:, blocks, :, offsets] = np.stack(out[2::2])[:, b_idx, :, s_idx]
         return out[0]
+
+
+def _run(session, names: list[str], feeds: dict, what: str) -> list:
+    """A backend run; its failure (an input the graph cannot take: a source longer than the encoder's position
+    table, say) is the request's error, one line, not the engine's crash."""
+    from precast.errors import InputError, PrecastError, first_line
+
+    try:
+        return session.run(names, feeds)
+    except PrecastError:
+        raise
+    except Exception as e:
+        raise InputError(f"{what} failed on this input: {first_line(e)}") from e

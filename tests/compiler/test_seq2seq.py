@@ -206,7 +206,7 @@ def test_runtime_load_points_at_the_engine(built):
     import precast.runtime as rt
 
     out, _hf, _ = built["bart"]
-    with pytest.raises(ArtifactError, match="encoder-decoder artifact .*Seq2SeqEngine.load"):
+    with pytest.raises(UsageError, match="encoder-decoder artifact .*Seq2SeqEngine.load"):
         rt.load(out)
 
 
