@@ -132,6 +132,16 @@ def test_bad_requests_are_named(built):
         engine.generate([[]])
     with pytest.raises(UsageError, match="language applies to Whisper"):
         engine.generate([[5, 1]], language="en")
+    for bad in (["a", "b"], None, 5, np.array([[1, 2, 3]])):
+        with pytest.raises(InputError, match="a source must be a text or a 1-D list of integer token ids"):
+            engine.generate([bad])
+    with pytest.raises(InputError, match="empty source text"):
+        engine.generate(["  "])
+    with pytest.raises(InputError, match="max_new_tokens / max_length: .*at most 511 new tokens"):
+        engine.generate([[5, 1]], max_new_tokens=10**5)
+    engine.close()
+    with pytest.raises(UsageError, match="the engine is closed"):
+        engine.generate([[5, 1]])
 
 
 def test_tampered_artifact_is_refused(built, tmp_path):
@@ -153,6 +163,10 @@ def test_tampered_artifact_is_refused(built, tmp_path):
     with pytest.raises(ArtifactError, match="generation_config.json does not match its sha256"):
         verify_artifact(copy)
     spec = json.loads((out / "seq2seq.json").read_text())
+    shutil.copyfile(out / "tokenizer" / "generation_config.json", gen)  # (back as compiled)
+    (copy / "seq2seq.json").write_text(json.dumps({**spec, "heads": spec["heads"] // 2}))
+    with pytest.raises(ArtifactError, match="does not match the decoder graph: heads="):
+        Seq2SeqEngine.load(copy)
     spec["files"]["../../etc/passwd"] = "0" * 64
     (copy / "seq2seq.json").write_text(json.dumps(spec))
     with pytest.raises(ArtifactError, match="outside the artifact"):
@@ -253,3 +267,13 @@ def test_streaming_and_priorities(built):
         assert len(done.result().tokens) == 2
     finally:
         engine.close()
+
+
+def test_output_inside_a_seq2seq_artifact_is_refused_before_the_export(built):
+    out, _hf, _ = built["bart"]
+    with pytest.raises(UsageError, match="inside the artifact"):
+        compile_model(str(out.parent / "model"), str(out / "encoder"), CompileOptions())
+    with pytest.raises(UsageError, match="its task is text2text-generation"):
+        compile_model(
+            str(out.parent / "model"), str(out.parent / "x"), CompileOptions(task="text-classification")
+        )
