@@ -183,7 +183,9 @@ class _WhisperPrompt:
     def language_id(self, language: str) -> int:
         key = language if language.startswith("<|") else f"<|{language}|>"
         if key not in self.langs:
-            raise UsageError(f"unknown language {language!r} (this model knows {len(self.langs)}, e.g. 'en')")
+            codes = sorted(k.strip("<|>") for k in self.langs)
+            shown = ", ".join(codes[:12]) + (f" ... ({len(codes)} in all)" if len(codes) > 12 else "")
+            raise UsageError(f"unknown language {language!r}: give a code this model knows ({shown})")
         return int(self.langs[key])
 
     def prompt(self, lang_id: int | None, task: str) -> list[int]:
