@@ -277,3 +277,32 @@ def test_output_inside_a_seq2seq_artifact_is_refused_before_the_export(built):
         compile_model(
             str(out.parent / "model"), str(out.parent / "x"), CompileOptions(task="text-classification")
         )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_beams_that_end_at_different_lengths_match_generate(built, kind):
+    """Random models rarely say EOS: the EOS here is a token the model's own greedy output repeats, so the beams
+    end at different steps (hypotheses finished, early-stopping heuristics, padding of short ones)."""
+    out, hf, _ = built[kind]
+    engine = Seq2SeqEngine.load(out)
+    sources = _sources(hf)
+    greedy = engine.generate(sources, num_beams=1, max_new_tokens=16)
+    seen = [tok for r in greedy for tok in r.tokens[1:12]]
+    lengths: set[int] = set()
+    for eos in sorted(set(seen), key=lambda t: (-seen.count(t), t))[:4]:  # until some beams end early
+        kw = dict(
+            num_beams=4, num_return_sequences=4, max_new_tokens=24, eos_token_id=eos, early_stopping=False
+        )
+        results = engine.generate(sources, **kw)
+        fill = engine.settings.with_overrides(eos_token_id=eos).beam_fill_token_id
+        lengths = set()
+        for src, res in zip(sources, results):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([src]), output_scores=True, return_dict_in_generate=True, **kw)
+            assert _padded(res.sequences, fill) == ref.sequences.tolist()
+            np.testing.assert_allclose(res.scores, ref.sequences_scores.numpy(), rtol=0, atol=2e-5)
+            lengths |= {len(s) for s in res.sequences}
+        if len(lengths) > 1:
+            break
+    assert len(lengths) > 1  # (some hypotheses ended before others: the test exercises what it says)
+    assert engine.pool.num_used == 0
