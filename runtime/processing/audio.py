@@ -22,7 +22,7 @@ import numpy as np
 from precast.errors import ArtifactError, InputError, first_line
 from precast.runtime.processing.fields import CONFIG, bad, processor_type, read_bool, read_float, read_int
 
-__all__ = ["AUDIO_TYPES", "MAX_WAV_BYTES", "AudioProcessing", "decode_wav", "read_wav"]
+__all__ = ["AUDIO_TYPES", "MAX_WAV_BYTES", "AudioProcessing", "checked_waveform", "decode_wav", "read_wav"]
 
 AUDIO_TYPES = ("Wav2Vec2FeatureExtractor",)  # HuBERT, WavLM and Data2Vec-Audio configs name this one too
 MAX_WAV_BYTES = 256 * 2**20  # over two hours of 16 kHz 16-bit mono; bounds what one request may cost
@@ -82,24 +82,30 @@ class AudioProcessing:
         )
 
     def _row(self, index: int, waveform: object) -> np.ndarray:
-        if not isinstance(waveform, np.ndarray):
-            raise InputError(f"waveform {index}: expected a numpy array, got {type(waveform).__name__}")
-        if waveform.ndim == 2:
-            raise InputError(
-                f"waveform {index} has {waveform.shape[1]} channels (shape {waveform.shape}); the model takes mono "
-                "audio: average the channels or pick one"
-            )
-        if waveform.ndim != 1:
-            raise InputError(f"waveform {index}: expected 1-D mono samples, got shape {waveform.shape}")
-        if waveform.dtype.kind != "f":
-            raise InputError(f"waveform {index}: expected float samples in [-1, 1], got {waveform.dtype}")
-        if waveform.size == 0:
-            raise InputError(f"waveform {index} is empty")
-        # float32 first, then transformers' float32 arithmetic: the same values, to the last bit
-        x = waveform.astype(np.float32)
-        if not np.isfinite(x).all():
-            raise InputError(f"waveform {index} holds NaN or infinite samples")
+        x = checked_waveform(index, waveform)
         return (x - x.mean()) / np.sqrt(x.var() + 1e-7) if self.do_normalize else x
+
+
+def checked_waveform(index: int, waveform: object) -> np.ndarray:
+    """One caller waveform as float32 mono samples, or an InputError naming it (its index) and what is wrong.
+    float32 first, then transformers' float32 arithmetic: the same values, to the last bit."""
+    if not isinstance(waveform, np.ndarray):
+        raise InputError(f"waveform {index}: expected a numpy array, got {type(waveform).__name__}")
+    if waveform.ndim == 2:
+        raise InputError(
+            f"waveform {index} has {waveform.shape[1]} channels (shape {waveform.shape}); the model takes mono "
+            "audio: average the channels or pick one"
+        )
+    if waveform.ndim != 1:
+        raise InputError(f"waveform {index}: expected 1-D mono samples, got shape {waveform.shape}")
+    if waveform.dtype.kind != "f":
+        raise InputError(f"waveform {index}: expected float samples in [-1, 1], got {waveform.dtype}")
+    if waveform.size == 0:
+        raise InputError(f"waveform {index} is empty")
+    x = waveform.astype(np.float32)
+    if not np.isfinite(x).all():
+        raise InputError(f"waveform {index} holds NaN or infinite samples")
+    return x
 
 
 def read_wav(path: str | os.PathLike) -> tuple[np.ndarray, int]:

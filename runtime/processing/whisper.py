@@ -109,7 +109,7 @@ class WhisperFeatures:
         """Mono float waveforms at ``sampling_rate`` -> input_features float32 [N, feature_size, frames]."""
         if isinstance(waveforms, np.ndarray) or not isinstance(waveforms, Sequence) or not waveforms:
             raise InputError("expected a non-empty list of waveforms (1-D arrays)")
-        rows = [_row(i, w) for i, w in enumerate(waveforms)]  # every waveform checked before any work
+        rows = [audio.checked_waveform(i, w) for i, w in enumerate(waveforms)]  # every waveform checked before any work
         out = np.empty((len(rows), self.feature_size, self.nb_max_frames), np.float32)
         for row, features in zip(rows, out):
             self._log_mel(row, features)
@@ -134,26 +134,6 @@ class WhisperFeatures:
         np.maximum(out, out.max() - np.float32(8.0), out=out)
         out += np.float32(4.0)
         out /= np.float32(4.0)
-
-
-def _row(index: int, waveform: object) -> np.ndarray:
-    if not isinstance(waveform, np.ndarray):
-        raise InputError(f"waveform {index}: expected a numpy array, got {type(waveform).__name__}")
-    if waveform.ndim == 2:
-        raise InputError(
-            f"waveform {index} has {waveform.shape[1]} channels (shape {waveform.shape}); the model takes mono "
-            "audio: average the channels or pick one"
-        )
-    if waveform.ndim != 1:
-        raise InputError(f"waveform {index}: expected 1-D mono samples, got shape {waveform.shape}")
-    if waveform.dtype.kind != "f":
-        raise InputError(f"waveform {index}: expected float samples in [-1, 1], got {waveform.dtype}")
-    if waveform.size == 0:
-        raise InputError(f"waveform {index} is empty")
-    x = waveform.astype(np.float32)  # transformers' first step
-    if not np.isfinite(x).all():
-        raise InputError(f"waveform {index} holds NaN or infinite samples")
-    return x
 
 
 def mel_filter_bank(
