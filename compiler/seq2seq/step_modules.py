@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from precast.compiler.decoder.paged_decoder import attention_mask as paged_mask
 from precast.compiler.decoder.paged_decoder import gather_past, last_token
 from precast.errors import ModelLoadError
 
@@ -73,15 +74,6 @@ def _active(step: _Step):
         yield step
     finally:
         _ACTIVE = prev
-
-
-def _self_mask(past_lens: torch.Tensor, s: int, p: int) -> torch.Tensor:
-    """Bool [B,1,S,P+S]: past key j valid iff j < past_lens[b]; new key t visible to query q iff t <= q."""
-    j = torch.arange(p)[None, :]
-    past_ok = (j < past_lens[:, None])[:, None, None, :].expand(-1, 1, s, p)
-    t = torch.arange(s)
-    causal = (t[None, :] <= t[:, None])[None, None].expand(past_lens.shape[0], 1, s, s)
-    return torch.cat([past_ok, causal], dim=-1)
 
 
 def _t5_bias(module: nn.Module, positions: torch.Tensor, past_lens: torch.Tensor, p: int) -> torch.Tensor:
@@ -130,7 +122,7 @@ def seq2seq_attention(
         keys = torch.cat([gather_past(step.key_caches[i], step.block_tables), key], dim=2)
         values = torch.cat([gather_past(step.value_caches[i], step.block_tables), value], dim=2)
         p = keys.shape[2] - s
-        mask = _self_mask(step.past_lens, s, p)
+        mask = paged_mask(step.past_lens, s, p)
         t5 = getattr(module, "_precast_t5_bias", None)
         if t5 is not None:
             bias = _t5_bias(t5[0], step.positions, step.past_lens, p)
