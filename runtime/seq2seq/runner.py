@@ -19,6 +19,7 @@ import numpy as np
 
 from precast.artifact.seq2seq_spec import SEQ2SEQ_FILE, Seq2SeqSpec
 from precast.errors import ArtifactError
+from precast.runtime.llm.runners.gather import new_slots
 
 __all__ = ["CrossBatch", "Seq2SeqRunner", "decoder_inputs"]
 
@@ -135,11 +136,7 @@ class Seq2SeqRunner:
             feeds[f"cross_value.{i}"] = cross.values[i]
         feeds["encoder_mask"] = cross.mask
         out = _run(self.decoder.session, self._outputs, feeds, "the decoder step")
-        bs = self.spec.block_size
-        b_idx, s_idx = np.nonzero(np.arange(ids.shape[1])[None, :] < new[:, None])
-        slot = past[b_idx] + s_idx
-        blocks = tables[b_idx, slot // bs]
-        offsets = slot % bs
+        b_idx, s_idx, blocks, offsets = new_slots(ids.shape[1], past, new, tables, self.spec.block_size)
         self.k_pool[:, blocks, :, offsets] = np.stack(out[1::2])[:, b_idx, :, s_idx]
         self.v_pool[:, blocks, :, offsets] = np.stack(out[2::2])[:, b_idx, :, s_idx]
         return out[0]

@@ -18,7 +18,7 @@ from precast.artifact.llm_spec import (
 from precast.errors import ArtifactError, InputError, UsageError
 from precast.runtime.llm.runners.base import RunnerBase
 
-__all__ = ["AUTO_SPIN_MAX_BYTES", "LLMSpec", "ModelRunner"]
+__all__ = ["AUTO_SPIN_MAX_BYTES", "LLMSpec", "ModelRunner", "new_slots"]
 
 # spinning="auto" holds a second (spinning) session, so a second copy of the weights: only up to this size.
 # Bigger models' steps last long enough that waking the pool's threads costs little of them.
@@ -157,11 +157,7 @@ class ModelRunner(RunnerBase):
             self._k_all[:, block, :, offset] = np.concatenate(out[1::2], axis=2)[0].transpose(1, 0, 2)
             self._v_all[:, block, :, offset] = np.concatenate(out[2::2], axis=2)[0].transpose(1, 0, 2)
             return out[0]
-        # Slots of the real new tokens: (request b, token s) -> (block, offset) of position past[b] + s.
-        b_idx, s_idx = np.nonzero(np.arange(ids.shape[1])[None, :] < new[:, None])
-        slot = past[b_idx] + s_idx
-        blocks = tables[b_idx, slot // self.spec.block_size]
-        offsets = slot % self.spec.block_size
+        b_idx, s_idx, blocks, offsets = new_slots(ids.shape[1], past, new, tables, self.spec.block_size)
         if intact:  # all layers at once: [L, n, KV, D] into [L, NB, KV, bs, D]
             self._k_all[:, blocks, :, offsets] = np.stack(out[1::2])[:, b_idx, :, s_idx]
             self._v_all[:, blocks, :, offsets] = np.stack(out[2::2])[:, b_idx, :, s_idx]
@@ -170,6 +166,14 @@ class ModelRunner(RunnerBase):
             self.key_cache[i][blocks, :, offsets] = out[1 + 2 * i][b_idx, :, s_idx]
             self.value_cache[i][blocks, :, offsets] = out[2 + 2 * i][b_idx, :, s_idx]
         return out[0]
+
+
+def new_slots(width: int, past, new, tables, block_size: int) -> tuple[np.ndarray, ...]:
+    """Where a step's new K/V go: the real new tokens of right-padded rows [B, width] as (request b, token s),
+    and the (block, offset) of each one's position past[b] + s in the pool."""
+    b_idx, s_idx = np.nonzero(np.arange(width)[None, :] < new[:, None])
+    slot = past[b_idx] + s_idx
+    return b_idx, s_idx, tables[b_idx, slot // block_size], slot % block_size
 
 
 # What each KV layout's step graph takes besides the pools, and where a pool's KV-head / head-size dims sit.
