@@ -166,9 +166,9 @@ def _end_to_end(stage: Path, block: dict, parts, folder: Path, config: dict, exa
     feats = [engine._source(s) for s in sources]
     got = engine.generate(feats, max_new_tokens=E2E_TOKENS, num_beams=1, do_sample=False, **lang)
     hf = parts.hf
-    from precast.compiler.seq2seq.step_modules import _set_attention
+    from precast.compiler.decoder.generic_decoder import set_attention
 
-    _set_attention(hf, "eager")
+    set_attention(hf, "eager")
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()  # (its notes on max_length vs max_new_tokens are not the user's business)

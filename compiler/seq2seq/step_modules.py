@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from precast.compiler.decoder.generic_decoder import set_attention
 from precast.compiler.decoder.paged_decoder import attention_mask as paged_mask
 from precast.compiler.decoder.paged_decoder import gather_past, last_token
 from precast.errors import ModelLoadError
 
-__all__ = ["ATTN", "DecoderStep", "EncoderStep", "Seq2SeqShape", "prepare", "shape_of"]
+__all__ = ["ATTN", "DecoderStep", "EncoderStep", "Seq2SeqShape", "prepare"]
 
 ATTN = "precast_seq2seq"
 _NEG = torch.finfo(torch.float32).min
@@ -138,13 +139,6 @@ def _register() -> None:
     from transformers import AttentionInterface
 
     AttentionInterface.register(ATTN, seq2seq_attention)
-
-
-def _set_attention(hf: nn.Module, name: str) -> None:
-    for mod in hf.modules():
-        cfg = getattr(mod, "config", None)
-        if cfg is not None and hasattr(cfg, "_attn_implementation"):
-            cfg._attn_implementation = name
 
 
 def _decoder_layers(hf: nn.Module) -> list[nn.Module]:
@@ -266,7 +260,7 @@ class DecoderStep(nn.Module):
         # (the encoder output is never read: every layer's cross K/V comes from the cache; a [B,E,1] stand-in)
         stand_in = encoder_mask[:, :, None].to(torch.float32)
         self._new_lens, self._positions.positions, self._head_seen = new_lens, positions, False
-        _set_attention(self.hf, ATTN)
+        set_attention(self.hf, ATTN)
         try:
             with _active(step):
                 out = self.hf(
@@ -297,7 +291,7 @@ class EncoderStep(nn.Module):
     def forward(self, x, mask=None):
         from transformers.cache_utils import DynamicCache, EncoderDecoderCache
 
-        _set_attention(self.hf, "eager")
+        set_attention(self.hf, "eager")
         if self.speech:  # x: input_features [B,mels,frames]
             enc = self.hf.get_encoder()(input_features=x).last_hidden_state
         else:  # x: input_ids [B,E], mask: attention_mask [B,E]
@@ -313,7 +307,3 @@ class EncoderStep(nn.Module):
                 f"{type(self.hf).__name__}: the decoder filled {len(layers)} cross-attention caches"
             )
         return tuple(t for layer in layers for t in (layer.keys, layer.values))
-
-
-def shape_of(hf: nn.Module, where: str) -> Seq2SeqShape:
-    return prepare(hf, where)

@@ -40,7 +40,7 @@ from precast.runtime.seq2seq.generation import (
 )
 from precast.runtime.seq2seq.runner import CrossBatch, Seq2SeqRunner
 
-__all__ = ["Seq2SeqEngine", "Seq2SeqHandle", "Seq2SeqResult", "open_seq2seq", "read_spec"]
+__all__ = ["Seq2SeqEngine", "Seq2SeqHandle", "Seq2SeqResult", "read_spec"]
 
 MAX_ROWS = 64  # sequences one decoder step runs (beams included)
 
@@ -650,7 +650,3 @@ class Seq2SeqEngine:
         r.finished_step = self.steps
         r.tokens.put(None)
         r.event.set()
-
-
-def open_seq2seq(path, **kwargs) -> Seq2SeqEngine:
-    return Seq2SeqEngine.load(path, **kwargs)
