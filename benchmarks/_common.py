@@ -90,3 +90,17 @@ def fmt_ops(ops: collections.Counter) -> str:
 def load_line() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.2f} {five:.2f} {fifteen:.2f} on {os.cpu_count()} CPUs"
+
+
+def serve_timed(run: Callable[[int], int], warm_up: int) -> None:
+    """A benchmark worker's loop: warm up, say "ready", then for each line N on stdin run(N) and print
+    {"s": seconds, "tokens": what run returned} as one JSON line (the driver interleaves the workers)."""
+    import json
+    import sys
+
+    run(warm_up)
+    print("ready", flush=True)
+    for line in sys.stdin:
+        t0 = time.perf_counter()
+        tokens = run(int(line))
+        print(json.dumps({"s": time.perf_counter() - t0, "tokens": tokens}), flush=True)

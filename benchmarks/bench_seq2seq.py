@@ -26,6 +26,8 @@ import sys
 import time
 from pathlib import Path
 
+from _common import serve_timed  # noqa: E402  (the script's folder is on sys.path)
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 LENGTHS = (12, 60, 25, 40, 18, 52, 33, 47)
@@ -73,13 +75,7 @@ def _worker(kind: str, path: str, threads: int, new: int) -> None:
             )
             return int((out.shape[1] - 1) * n)
 
-    run(1)  # warm up
-    print("ready", flush=True)
-    for line in sys.stdin:
-        n = int(line)
-        t0 = time.perf_counter()
-        tokens = run(n)
-        print(json.dumps({"s": time.perf_counter() - t0, "tokens": tokens}), flush=True)
+    serve_timed(run, warm_up=1)
 
 
 def _build(work: Path, venv: Path) -> tuple[Path, Path]:

@@ -34,6 +34,7 @@ import wave
 from pathlib import Path
 
 import numpy as np
+from _common import serve_timed  # noqa: E402  (the script's folder is on sys.path)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -84,13 +85,7 @@ def _worker(kind: str, path: str, wav: str, threads: int) -> None:
                 k += 1
             return k
 
-    run(4)  # warm up
-    print("ready", flush=True)
-    for line in sys.stdin:
-        n = int(line)
-        t0 = time.perf_counter()
-        tokens = run(n)
-        print(json.dumps({"s": time.perf_counter() - t0, "tokens": tokens}), flush=True)
+    serve_timed(run, warm_up=4)
 
 
 def _wav(path: Path) -> None:
