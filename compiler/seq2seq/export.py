@@ -13,12 +13,13 @@ from pathlib import Path
 
 import numpy as np
 
-from precast.compiler.decoder.causal_lm import _input_names, _output_names, sample_step
+from precast.compiler.decoder.causal_lm import _output_names, sample_step
 from precast.compiler.frontends.source import Source
 from precast.compiler.frontends.torch_export import dynamo_export
 from precast.compiler.seq2seq.step_modules import DecoderStep, EncoderStep, Seq2SeqShape, prepare
 from precast.errors import ModelLoadError, UsageError
 from precast.runtime.progress import SILENT, ProgressReporter
+from precast.runtime.seq2seq.runner import decoder_inputs
 
 __all__ = ["BLOCK_SIZE", "SEQ2SEQ_TASKS", "Seq2SeqParts", "cross_names", "export_parts", "seq2seq_task"]
 
@@ -121,12 +122,6 @@ def _decoder_feeds(spec: dict, enc_len: int, seed: int = 0) -> dict[str, np.ndar
     return feeds
 
 
-def decoder_input_names(layers: int) -> list[str]:
-    # (the module's argument order: every layer's cross key, then every layer's cross value)
-    cross = [cross_names(i)[0] for i in range(layers)] + [cross_names(i)[1] for i in range(layers)]
-    return [*_input_names(layers), *cross, "encoder_mask"]
-
-
 def _reference(module, names_in: list[str], names_out: list[str], layers: int, decoder: bool):
     import torch
 
@@ -200,7 +195,7 @@ def export_parts(
     )
     decoder = DecoderStep(hf, shape, where)
     dec_feeds = _decoder_feeds(spec, enc_len)
-    dec_in, dec_out = decoder_input_names(layers), _output_names(layers)
+    dec_in, dec_out = decoder_inputs(layers), _output_names(layers)  # (the runner's contract)
     t = {k: torch.from_numpy(v) for k, v in dec_feeds.items()}
     b, s, e = Dim("batch"), Dim("sequence"), Dim("encoder")
     nb = {0: Dim("num_blocks")}
