@@ -22,12 +22,13 @@ import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 from pathlib import Path
 
 import numpy as np
 
-from precast.errors import ArtifactError, LLMRequestError, UsageError
+from precast.errors import ArtifactError, LLMRequestError, UsageError, first_line
 from precast.runtime.llm.block_pool import BlockPool
 from precast.runtime.llm.handle import Completion, RequestHandle, TokenEvent
 from precast.runtime.llm.kv_cache_manager import KVCacheManager
@@ -43,6 +44,7 @@ from precast.runtime.llm.scheduler import (
     StepKind,
     checked_config,
 )
+from precast.runtime.llm.structured import Grammars, apply_mask
 
 __all__ = ["Engine"]
 
@@ -71,6 +73,8 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config, eos_ids=spec.eos_ids or ())
         self.counters = EngineCounters()
         self.output = OutputProcessor(tokenizer, self.counters, self.scheduler.finish)
+        self.grammars = Grammars(tokenizer, self.vocab, spec.eos_ids or ())  # structured outputs
+        self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks while the backend runs
         self._handles = self.output.handles  # unfinished requests (the output processor's registry)
         self._ids = itertools.count()
         self._cond = threading.Condition(threading.RLock())
@@ -152,6 +156,8 @@ class Engine:
         artifact was unpacked into. Idempotent."""
         self.stop()
         self.runner.shutdown()  # (a runner that owns threads joins them; its pools stay)
+        if self._mask_pool is not None:
+            self._mask_pool.shutdown(wait=True)
         if self._cleanup is not None:
             self._cleanup()
 
@@ -168,9 +174,15 @@ class Engine:
         """Queue one request. Bad input raises LLMRequestError naming it; other requests are unaffected."""
         params = SamplingParams() if params is None else params
         ids = self._checked(prompt, params, priority, request_id, on_token)
+        matcher = self._rejecting(self._matcher, params)
         with self._knocking():
             self._rejecting(self._check_id_free, request_id)
-            return self._enqueue(ids, params, priority, request_id, on_token)
+            return self._enqueue(ids, params, priority, request_id, on_token, matcher)
+
+    def _matcher(self, params: SamplingParams):
+        """The request's grammar matcher (compiled, or a copy of the cached one), outside the lock: a large
+        schema compiles in the submitting thread, never in the step loop. None without a constraint."""
+        return None if params.constraint is None else self.grammars.matcher(params.constraint)
 
     def _checked(self, prompt, params, priority, request_id, on_token) -> list[int]:
         """Outside the lock (pure checks of the request): tokenizing a long prompt, or checking a long list
@@ -189,10 +201,10 @@ class Engine:
         if request_id is not None and request_id in self._handles and not self._handles[request_id].finished:
             raise LLMRequestError(f"request id '{request_id}' is already in use")
 
-    def _enqueue(self, ids, params, priority, request_id, on_token) -> RequestHandle:
+    def _enqueue(self, ids, params, priority, request_id, on_token, matcher=None) -> RequestHandle:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         cap = min(self.max_context, self.pool.num_blocks * self.block_size)
-        req = Request(rid, ids, params, priority=int(priority), max_total_tokens=cap)
+        req = Request(rid, ids, params, priority=int(priority), max_total_tokens=cap, matcher=matcher)
         handle = RequestHandle(req, on_token, wait=self.wait_for)
         self.output.add(handle)
         self.scheduler.add(req)
@@ -234,8 +246,11 @@ class Engine:
         One bad prompt rejects the whole call: all are checked before any is queued."""
         params = SamplingParams() if params is None else params
         checked = [self._checked(p, params, priority, None, None) for p in prompt_list(prompts)]
+        matchers = [self._rejecting(self._matcher, params) for _ in checked]
         with self._knocking():
-            handles = [self._enqueue(ids, params, priority, None, None) for ids in checked]
+            handles = [
+                self._enqueue(ids, params, priority, None, None, m) for ids, m in zip(checked, matchers)
+            ]
         return [h.result() for h in handles]
 
     def has_unfinished(self) -> bool:
@@ -263,14 +278,17 @@ class Engine:
                 self._count(out)
             produced = 0
             if out.rows:
+                masks = None if out is self._plain else self._start_masks(out)
                 logits = self.runner.execute(out)
                 if out.kind is StepKind.STEADY and (out is self._plain or self._all_plain(out)):
                     produced = self._steady_tail(out, logits)
                     if burst and not self._knocks and self.scheduler.burst_steps(out) > 0:
                         produced += self._burst(out.rows[0])
                 else:
-                    sampled = self._sample(out, logits)
+                    sampled = self._sample(out, logits, None if masks is None else masks.result())
                     self.scheduler.update_from_output(out, sampled)
+                    if masks is not None:
+                        self._advance_grammars(out, sampled)
                     produced = self.output.stream(out, sampled, logits)
             self._cond.notify_all()
             return produced
@@ -341,17 +359,23 @@ class Engine:
         c.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         c.prefix_query_tokens = self.scheduler.prefix_query_tokens
 
-    def _sample(self, out: SchedulerOutput, logits: np.ndarray) -> list[int | None]:
+    def _sample(self, out: SchedulerOutput, logits: np.ndarray, masks=None) -> list[int | None]:
         """The next token of each row that reached the end of its known tokens (None: a prefill chunk, or a
-        request whose logits cannot be sampled: it fails alone, the others go on)."""
+        request whose logits cannot be sampled: it fails alone, the others go on). ``masks``: row -> the
+        grammar's bitmask of a constrained row (_start_masks)."""
         sampled: list[int | None] = []
-        for req, n, row in zip(out.rows, out.num_new, logits):
+        for i, (req, n, row) in enumerate(zip(out.rows, out.num_new, logits)):
             if req.num_computed + n < len(req.token_ids):
                 sampled.append(None)  # a prefill chunk: nothing to sample yet
                 continue
             if req.argmax:  # (the common case, without the sampler's dispatch)
                 sampled.append(int(row.argmax()))
                 continue
+            if req.matcher is not None:
+                row = self._masked(req, row, None if masks is None else masks.get(i))
+                if row is None:
+                    sampled.append(None)
+                    continue
             try:
                 sampled.append(sample(row, req.params, req.token_ids, req.rng, len(req.prompt_ids)))
             except LLMRequestError as e:  # (NaN logits)
@@ -360,6 +384,54 @@ class Engine:
         return sampled
 
     # -- waiting / background loop ---------------------------------------------------------------
+    # -- structured outputs (runtime/llm/structured.py) ------------------------------------------------
+    def _start_masks(self, out: SchedulerOutput):
+        """The grammar masks of the rows that sample this step, computed on a worker thread while the backend
+        runs the step (llguidance releases the GIL). A future of {row: mask}, or None when no row is
+        constrained."""
+        rows = [
+            i
+            for i, (req, n) in enumerate(zip(out.rows, out.num_new))
+            if req.matcher is not None and req.num_computed + n >= len(req.token_ids)
+        ]
+        if not rows:
+            return None
+        matchers = [out.rows[i].matcher for i in rows]
+        mask = self.grammars.new_mask(len(rows))
+        if self._mask_pool is None:
+            self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="precast-grammar")
+
+        def fill() -> dict:
+            self.grammars.fill(matchers, mask)
+            return dict(zip(rows, mask))
+
+        return self._mask_pool.submit(fill)
+
+    def _masked(self, req: Request, row: np.ndarray, mask) -> np.ndarray | None:
+        """``row`` with what the grammar disallows at -inf; None (the request failed alone) when the grammar
+        engine gave up on it (a step over its work limit) or allows nothing."""
+        m = req.matcher
+        if mask is None or m.is_error() or not mask.any():
+            why = m.get_error() if m.is_error() else "the grammar allows no next token"
+            self.output.fail_unsampled(req, LLMRequestError(f"structured output failed: {first_line(why)}"))
+            return None
+        return apply_mask(row, mask)
+
+    def _advance_grammars(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
+        """Feed each constrained row's token to its matcher; a grammar that is complete ends the request
+        ("stop": nothing else can follow, so the model is not asked for its end-of-sequence token)."""
+        for req, tok in zip(out.rows, sampled):
+            m = req.matcher
+            if m is None or tok is None or req.finish_reason in ("cancelled", "error"):
+                continue
+            if not m.consume_token(tok):
+                if not req.finished:
+                    self.output.fail_unsampled(
+                        req, LLMRequestError(f"structured output failed: {first_line(m.get_error())}")
+                    )
+            elif m.is_stopped() and req.finish_reason != "stop":
+                self.scheduler.finish(req, "stop")
+
     def wait_for(self, handle: RequestHandle) -> None:
         """Return once the handle has a new event or has finished: step the engine, or wait for the loop.
         (Each handle's iteration and result() call it: the engine gives it to the handle as ``wait``.)"""

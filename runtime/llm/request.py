@@ -47,13 +47,15 @@ class Request:
     # (prompt + output) at which it ends: max_tokens or the context cap
     stop_ids: frozenset = frozenset()
     end_len: int = 0
+    # Its structured-output matcher (llguidance, fed each output token), when params.constraint is set
+    matcher: object = None
 
     def __post_init__(self):
         if not self.token_ids:
             self.token_ids = list(self.prompt_ids)
         if self.rng is None:
             self.rng = np.random.default_rng(self.params.seed)
-        self.argmax = self.params.greedy and self.params.plain
+        self.argmax = self.params.greedy and self.params.plain and self.params.constraint is None
 
     @property
     def num_prompt(self) -> int:

@@ -1,7 +1,7 @@
 """Sampling parameters and the sampler: one request's logits -> one token id.
 
 Order (as in Hugging Face's logits processors): repetition penalty, OpenAI's presence / frequency penalties,
-temperature, top-k, top-p, then a draw from the request's own numpy Generator (seeded per request, so a
+temperature, top-k, top-p, min-p, then a draw from the request's own numpy Generator (seeded per request, so a
 request's tokens do not depend on what else runs in the batch). temperature == 0 means greedy.
 
 Log-probabilities (``logprobs``, opt-in per request) are the model's own: the log-softmax of the raw logits,
@@ -40,6 +40,9 @@ class SamplingParams:
     ignore_eos: bool = False
     detokenize: bool = True  # False: token ids only (no text, no stop strings), less work per token
     logprobs: int | None = None  # k >= 0: each token's logprob and the top k (TokenEvent.logprobs)
+    min_p: float = 0.0  # drop tokens whose probability is below min_p x the top token's (0 = off)
+    # structured.Constraint: the output must match it (a JSON schema, regex, choice, Lark grammar); None = free
+    constraint: object = None
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self):
@@ -64,6 +67,20 @@ class SamplingParams:
             raise LLMRequestError(
                 f"temperature must be a number in [0, {MAX_TEMPERATURE:g}] (0 = greedy), got {self.temperature!r}"
             )
+        if not _is_real(self.min_p) or not 0.0 <= self.min_p <= 1.0:
+            raise LLMRequestError(f"min_p must be a number in [0, 1] (0 = off), got {self.min_p!r}")
+        if self.constraint is not None:
+            from precast.runtime.llm.structured import Constraint
+
+            if not isinstance(self.constraint, Constraint):
+                raise LLMRequestError(
+                    f"constraint must be a structured.Constraint, got {type(self.constraint).__name__}"
+                )
+            self.constraint.validate()
+            if self.ignore_eos:
+                raise LLMRequestError(
+                    "ignore_eos cannot be combined with a constraint (the grammar ends the output)"
+                )
         if not is_int(self.top_k) or self.top_k < 0:
             raise LLMRequestError(f"top_k must be an integer >= 0 (0 = off), got {self.top_k!r}")
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
@@ -169,6 +186,9 @@ def filtered_probs(
         mask = np.zeros_like(p, dtype=bool)
         mask[order[:keep]] = True
         p = np.where(mask, p, 0.0)
+        p /= p.sum()
+    if params.min_p > 0.0:
+        p = np.where(p >= params.min_p * p.max(), p, 0.0)
         p /= p.sum()
     return p
 

@@ -64,6 +64,10 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def to_json(self) -> str:
+        """The tokenizer as tokenizer.json text (what the grammar engine reads its vocabulary from)."""
+        return self._tok.to_str()
+
     def token_bytes(self, token_id: int) -> bytes | None:
         """The bytes one token stands for, when its piece spells them (byte-level BPE, or a SentencePiece
         byte-fallback piece like <0xE2>); None otherwise. Alone, such a token may be part of a character."""

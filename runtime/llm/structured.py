@@ -1,0 +1,261 @@
+"""Structured outputs: a per-request grammar that masks the logits, so every output parses.
+
+A request's ``SamplingParams.constraint`` is a ``Constraint`` (a JSON schema, any JSON object, a regex, one of
+a list of strings, or a Lark grammar). The grammar engine is llguidance (Rust, numpy bitmasks, no torch: the
+runtime stays torch-free); it is an optional extra (``pip install 'precast[structured]'``).
+
+    Engine.submit          Grammars.matcher(constraint)    compile (cached per constraint) + a deep copy per
+                                                           request; a bad or unsatisfiable one -> LLMRequestError
+    Engine._step           Grammars.fill(rows)             the next-token masks, on a worker thread while the
+                                                           backend runs the step (overlap)
+                           apply_mask(row, mask)           disallowed tokens -> -inf before sampling
+                           matcher.consume_token(tok)      after sampling; a grammar that is complete ends the
+                                                           request ("stop")
+
+Bounded work: the constraint's text is capped (``MAX_SPEC_CHARS``), compiling runs in the submitting thread
+(never in the step loop), and llguidance's fuel limits bound each mask: a grammar that needs more fails its own
+request with a one-line error, the others go on.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from precast.errors import LLMRequestError, first_line
+
+__all__ = [
+    "KINDS",
+    "MAX_SPEC_CHARS",
+    "Constraint",
+    "Grammars",
+    "apply_mask",
+    "structured_available",
+]
+
+MAX_SPEC_CHARS = 64 * 1024  # a schema / grammar / regex / choice list, as text
+MAX_CHOICES = 256
+CACHE_SIZE = 256  # compiled grammars kept per engine
+KINDS = ("json_schema", "regex", "choice", "grammar")
+
+# Per-step work bounds (llguidance's fuel: ~14k lexer fuel / ms, ~20k Earley items / ms): a mask costs at most a
+# few ms; a grammar that needs more fails its request instead of stalling the batch.
+_STEP_LEXER_FUEL = 100_000
+_STEP_MAX_ITEMS = 20_000
+_INITIAL_LEXER_FUEL = 1_000_000
+_MAX_GRAMMAR_SIZE = 200_000
+
+
+def structured_available() -> bool:
+    try:
+        import llguidance  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _need_llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy  # noqa: F401
+    except ImportError:
+        raise LLMRequestError(
+            "structured outputs need the llguidance package: pip install 'precast[structured]'"
+        ) from None
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What a request's output must match. ``spec`` is text: the schema as canonical JSON, the regex, the
+    choices as a JSON list, the Lark grammar. Equal constraints share one compiled grammar."""
+
+    kind: str
+    spec: str
+
+    @classmethod
+    def json_schema(cls, schema) -> Constraint:
+        """A JSON schema (a dict, or its JSON text)."""
+        if isinstance(schema, str):
+            if len(schema) > MAX_SPEC_CHARS:
+                raise LLMRequestError(_too_long("json schema", len(schema)))
+            try:
+                schema = json.loads(schema)
+            except ValueError as e:
+                raise LLMRequestError(f"json schema is not valid JSON: {first_line(e)}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise LLMRequestError(f"json schema must be an object, got {type(schema).__name__}")
+        try:
+            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)  # (key order kept: it is the output's)
+        except (TypeError, ValueError) as e:
+            raise LLMRequestError(f"json schema cannot be written as JSON: {first_line(e)}") from None
+        return cls("json_schema", text)
+
+    @classmethod
+    def json_object(cls) -> Constraint:
+        """Any JSON object (OpenAI's ``response_format: {"type": "json_object"}``)."""
+        return cls.json_schema({"type": "object"})
+
+    @classmethod
+    def regex(cls, pattern: str) -> Constraint:
+        if not isinstance(pattern, str) or not pattern:
+            raise LLMRequestError(f"regex must be a non-empty string, got {pattern!r}")
+        return cls("regex", pattern)
+
+    @classmethod
+    def choice(cls, choices) -> Constraint:
+        if (
+            not isinstance(choices, (list, tuple))
+            or not choices
+            or not all(isinstance(c, str) and c for c in choices)
+        ):
+            raise LLMRequestError("choice must be a non-empty list of non-empty strings")
+        if len(choices) > MAX_CHOICES:
+            raise LLMRequestError(f"choice has {len(choices)} strings; at most {MAX_CHOICES}")
+        return cls("choice", json.dumps(list(choices), ensure_ascii=False))
+
+    @classmethod
+    def grammar(cls, lark: str) -> Constraint:
+        """A Lark grammar (llguidance's dialect: EBNF rules, /regex/ terminals, ``start`` the top rule)."""
+        if not isinstance(lark, str) or not lark.strip():
+            raise LLMRequestError("grammar must be a non-empty Lark grammar text")
+        return cls("grammar", lark)
+
+    def validate(self) -> None:
+        if self.kind not in KINDS:
+            raise LLMRequestError(f"constraint kind must be one of {', '.join(KINDS)}, got {self.kind!r}")
+        if not isinstance(self.spec, str) or not self.spec:
+            raise LLMRequestError(f"{self.kind} constraint must be non-empty text")
+        if len(self.spec) > MAX_SPEC_CHARS:
+            raise LLMRequestError(_too_long(self.label, len(self.spec)))
+
+    @property
+    def label(self) -> str:
+        return self.kind.replace("_", " ")
+
+    def grammar_text(self, llguidance) -> str:
+        """llguidance's grammar for this constraint."""
+        M = llguidance.LLMatcher
+        if self.kind == "json_schema":
+            # compact JSON (no free whitespace: a model cannot pad its output with spaces forever)
+            return M.grammar_from_json_schema(self.spec, defaults={"whitespace_flexible": False})
+        if self.kind == "regex":
+            return M.grammar_from_regex(self.spec)
+        if self.kind == "choice":
+            alts = " | ".join(json.dumps(c) for c in json.loads(self.spec))
+            return M.grammar_from_lark(f"start: {alts}\n")
+        return M.grammar_from_lark(self.spec)
+
+
+def _too_long(what: str, n: int) -> str:
+    return f"{what} has {n} characters; at most {MAX_SPEC_CHARS}"
+
+
+class Grammars:
+    """One engine's grammar side: its tokenizer for llguidance (made on first use), compiled grammars cached
+    per constraint (LRU), the masks of a step."""
+
+    def __init__(self, tokenizer, vocab: int, eos_ids):
+        self._tokenizer = tokenizer  # the engine's TextTokenizer (None: ids only, no structured outputs)
+        self.vocab = int(vocab)
+        self._eos = [int(t) for t in eos_ids]
+        self._lltok = None
+        self._cache: OrderedDict = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiled = 0  # grammars compiled (cache misses)
+        self.cache_hits = 0
+        self._executor = None
+
+    def _ll(self):
+        llg = _need_llguidance()
+        if self._lltok is None:
+            if self._tokenizer is None:
+                raise LLMRequestError("structured outputs need the artifact's tokenizer (this one has none)")
+            if not self._eos:
+                raise LLMRequestError(
+                    "structured outputs need an end-of-sequence token (the artifact has none)"
+                )
+            try:
+                self._lltok = llg.LLTokenizer(
+                    self._tokenizer.to_json(), n_vocab=self.vocab, eos_token=self._eos
+                )
+            except Exception as e:  # (a tokenizer llguidance cannot read)
+                raise LLMRequestError(
+                    f"structured outputs: cannot use this tokenizer: {first_line(e)}"
+                ) from None
+            self._executor = llg.LLExecutor(num_threads=1)
+        return llg, self._lltok
+
+    def _limits(self, llg):
+        return llg.LLParserLimits(
+            step_lexer_fuel=_STEP_LEXER_FUEL,
+            step_max_items=_STEP_MAX_ITEMS,
+            initial_lexer_fuel=_INITIAL_LEXER_FUEL,
+            max_grammar_size=_MAX_GRAMMAR_SIZE,
+            verbose_errors=False,
+        )
+
+    def matcher(self, constraint: Constraint):
+        """A fresh matcher for one request (a copy of the cached compiled one). LLMRequestError names a
+        grammar that is invalid, uses what llguidance does not support, or matches nothing."""
+        if not isinstance(constraint, Constraint):
+            raise LLMRequestError(f"constraint must be a Constraint, got {type(constraint).__name__}")
+        constraint.validate()
+        with self._lock:
+            base = self._cache.get(constraint)
+            if base is not None:
+                self._cache.move_to_end(constraint)
+                self.cache_hits += 1
+                return base.deep_copy()
+        base = self._compile(constraint)  # (outside the lock: a big grammar takes a while)
+        with self._lock:
+            self._cache[constraint] = base
+            self._cache.move_to_end(constraint)
+            while len(self._cache) > CACHE_SIZE:
+                self._cache.popitem(last=False)
+            self.compiled += 1
+        return base.deep_copy()
+
+    def _compile(self, constraint: Constraint):
+        llg, tok = self._ll()
+        try:
+            grammar = constraint.grammar_text(llg)
+        except (ValueError, TypeError) as e:
+            raise LLMRequestError(f"invalid {constraint.label}: {first_line(e)}") from None
+        limits = self._limits(llg)
+        err = llg.LLMatcher.validate_grammar(grammar, tok, limits=limits)
+        if err:
+            raise LLMRequestError(f"invalid {constraint.label}: {_one_line(err)}")
+        m = llg.LLMatcher(tok, grammar, log_level=0, limits=limits)
+        if m.is_error():
+            raise LLMRequestError(f"invalid {constraint.label}: {_one_line(m.get_error())}")
+        # A grammar whose first step allows nothing matches nothing (e.g. a choice of strings this tokenizer
+        # cannot spell); found now, as a 400, not after a token.
+        mask = np.zeros((1, (self.vocab + 31) // 32), dtype=np.int32)
+        llg.numpy.fill_next_token_bitmask(m.deep_copy(), mask, 0)
+        if not mask.any():
+            raise LLMRequestError(f"{constraint.label} matches no output")
+        return m
+
+    def fill(self, matchers: list, mask: np.ndarray) -> None:
+        """Fill ``mask[i]`` with matcher ``i``'s next-token bitmask (llguidance's executor; the GIL is released)."""
+        llg, _ = self._ll()
+        llg.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], mask)
+
+    def new_mask(self, rows: int) -> np.ndarray:
+        return np.zeros((rows, (self.vocab + 31) // 32), dtype=np.int32)
+
+
+def apply_mask(logits: np.ndarray, mask_row: np.ndarray) -> np.ndarray:
+    """A copy of one row of logits with the tokens the bitmask disallows at -inf."""
+    allowed = np.unpackbits(mask_row.view(np.uint8), bitorder="little")[: logits.shape[-1]].view(bool)
+    return np.where(allowed, logits, -np.inf).astype(logits.dtype, copy=False)
+
+
+def _one_line(text: str) -> str:
+    lines = [ln.strip() for ln in str(text).splitlines() if ln.strip()]
+    return " ".join(lines)[:300] if lines else "rejected by the grammar engine"
