@@ -21,7 +21,31 @@ from precast.cli.output import THREADS, emit_json, err_console
 @click.option("--top-p", default=1.0, show_default=True, type=float, help="Nucleus sampling mass.")
 @click.option("--repetition-penalty", default=1.0, show_default=True, type=float)
 @click.option("--seed", default=None, type=int, help="Seed of this request's sampler.")
+@click.option(
+    "--min-p",
+    default=0.0,
+    show_default=True,
+    type=float,
+    help="Drop tokens below min_p x the top one's probability.",
+)
 @click.option("--stop", "stop", multiple=True, help="Stop string (repeatable).")
+@click.option(
+    "--json-schema",
+    "json_schema",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Constrain the output to JSON valid under this schema file (needs precast[structured]).",
+)
+@click.option("--regex", default=None, help="Constrain the output to match this regular expression.")
+@click.option(
+    "--choice", "choices", multiple=True, help="Constrain the output to one of these strings (repeatable)."
+)
+@click.option(
+    "--grammar",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Constrain the output to this Lark grammar file.",
+)
 @click.option("--stream", is_flag=True, help="Print tokens as they come.")
 @click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: runner's).")
 @THREADS
@@ -35,7 +59,12 @@ def generate_cmd(
     top_p,
     repetition_penalty,
     seed,
+    min_p,
     stop,
+    json_schema,
+    regex,
+    choices,
+    grammar,
     stream,
     num_blocks,
     threads,
@@ -52,7 +81,9 @@ def generate_cmd(
         top_p=top_p,
         repetition_penalty=repetition_penalty,
         seed=seed,
+        min_p=min_p,
         stop=tuple(stop),
+        constraint=_constraint(json_schema, regex, choices, grammar),
     )
     streaming = stream and not as_json
     out = generate(
@@ -72,6 +103,39 @@ def generate_cmd(
         f"[dim]{len(out.token_ids)} tokens, finish: {out.finish_reason}, time to first token "
         f"{1000 * (out.ttft_s or 0):.1f} ms, decode {out.decode_tokens_per_s:.1f} tokens/s[/dim]"
     )
+
+
+def _constraint(json_schema, regex, choices, grammar):
+    """The --json-schema / --regex / --choice / --grammar constraint (at most one), or None."""
+    from precast.errors import UsageError
+    from precast.runtime.llm.structured import MAX_SPEC_CHARS, Constraint
+
+    given = [
+        n
+        for n, v in (
+            ("--json-schema", json_schema),
+            ("--regex", regex),
+            ("--choice", choices),
+            ("--grammar", grammar),
+        )
+        if v
+    ]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)}: give at most one output constraint")
+    if choices:
+        return Constraint.choice(list(choices))
+    if regex is not None:
+        return Constraint.regex(regex)
+    for flag, path in (("--json-schema", json_schema), ("--grammar", grammar)):
+        if path is None:
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read(MAX_SPEC_CHARS + 1)
+        except (OSError, UnicodeDecodeError) as e:
+            raise UsageError(f"{flag} {path}: cannot read it ({type(e).__name__}: {e})") from None
+        return Constraint.json_schema(text) if flag == "--json-schema" else Constraint.grammar(text)
+    return None
 
 
 def _write(text: str) -> None:

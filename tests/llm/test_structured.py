@@ -251,3 +251,31 @@ def test_compiled_grammars_are_cached_per_constraint(engine):
     engine.generate(["a", "b", "c"], SamplingParams(max_tokens=40, constraint=c))
     assert engine.grammars.compiled == compiled + 1
     assert engine.grammars.cache_hits == hits + 2
+
+
+def test_generate_cli_json_schema(cli, llama, tmp_path):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 1, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    (tmp_path / "s.json").write_text(json.dumps(schema))
+    r = cli(
+        "generate", llama, "hello", "--json-schema", tmp_path / "s.json", "--temperature", "1", "--seed", "4"
+    )
+    assert r.code == 0, r.err
+    jsonschema.validate(json.loads(r.out), schema)
+    assert "finish: stop" in r.err
+    r = cli("generate", llama, "hi", "--choice", "yes", "--choice", "no", "--temperature", "1", "--seed", "1")
+    assert r.code == 0 and r.out.strip() in ("yes", "no")
+    (tmp_path / "bad.json").write_text('{"type": "foo"}')
+    for args, needle in [
+        (("--json-schema", tmp_path / "bad.json"), "invalid json schema: Invalid type: foo"),
+        (("--json-schema", tmp_path / "missing.json"), "--json-schema"),
+        (("--regex", "a(b"), "invalid regex"),
+        (("--regex", "a", "--choice", "b"), "--regex and --choice: give at most one"),
+    ]:
+        r = cli("generate", llama, "hi", *args)
+        assert r.code != 0 and needle in r.err and "Traceback" not in r.err, (args, r.err)
+        assert len(r.err.strip().splitlines()) == 1

@@ -73,3 +73,14 @@ def test_repetition_penalty_demotes_seen_tokens():
 def test_bad_params_are_typed_errors(bad):
     with pytest.raises(LLMRequestError, match=next(iter(bad)).split("_")[0]):
         SamplingParams(**bad).validate()
+
+
+def test_min_p_keeps_tokens_within_a_fraction_of_the_top_one():
+    logits = np.log(np.array([0.5, 0.3, 0.12, 0.05, 0.03]))
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=0.2))  # keeps p >= 0.1
+    np.testing.assert_allclose(p, np.array([0.5, 0.3, 0.12, 0, 0]) / 0.92)
+    p = filtered_probs(logits, SamplingParams(temperature=1.0, min_p=1.0))  # only the top token
+    np.testing.assert_allclose(p, [1, 0, 0, 0, 0])
+    for bad in (-0.1, 1.5, "0.1", True):
+        with pytest.raises(LLMRequestError, match="min_p"):
+            SamplingParams(min_p=bad).validate()
