@@ -44,7 +44,7 @@ from precast.runtime.llm.scheduler import (
     StepKind,
     checked_config,
 )
-from precast.runtime.llm.structured import Grammars, apply_mask
+from precast.runtime.llm.structured import Grammars
 
 __all__ = ["Engine"]
 
@@ -364,6 +364,7 @@ class Engine:
         request whose logits cannot be sampled: it fails alone, the others go on). ``masks``: row -> the
         grammar's bitmask of a constrained row (_start_masks)."""
         sampled: list[int | None] = []
+        masked = None if masks is None else self._masked_rows(logits, masks)
         for i, (req, n, row) in enumerate(zip(out.rows, out.num_new, logits)):
             if req.num_computed + n < len(req.token_ids):
                 sampled.append(None)  # a prefill chunk: nothing to sample yet
@@ -372,8 +373,9 @@ class Engine:
                 sampled.append(int(row.argmax()))
                 continue
             if req.matcher is not None:
-                row = self._masked(req, row, None if masks is None else masks.get(i))
-                if row is None:
+                row = None if masked is None else masked.get(i)
+                if row is None or req.matcher.is_error():
+                    self._fail_grammar(req)
                     sampled.append(None)
                     continue
             try:
@@ -386,9 +388,9 @@ class Engine:
     # -- waiting / background loop ---------------------------------------------------------------
     # -- structured outputs (runtime/llm/structured.py) ------------------------------------------------
     def _start_masks(self, out: SchedulerOutput):
-        """The grammar masks of the rows that sample this step, computed on a worker thread while the backend
-        runs the step (llguidance releases the GIL). A future of {row: mask}, or None when no row is
-        constrained."""
+        """The grammar masks of the rows that sample this step, computed (as additive biases) on a worker
+        thread while the backend runs the step (llguidance releases the GIL). A future of
+        (rows, bias, ok) (structured.Grammars.biases), or None when no row is constrained."""
         rows = [
             i
             for i, (req, n) in enumerate(zip(out.rows, out.num_new))
@@ -397,25 +399,24 @@ class Engine:
         if not rows:
             return None
         matchers = [out.rows[i].matcher for i in rows]
-        mask = self.grammars.new_mask(len(rows))
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="precast-grammar")
+        return self._mask_pool.submit(lambda: (rows, *self.grammars.biases(matchers)))
 
-        def fill() -> dict:
-            self.grammars.fill(matchers, mask)
-            return dict(zip(rows, mask))
+    def _masked_rows(self, logits: np.ndarray, masks) -> dict:
+        """row -> its logits plus the grammar's bias (one vectorized add for every constrained row), or None
+        for a row whose grammar failed or allows nothing (it fails alone)."""
+        rows, bias, ok = masks
+        masked = logits[rows, : bias.shape[1]] + bias
+        out = {}
+        for j, i in enumerate(rows):
+            out[i] = masked[j] if ok[j] else None
+        return out
 
-        return self._mask_pool.submit(fill)
-
-    def _masked(self, req: Request, row: np.ndarray, mask) -> np.ndarray | None:
-        """``row`` with what the grammar disallows at -inf; None (the request failed alone) when the grammar
-        engine gave up on it (a step over its work limit) or allows nothing."""
+    def _fail_grammar(self, req: Request) -> None:
         m = req.matcher
-        if mask is None or m.is_error() or not mask.any():
-            why = m.get_error() if m.is_error() else "the grammar allows no next token"
-            self.output.fail_unsampled(req, LLMRequestError(f"structured output failed: {first_line(why)}"))
-            return None
-        return apply_mask(row, mask)
+        why = m.get_error() if m.is_error() else "the grammar allows no next token"
+        self.output.fail_unsampled(req, LLMRequestError(f"structured output failed: {first_line(why)}"))
 
     def _advance_grammars(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
         """Feed each constrained row's token to its matcher; a grammar that is complete ends the request

@@ -90,7 +90,9 @@ class Constraint:
         if not isinstance(schema, (dict, bool)):
             raise LLMRequestError(f"json schema must be an object, got {type(schema).__name__}")
         try:
-            text = json.dumps(schema, separators=(",", ":"), allow_nan=False)  # (key order kept: it is the output's)
+            text = json.dumps(
+                schema, separators=(",", ":"), allow_nan=False
+            )  # (key order kept: it is the output's)
         except (TypeError, ValueError) as e:
             raise LLMRequestError(f"json schema cannot be written as JSON: {first_line(e)}") from None
         return cls("json_schema", text)
@@ -249,11 +251,32 @@ class Grammars:
     def new_mask(self, rows: int) -> np.ndarray:
         return np.zeros((rows, (self.vocab + 31) // 32), dtype=np.int32)
 
+    def biases(self, matchers: list) -> tuple[np.ndarray, np.ndarray]:
+        """(bias, ok): ``bias[i]`` is 0 where matcher ``i`` allows the token and -inf where not (float32, one row
+        per matcher, vocab wide: added to the logits); ``ok[i]``: it allows some token. Runs on the engine's
+        grammar thread while the backend runs the step, so the step loop only adds."""
+        mask = self.new_mask(len(matchers))
+        self.fill(matchers, mask)
+        return mask_bias(mask, self.vocab), mask.any(axis=1)
+
+
+_BYTE_BIAS: np.ndarray | None = None
+
+
+def mask_bias(mask: np.ndarray, vocab: int) -> np.ndarray:
+    """A [rows, words] int32 bitmask (bit j of word w: token 32 w + j allowed) as an additive float32 bias
+    [rows, vocab]: a table lookup per byte (8 floats each), faster than unpacking bits and selecting."""
+    global _BYTE_BIAS
+    if _BYTE_BIAS is None:
+        bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
+        _BYTE_BIAS = np.where(bits, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
+    rows = mask.shape[0]
+    return _BYTE_BIAS[mask.view(np.uint8)].reshape(rows, -1)[:, :vocab]
+
 
 def apply_mask(logits: np.ndarray, mask_row: np.ndarray) -> np.ndarray:
     """A copy of one row of logits with the tokens the bitmask disallows at -inf."""
-    allowed = np.unpackbits(mask_row.view(np.uint8), bitorder="little")[: logits.shape[-1]].view(bool)
-    return np.where(allowed, logits, -np.inf).astype(logits.dtype, copy=False)
+    return logits + mask_bias(mask_row.reshape(1, -1), logits.shape[-1])[0]
 
 
 def _one_line(text: str) -> str:
