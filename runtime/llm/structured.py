@@ -46,6 +46,7 @@ KINDS = ("json_schema", "regex", "choice", "grammar")
 # few ms; a grammar that needs more fails its request instead of stalling the batch.
 _STEP_LEXER_FUEL = 100_000
 _STEP_MAX_ITEMS = 20_000
+_MAX_ITEMS_IN_ROW = 2_000  # an Earley row's branching (llguidance's default)
 _INITIAL_LEXER_FUEL = 1_000_000
 _MAX_GRAMMAR_SIZE = 200_000
 
@@ -196,6 +197,7 @@ class Grammars:
         return llg.LLParserLimits(
             step_lexer_fuel=_STEP_LEXER_FUEL,
             step_max_items=_STEP_MAX_ITEMS,
+            max_items_in_row=_MAX_ITEMS_IN_ROW,
             initial_lexer_fuel=_INITIAL_LEXER_FUEL,
             max_grammar_size=_MAX_GRAMMAR_SIZE,
             verbose_errors=False,

@@ -279,3 +279,34 @@ def test_generate_cli_json_schema(cli, llama, tmp_path):
         r = cli("generate", llama, "hi", *args)
         assert r.code != 0 and needle in r.err and "Traceback" not in r.err, (args, r.err)
         assert len(r.err.strip().splitlines()) == 1
+
+
+def test_a_grammar_over_its_step_budget_fails_alone(llama, monkeypatch):
+    """llguidance's per-step fuel bounds a mask's work: a request whose grammar needs more fails with one line
+    (finish "error"), while a free request and a cheap constrained one in the same batch finish as alone."""
+    from precast.runtime.llm import structured
+
+    eng = Engine.load(llama, num_blocks=64)
+    free = SamplingParams(max_tokens=20, ignore_eos=True)
+    alone = eng.generate([PROMPTS[0]], free)[0].token_ids
+    monkeypatch.setattr(structured, "_MAX_ITEMS_IN_ROW", 3)  # a tiny Earley budget per step
+    heavy = Constraint.grammar(
+        "start: item+\nitem: a | b\na: x x\nb: x\nx: NUM | WORD\nNUM: /[0-9]+/\nWORD: /[a-z]+/\n"
+    )
+    eng.grammars._cache.clear()
+    try:
+        h_heavy = eng.submit(
+            PROMPTS[1], SamplingParams(max_tokens=60, temperature=1.0, seed=0, constraint=heavy)
+        )
+    except LLMRequestError as e:  # (refused at compile: also bounded, before any token)
+        h_heavy, refused = None, str(e)
+    h_free = eng.submit(PROMPTS[0], free)
+    eng.run_until_done()
+    assert h_free.result().token_ids == alone
+    if h_heavy is not None:
+        with pytest.raises(LLMRequestError, match="structured output failed: Parser Error: Current row has"):
+            h_heavy.result()
+        assert "\n" not in h_heavy.error
+    else:
+        assert "invalid grammar" in refused
+    eng.close()
