@@ -5,6 +5,10 @@ with ``jinja2``'s sandbox as Hugging Face does) when it has one; otherwise this 
 
     <|im_start|>{role}\\n{content}<|im_end|>\\n ... <|im_start|>assistant\\n
 
+With ``tools`` (the template's ``tools`` variable: OpenAI's tool dicts, as transformers passes them) it starts with
+a system block listing them as JSON, and writes calls and results in ``<tool_call>`` / ``<tool_response>`` tags,
+as Hermes and Qwen templates do.
+
 The template and the tokenizer are the artifact's code: requests render and tokenize in a TextSandbox
 (text_sandbox.py: a process per call, with a deadline and a memory limit), never in the server's threads.
 
@@ -25,16 +29,38 @@ from precast.artifact.llm_spec import LLMSpec
 from precast.artifact.manifest import Manifest, artifact_path, read_manifest
 from precast.errors import LLMRequestError
 from precast.runtime.server.text_sandbox import TextLimits, TextSandbox
+from precast.runtime.server.text_worker import TOOLS_HEAD, TOOLS_TAIL
 
-__all__ = ["CHAT_ROLES", "DEFAULT_CHAT_TEMPLATE", "PRIORITIES", "LLMService", "TokenStream", "parse_priority"]
+__all__ = [
+    "CHAT_ROLES",
+    "DEFAULT_CHAT_TEMPLATE",
+    "PRIORITIES",
+    "LLMService",
+    "TokenStream",
+    "parse_priority",
+    "text_chars",
+]
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DEFAULT_PRIORITY = PRIORITIES["normal"]
-# Tool messages need tool calls, which the chat routes do not support.
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer is rendered as system
 
+# (text_worker._ChatML renders the same in plain Python. The '\\n' in {{ }}: trim_blocks drops a newline after a tag.)
 DEFAULT_CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\\n\\n' }}{% endif %}"
+    + TOOLS_HEAD.replace("\n", "{{ '\\n' }}")
+    + "{% for t in tools %}{{ '\\n' + t | tojson }}{% endfor %}{{ '\\n' }}"
+    + TOOLS_TAIL.replace("\n", "{{ '\\n' }}")
+    + "<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if not (tools and loop.first and m['role'] == 'system') %}"
+    "<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'tool' %}{{ '<tool_response>\\n' + m['content'] + '\\n</tool_response>' }}"
+    "{% else %}{{ m['content'] }}{% endif %}"
+    "{% for c in m['tool_calls'] or [] %}{{ '\\n<tool_call>\\n' }}"
+    "{{ {'name': c['function']['name'], 'arguments': c['function']['arguments']} | tojson }}"
+    "{{ '\\n</tool_call>' }}{% endfor %}"
+    "<|im_end|>\n{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
@@ -184,29 +210,47 @@ class LLMService:
         return not self.retired and self.engine.is_running()
 
     # -- prompts ---------------------------------------------------------------------------------
-    def clean_messages(self, messages: object, max_chars: int | None = None) -> list[dict]:
-        """The chat messages as the template sees them (role and text), or LLMRequestError naming the fault;
-        ``max_chars`` bounds their text before anything renders it."""
+    def clean_messages(
+        self, messages: object, max_chars: int | None = None, tools: list | None = None
+    ) -> list[dict]:
+        """The chat messages as the template sees them, or LLMRequestError naming the fault; ``max_chars`` bounds
+        their text (tool calls and ``tools``' JSON included) before anything renders it.
+
+        As transformers hands them to templates: ``developer`` becomes ``system``; an assistant message's
+        ``tool_calls`` keep OpenAI's shape with ``function.arguments`` parsed into a dict (its content may be
+        null: ""); a ``tool`` message keeps ``tool_call_id`` (an id of an earlier call) and ``name``."""
         if not isinstance(messages, list) or not messages:
             raise LLMRequestError("'messages' must be a non-empty list")
-        clean = []
+        clean: list[dict] = []
+        call_ids: set[str] = set()
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise LLMRequestError(f"messages[{i}] must be an object with a 'role' and 'content'")
-            if m["role"] not in CHAT_ROLES:
+            role = m["role"]
+            if role not in CHAT_ROLES:
                 raise LLMRequestError(
-                    f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m['role']!r}"
+                    f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"
                 )
-            content = m.get("content")
-            if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
-                parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-                if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                    raise LLMRequestError(f"messages[{i}].content: only text parts are supported")
-                content = "".join(parts)
-            if not isinstance(content, str):
-                raise LLMRequestError(f"messages[{i}].content must be a string")
-            clean.append({"role": m["role"], "content": content})
-        chars = sum(len(m["content"]) for m in clean)
+            calls = m.get("tool_calls") if role == "assistant" else None
+            content = _text(m.get("content"), i, optional=bool(calls))
+            out = {"role": "system" if role == "developer" else role, "content": content}
+            if calls:
+                out["tool_calls"] = _tool_calls(calls, i)
+                call_ids.update(c["id"] for c in out["tool_calls"])
+            elif m.get("tool_calls") not in (None, []):
+                raise LLMRequestError(f"messages[{i}].tool_calls: only assistant messages make tool calls")
+            if role == "tool":
+                cid = m.get("tool_call_id")
+                if not isinstance(cid, str) or cid not in call_ids:
+                    raise LLMRequestError(
+                        f"messages[{i}].tool_call_id must be the id of a tool call of an earlier assistant "
+                        f"message, got {cid!r}"
+                    )
+                out["tool_call_id"] = cid
+                if isinstance(m.get("name"), str):
+                    out["name"] = m["name"]
+            clean.append(out)
+        chars = text_chars(clean, tools)
         if max_chars is not None and chars > max_chars:
             raise LLMRequestError(
                 f"'messages' hold {chars} characters; this server tokenizes at most {max_chars} per request "
@@ -214,10 +258,13 @@ class LLMService:
             )
         return clean
 
-    async def chat_ids(self, messages: list[dict], max_chars: int | None, timeout: float) -> list[int]:
-        """The token ids of the prompt the chat template renders (both in the sandbox, within ``timeout``)."""
-        chars = sum(len(m["content"]) for m in messages)
-        out = await self.text.acall("chat", {"messages": messages, "max_chars": max_chars}, timeout, chars)
+    async def chat_ids(
+        self, messages: list[dict], max_chars: int | None, timeout: float, tools: list | None = None
+    ) -> list[int]:
+        """The token ids of the prompt the chat template renders (both in the sandbox, within ``timeout``);
+        ``tools``: OpenAI's tool dicts, the template's ``tools`` variable."""
+        args = {"messages": messages, "max_chars": max_chars, "tools": tools}
+        out = await self.text.acall("chat", args, timeout, text_chars(messages, tools))
         if "ids" not in out:
             raise LLMRequestError("this artifact has no tokenizer: chat needs one")
         return out["ids"]
@@ -307,6 +354,60 @@ class TokenStream:
                 scheduled = self.handle.request.t_scheduled
                 if scheduled is not None:
                     m.llm_queue_time.observe(max(0.0, scheduled - self.handle.t_submit))
+
+
+def _text(content, i: int, optional: bool = False) -> str:
+    """A message's content as text: a string, or a list of text parts; null only where ``optional``."""
+    if content is None and optional:
+        return ""
+    if isinstance(content, list):  # [{"type": "text", "text": ...}, ...]
+        parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+        if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+            raise LLMRequestError(f"messages[{i}].content: only text parts are supported")
+        content = "".join(parts)
+    if not isinstance(content, str):
+        raise LLMRequestError(f"messages[{i}].content must be a string")
+    return content
+
+
+def _tool_calls(calls, i: int) -> list[dict]:
+    """An assistant message's tool_calls for the template: arguments parsed from their JSON text."""
+    if not isinstance(calls, list):
+        raise LLMRequestError(f"messages[{i}].tool_calls must be a list")
+    out = []
+    for j, c in enumerate(calls):
+        where = f"messages[{i}].tool_calls[{j}]"
+        f = c.get("function") if isinstance(c, dict) else None
+        if (
+            not isinstance(f, dict)
+            or c.get("type", "function") != "function"
+            or not isinstance(c.get("id"), str)
+            or not isinstance(f.get("name"), str)
+        ):
+            raise LLMRequestError(
+                f"{where} must be {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}"
+            )
+        args = f.get("arguments")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else None
+        except ValueError:
+            parsed = None
+        if not isinstance(parsed, dict):
+            raise LLMRequestError(
+                f"{where}.function.arguments must be the JSON text of an object, got {args!r}"
+            )
+        out.append({"id": c["id"], "type": "function", "function": {"name": f["name"], "arguments": parsed}})
+    return out
+
+
+def text_chars(messages: list[dict], tools: list | None = None) -> int:
+    """The characters a chat request hands the template: contents, tool calls, tool ids, ``tools``' JSON."""
+    n = 0
+    for m in messages:
+        n += len(m["content"]) + len(m.get("tool_call_id", "")) + len(m.get("name", ""))
+        for c in m.get("tool_calls", ()):
+            n += len(c["id"]) + len(c["function"]["name"]) + len(json.dumps(c["function"]["arguments"]))
+    return n + (len(json.dumps(tools)) if tools else 0)
 
 
 def _engine_options(

@@ -1,16 +1,25 @@
 """An OpenAI completions / chat request body -> what the engine runs, or a 400 naming the parameter.
 
-Supported: model, prompt (a string, a list of strings, token ids, or a list of token-id lists) | messages,
-max_tokens (max_completion_tokens), n (1-8), temperature, top_p, seed, stop, presence_penalty,
-frequency_penalty, logprobs (completions: 0-5; chat: true, with top_logprobs 0-20), stream,
-stream_options.include_usage, best_of (== n), user (informational); extensions: top_k, repetition_penalty,
-ignore_eos, priority.
+Supported: model, prompt (a string, a list of strings, token ids, or a list of token-id lists) | messages (roles
+system, developer (rendered as system), user, assistant (with ``tool_calls``), tool), max_tokens
+(max_completion_tokens), n (1-8), temperature (0-2), top_p, seed, stop, presence_penalty, frequency_penalty,
+logprobs (completions: 0-5; chat: true, with top_logprobs 0-20), stream, stream_options.include_usage, best_of
+(== n), response_format (text, json_object, json_schema; completions too), tools / tool_choice /
+parallel_tool_calls (chat; tool_calls.py); informational and accepted: user, metadata, safety_identifier,
+prompt_cache_key / prompt_cache_retention / prompt_cache_options, store false, service_tier auto / default.
+Extensions (vLLM's spellings, sent as ``extra_body``): top_k, min_p, repetition_penalty, ignore_eos, priority,
+guided_json, guided_regex, guided_choice, guided_grammar (Lark), guided_decoding_backend (llguidance only).
 
-What precast does not implement is refused, never ignored: a non-default ``tools``, ``tool_choice``,
-``functions``, ``function_call``, ``response_format`` (other than text), ``logit_bias``, ``suffix``, ``echo``,
-``best_of`` other than n, ``audio``, ``prediction``, ``web_search_options``, ``modalities`` (other than text)
--> 400 with ``param`` set. A ``max_tokens`` that does not fit the context beside the prompt is a 400 naming
-the limit (OpenAI's behaviour); without ``max_tokens`` the default (16) is capped to what fits.
+Structured outputs: response_format, one guided_* key, or a forced tool call (tool_choice required / a named
+function) becomes the request's ``Constraint`` (runtime/llm/structured.py): at most one per request (two: a 400
+naming both); the engine compiles it before any token (a bad schema: a 400 naming the key it came from).
+
+What precast does not implement is refused, never ignored: ``functions`` / ``function_call`` (use tools),
+``logit_bias``, ``suffix``, ``echo``, ``best_of`` other than n, ``audio``, ``prediction``, ``web_search_options``,
+``modalities`` (other than text), ``store`` true, ``reasoning_effort``, ``verbosity``, ``moderation``,
+``guided_whitespace_pattern``, and any key this module does not know -> 400 with ``param`` set. A
+``max_tokens`` that does not fit the context beside the prompt is a 400 naming the limit (OpenAI's behaviour);
+without ``max_tokens`` the default (16) is capped to what fits.
 """
 
 from __future__ import annotations
@@ -56,6 +65,9 @@ class Prepared:
     stream: bool
     include_usage: bool
     logprobs: int | None  # top alternatives per token to report; None: no logprobs
+    tools: ToolRequest | None = None  # noqa: F821  (tool_calls.py) chat tools: their calls are parsed from the output
+    # the body key the params' constraint came from (a bad one is a 400 naming it)
+    constraint_key: str | None = None
 
     def choice_params(self, index: int):
         """Choice ``index``'s params: with a seed, seed + index (reproducible, and different per choice)."""
@@ -69,27 +81,65 @@ def _absent(v) -> bool:
 
 
 _UNSUPPORTED = {  # parameter -> (is its value harmless?, why it is refused)
-    "tools": (_absent, "tool calling is not supported"),
-    "functions": (_absent, "function calling is not supported"),
-    "tool_choice": (lambda v: v is None or v == "none", "tool calling is not supported"),
-    "function_call": (lambda v: v is None or v == "none", "function calling is not supported"),
-    "response_format": (
-        lambda v: v is None or v == {"type": "text"},
-        "only response_format {'type': 'text'} is supported (no JSON mode or schemas)",
+    "functions": (_absent, "the legacy function calling is not supported: use 'tools'"),
+    "function_call": (
+        lambda v: v is None or v == "none",
+        "the legacy function calling is not supported: use 'tool_choice'",
     ),
     "logit_bias": (_absent, "logit_bias is not supported"),
     "audio": (lambda v: v is None, "audio output is not supported"),
     "prediction": (lambda v: v is None, "predicted outputs are not supported"),
     "web_search_options": (lambda v: v is None, "web search is not supported"),
     "modalities": (lambda v: v is None or v == ["text"], "only the text modality is supported"),
+    "store": (lambda v: v is None or v is False, "stored completions are not supported"),
+    "service_tier": (
+        lambda v: v in (None, "auto", "default"),
+        "only service_tier 'auto' / 'default' is supported",
+    ),
+    "reasoning_effort": (lambda v: v is None, "reasoning_effort is not supported (not a reasoning model)"),
+    "verbosity": (lambda v: v is None, "verbosity is not supported"),
+    "moderation": (lambda v: v is None, "moderation is not supported"),
+    "guided_decoding_backend": (
+        lambda v: v in (None, "", "auto", "llguidance", "guidance"),
+        "the only guided decoding backend is llguidance",
+    ),
+    "guided_whitespace_pattern": (lambda v: v is None, "guided_whitespace_pattern is not supported"),
 }
 _UNSUPPORTED_COMPLETIONS = {
     "suffix": (lambda v: v is None or v == "", "suffix (insertion) is not supported"),
     "echo": (lambda v: v is None or v is False, "echo is not supported"),
 }
 
+# Every key a body may hold (anything else is a 400 naming it, never ignored).
+_COMMON_KEYS = frozenset(
+    "model max_tokens max_completion_tokens n temperature top_p seed stop presence_penalty frequency_penalty "
+    "logprobs stream stream_options user logit_bias response_format metadata store service_tier "
+    "safety_identifier prompt_cache_key prompt_cache_retention prompt_cache_options "
+    # extensions (vLLM's spellings)
+    "top_k min_p repetition_penalty ignore_eos priority guided_json guided_regex guided_choice guided_grammar "
+    "guided_decoding_backend guided_whitespace_pattern".split()
+)
+_CHAT_KEYS = frozenset(
+    "messages top_logprobs tools tool_choice parallel_tool_calls functions function_call audio modalities "
+    "prediction web_search_options reasoning_effort verbosity moderation".split()
+)
+_COMPLETION_KEYS = frozenset("prompt best_of suffix echo".split())
 
-def refuse_unsupported(body: dict, chat: bool) -> None:
+
+def refuse_unsupported(body: dict, chat: bool, extra: frozenset = frozenset()) -> None:
+    """A 400 for a key this route does not know (``extra``: a caller's own keys) or a value precast refuses."""
+    own, other = (_CHAT_KEYS, _COMPLETION_KEYS) if chat else (_COMPLETION_KEYS, _CHAT_KEYS)
+    own = own | extra
+    route = "/v1/chat/completions" if chat else "/v1/completions"
+    for key in body:
+        if key in _COMMON_KEYS or key in own:
+            continue
+        if key in other:
+            if body[key] is None:
+                continue
+            where = "/v1/completions" if chat else "/v1/chat/completions"
+            raise ParamError(f"'{key}' is a parameter of {where}, not of {route}", key)
+        raise ParamError(f"'{key}' is not a parameter precast serve knows (of {route})", key)
     checks = _UNSUPPORTED if chat else {**_UNSUPPORTED, **_UNSUPPORTED_COMPLETIONS}
     for key, (ok, why) in checks.items():
         if key in body and not ok(body[key]):
@@ -170,9 +220,14 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def sampling_params(
-    body: dict, max_stop_strings: int | None = None, max_stop_chars: int | None = None, chat: bool = False
+    body: dict,
+    max_stop_strings: int | None = None,
+    max_stop_chars: int | None = None,
+    chat: bool = False,
+    constraint=None,
 ):
-    """SamplingParams from an OpenAI body; stop strings bounded (every step searches the output for each)."""
+    """SamplingParams from an OpenAI body; stop strings bounded (every step searches the output for each).
+    ``constraint``: the output's structured.Constraint (``constraint(body)``), or None."""
     from precast.runtime.llm.sampler import SamplingParams
 
     key = _max_tokens_key(body)
@@ -189,6 +244,7 @@ def sampling_params(
         temperature=_number(body, "temperature", 1.0),
         top_p=_number(body, "top_p", 1.0),
         top_k=_number(body, "top_k", 0, int),
+        min_p=_number(body, "min_p", 0.0),
         repetition_penalty=_number(body, "repetition_penalty", 1.0),
         presence_penalty=_number(body, "presence_penalty", 0.0),
         frequency_penalty=_number(body, "frequency_penalty", 0.0),
@@ -196,6 +252,7 @@ def sampling_params(
         stop=_stop(body, max_stop_strings, max_stop_chars),
         ignore_eos=ignore_eos,
         logprobs=_logprobs(body, chat),
+        constraint=constraint,
     )
     try:
         params.validate()
@@ -267,21 +324,30 @@ class _Parsed:
     include_usage: bool
     messages: list[dict] | None
     prompts: list | None
+    tools: object = None  # tool_calls.ToolRequest
+    constraint_key: str | None = None
 
 
 def parse(svc, body: dict, chat: bool, header_priority, config) -> _Parsed:
     """Everything one request is checked for before its text is tokenized (a worker thread: off the event loop).
     LLMRequestError / ParamError name what is wrong."""
     from precast.runtime.server.llm_service import parse_priority
+    from precast.runtime.server.tool_calls import parse_tools
 
     refuse_unsupported(body, chat)
     n = _n(body)
-    params = sampling_params(body, config.max_stop_strings, config.max_stop_chars, chat)
+    tools = parse_tools(body) if chat else None
+    from precast.runtime.server.structured_params import constraint
+
+    made, key = constraint(body, tools)
+    params = sampling_params(body, config.max_stop_strings, config.max_stop_chars, chat, made)
     stream, include_usage = _stream_options(body)
     priority = parse_priority(body.get("priority", header_priority))
     if chat:
-        messages = svc.clean_messages(body.get("messages"), config.max_text_chars)
-        return _Parsed(params, n, priority, stream, include_usage, messages, None)
+        messages = svc.clean_messages(
+            body.get("messages"), config.max_text_chars, tools.tools if tools is not None else None
+        )
+        return _Parsed(params, n, priority, stream, include_usage, messages, None, tools, key)
     prompts = _completion_prompts(body.get("prompt"), svc.max_context)
     if len(prompts) * n > MAX_CHOICES:
         raise ParamError(
@@ -296,7 +362,7 @@ def parse(svc, body: dict, chat: bool, header_priority, config) -> _Parsed:
             "per request (--max-text-chars)",
             "prompt",
         )
-    return _Parsed(params, n, priority, stream, include_usage, None, prompts)
+    return _Parsed(params, n, priority, stream, include_usage, None, prompts, None, key)
 
 
 async def prepare(svc, body: dict, chat: bool, header_priority, config, timeout: float) -> Prepared:
@@ -306,7 +372,8 @@ async def prepare(svc, body: dict, chat: bool, header_priority, config, timeout:
 
     parsed = await run_in_threadpool(parse, svc, body, chat, header_priority, config)
     if parsed.messages is not None:
-        prompts = [await svc.chat_ids(parsed.messages, config.max_text_chars, timeout)]
+        tools = parsed.tools.tools if parsed.tools is not None else None
+        prompts = [await svc.chat_ids(parsed.messages, config.max_text_chars, timeout, tools)]
     else:
         prompts = parsed.prompts
         texts = [p for p in prompts if isinstance(p, str)]
@@ -334,7 +401,15 @@ def _checked(svc, body: dict, parsed: _Parsed, prompts: list[list[int]]) -> Prep
     ]
     params = _fit_max_tokens(body, parsed.params, ids, engine)
     return Prepared(
-        ids, params, parsed.n, parsed.priority, parsed.stream, parsed.include_usage, params.logprobs
+        ids,
+        params,
+        parsed.n,
+        parsed.priority,
+        parsed.stream,
+        parsed.include_usage,
+        params.logprobs,
+        parsed.tools,
+        parsed.constraint_key,
     )
 
 

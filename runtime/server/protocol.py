@@ -24,6 +24,7 @@ __all__ = [
     "embedding_response",
     "model_list",
     "parse_request",
+    "tool_call_deltas",
     "usage",
 ]
 
@@ -86,13 +87,25 @@ def completion_choice(index: int, text: str, finish: str | None, logprobs: dict 
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
-def chat_choice(index: int, text: str, finish: str | None, logprobs: dict | None) -> dict:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text},
-        "finish_reason": finish,
-        "logprobs": logprobs,
-    }
+def chat_choice(
+    index: int, text: str | None, finish: str | None, logprobs: dict | None, tool_calls: list | None = None
+) -> dict:
+    """``tool_calls``: ToolCall.wire() dicts (then ``text`` is what came before them, or None)."""
+    message = {"role": "assistant", "content": text}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
+
+
+def tool_call_deltas(tool_calls: list) -> list[dict]:
+    """OpenAI's streamed shape of ToolCall.wire() dicts: per call a delta naming it (empty arguments), then one
+    with its arguments text (a client concatenates ``arguments`` per ``index``)."""
+    out = []
+    for i, c in enumerate(tool_calls):
+        head = {**c, "function": {"name": c["function"]["name"], "arguments": ""}}
+        out.append({"tool_calls": [{"index": i, **head}]})
+        out.append({"tool_calls": [{"index": i, "function": {"arguments": c["function"]["arguments"]}}]})
+    return out
 
 
 def chunk_choice(index: int, delta, finish: str | None, logprobs: dict | None, chat: bool) -> dict:

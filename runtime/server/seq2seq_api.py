@@ -24,7 +24,8 @@ the generation config asks for; > 0: sampling (``top_p``, ``seed``; extensions `
 ``stream`` = true (one prompt): server-sent events, a chunk per text delta as tokens come. Not supported, so
 refused (400 naming the field): ``n`` or
 ``best_of`` other than 1 (use ``num_beams``: the best beam is returned), ``logprobs``, ``stop``, penalties,
-``ignore_eos``, ``echo``, ``suffix``, and what openai_params.py refuses for every model. ``usage`` counts the
+``ignore_eos``, ``min_p``, structured outputs (``response_format`` other than text, ``guided_*``), ``echo``,
+``suffix``, and what openai_params.py refuses for every model (unknown keys too). ``usage`` counts the
 source's tokens (prompt) and the generated ones (completion).
 
 Every blocking engine call waits in the service's threads (seq2seq_service.py), watching for the client going
@@ -241,6 +242,15 @@ _COMPLETION_REFUSED = {  # field -> (is its value harmless?, why it is refused)
         "repetition_penalty is not supported for seq2seq models",
     ),
     "ignore_eos": (lambda v: _is(v, False), "ignore_eos is not supported for seq2seq models"),
+    "min_p": (lambda v: _is(v, 0, 0.0), "min_p is not supported for seq2seq models"),
+    "response_format": (
+        lambda v: v is None or v == {"type": "text"},
+        "structured outputs are not supported for seq2seq models",
+    ),
+    **{
+        k: (lambda v: v is None, "structured outputs are not supported for seq2seq models")
+        for k in ("guided_json", "guided_regex", "guided_choice", "guided_grammar")
+    },
 }
 
 
@@ -273,7 +283,7 @@ def _generation(body: dict) -> dict:
 
 
 def _parse_completion(body: dict, svc, config) -> tuple[list, dict]:
-    refuse_unsupported(body, chat=False)
+    refuse_unsupported(body, chat=False, extra=frozenset({"num_beams"}))
     for key, (ok, why) in _COMPLETION_REFUSED.items():
         if key in body and not ok(body[key]):
             raise ParamError(f"'{key}': {why}", key)

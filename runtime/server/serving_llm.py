@@ -16,7 +16,13 @@ stopped when the client goes away), so neither a large prompt nor an artifact's 
 requests.
 
 ``CompletionServing`` holds the flow (prepare -> start one stream per choice -> stream or collect);
-``ChatServing`` changes only the wire shapes (ids, object names, deltas, messages, logprobs).
+``ChatServing`` changes only the wire shapes (ids, object names, deltas, messages, logprobs, tool calls).
+
+Tool calls (tool_calls.py): with ``tools`` and a tool_choice other than "none", each choice's output is parsed
+into ``tool_calls`` when it ends (finish_reason "tool_calls"; ``content`` is the text before the calls, or null).
+Streamed, such a choice's text is held back until it ends, then sent as OpenAI streams calls: its content (if
+any), per call a delta with its id and name and one with its arguments, a final chunk with the finish_reason;
+its logprobs ride on the first of those chunks. Choices without tools stream token by token as before.
 """
 
 from __future__ import annotations
@@ -25,18 +31,19 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi.responses import StreamingResponse
 
 from precast.errors import LLMRequestError
 from precast.runtime.server.http_errors import HTTPError
 from precast.runtime.server.llm_stream import Choices, Logprobs
-from precast.runtime.server.openai_params import Prepared, prepare
+from precast.runtime.server.openai_params import ParamError, Prepared, prepare
 from precast.runtime.server.protocol import (
     chat_choice,
     chunk_choice,
     completion_choice,
+    tool_call_deltas,
     usage,
 )
 from precast.runtime.server.serving import read_openai_request
@@ -58,6 +65,7 @@ class _Run:
     logprobs: list[Logprobs | None]
     prompt_tokens: int
     created: int
+    held: list[str] = field(default_factory=list)  # each choice's text held back (tool calls), or unused
 
     def usage(self) -> dict:
         return usage(self.prompt_tokens, self.choices.completion_tokens)
@@ -82,8 +90,13 @@ class CompletionServing:
     def opening_chunks(self, run: _Run) -> list[dict]:
         return []
 
-    def choice(self, k: int, text: str, finish: str | None, lp: dict | None) -> dict:
+    def choice(self, run: _Run, k: int, text: str, finish: str | None, lp: dict | None) -> dict:
         return completion_choice(k, text, finish, lp)
+
+    def event_choices(self, run: _Run, k: int, ev) -> list[dict]:
+        """The streamed choices one token event makes (ChatServing holds a tool-calling choice's back)."""
+        lp = run.add_logprobs(k, ev)
+        return [chunk_choice(k, self.delta(ev.text), ev.finish_reason, lp, self.chat)]
 
     # -- the flow -----------------------------------------------------------------------------------------
     async def __call__(self, request):
@@ -132,6 +145,14 @@ class CompletionServing:
                     k = p * req.n + j
                     sub = rid if k == 0 else f"{rid}-{k}"
                     streams.append(await svc.start(ids, req.choice_params(k), req.priority, sub))
+        except LLMRequestError as e:
+            for s in streams:
+                s.close()
+            key = req.constraint_key
+            if key is None or streams or getattr(e, "param", None) is not None:
+                raise
+            # the prompt and the params were checked before: what the first submit refuses is the constraint
+            raise ParamError(f"'{key}': {e}", key) from None
         except BaseException:
             for s in streams:
                 s.close()
@@ -139,7 +160,9 @@ class CompletionServing:
         tokenizer = svc.engine.tokenizer
         logprobs = [Logprobs(tokenizer, self.chat) if req.logprobs is not None else None for _ in streams]
         prompt_tokens = sum(map(len, req.prompts))
-        return _Run(rid, req, Choices(streams), logprobs, prompt_tokens, int(time.time()))
+        return _Run(
+            rid, req, Choices(streams), logprobs, prompt_tokens, int(time.time()), [""] * len(streams)
+        )
 
     def _chunk(self, run: _Run, choices: list[dict], **extra) -> dict:
         return {
@@ -169,9 +192,8 @@ class CompletionServing:
                 k, ev = got
                 if ev is None:
                     continue
-                lp = run.add_logprobs(k, ev)
-                choice = chunk_choice(k, self.delta(ev.text), ev.finish_reason, lp, self.chat)
-                yield _sse(self._chunk(run, [choice]))
+                for choice in self.event_choices(run, k, ev):
+                    yield _sse(self._chunk(run, [choice]))
             if run.req.include_usage:
                 yield _sse(self._chunk(run, [], usage=run.usage()))
             yield b"data: [DONE]\n\n"
@@ -204,7 +226,7 @@ class CompletionServing:
         out = []
         for k, parts in enumerate(texts):
             lp = run.logprobs[k].result() if run.logprobs[k] is not None else None
-            out.append(self.choice(k, "".join(parts), finish[k], lp))
+            out.append(self.choice(run, k, "".join(parts), finish[k], lp))
         return {
             "id": run.rid,
             "object": self.object,
@@ -228,5 +250,32 @@ class ChatServing(CompletionServing):
         role = {"role": "assistant", "content": ""}
         return [self._chunk(run, [chunk_choice(k, role, None, None, True)]) for k in range(len(run.logprobs))]
 
-    def choice(self, k: int, text: str, finish: str | None, lp: dict | None) -> dict:
-        return chat_choice(k, text, finish, lp)
+    def choice(self, run: _Run, k: int, text: str, finish: str | None, lp: dict | None) -> dict:
+        calls = _tool_calls(run, text)
+        if calls is None:
+            return chat_choice(k, text, finish, lp)
+        content, found = calls
+        return chat_choice(k, content, "tool_calls", lp, [c.wire() for c in found])
+
+    def event_choices(self, run: _Run, k: int, ev) -> list[dict]:
+        tools = run.req.tools
+        if tools is None or tools.choice == "none":
+            return super().event_choices(run, k, ev)
+        run.add_logprobs(k, ev)
+        run.held[k] += ev.text
+        if ev.finish_reason is None:
+            return []
+        text, run.held[k] = run.held[k], ""
+        lp = run.logprobs[k].result() if run.logprobs[k] is not None else None
+        calls = _tool_calls(run, text)
+        if calls is None:
+            return [chunk_choice(k, {"content": text}, ev.finish_reason, lp, True)]
+        content, found = calls
+        deltas = ([{"content": content}] if content else []) + tool_call_deltas([c.wire() for c in found])
+        out = [chunk_choice(k, d, None, lp if i == 0 else None, True) for i, d in enumerate(deltas)]
+        return out + [chunk_choice(k, {}, "tool_calls", None, True)]
+
+
+def _tool_calls(run: _Run, text: str):
+    """(content, calls) the choice's text makes with the request's tools, or None: plain content."""
+    return run.req.tools.parse(text) if run.req.tools is not None else None

@@ -105,12 +105,44 @@ class _RequestError(Exception):
     """The caller's input is wrong (a 400), e.g. the template raised, or the prompt is too long."""
 
 
+# With tools, the default template lists them in a system block as Hermes / Qwen templates do (after the
+# request's own system message, if it starts with one), and writes calls and results in the same tags.
+TOOLS_HEAD = (
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+TOOLS_TAIL = (
+    "</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}'
+    "\n</tool_call>"
+)
+
+
+def _tojson(x, indent=None, separators=None, sort_keys=False):
+    """transformers' ``tojson`` filter for chat templates (plain JSON, not jinja2's HTML-safe one)."""
+    return json.dumps(x, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 class _ChatML:
     """llm_service.DEFAULT_CHAT_TEMPLATE in plain Python (no jinja2 needed for artifacts without a template)."""
 
-    def render(self, messages, add_generation_prompt=True, **_):
-        out = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return out + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+    def render(self, messages, tools=None, add_generation_prompt=True, **_):
+        out = []
+        if tools:
+            first_system = bool(messages) and messages[0]["role"] == "system"
+            system = messages[0]["content"] + "\n\n" if first_system else ""
+            listed = "".join("\n" + _tojson(t) for t in tools)
+            out.append(f"<|im_start|>system\n{system}{TOOLS_HEAD}{listed}\n{TOOLS_TAIL}<|im_end|>\n")
+            messages = messages[1:] if first_system else messages
+        for m in messages:
+            content = m["content"]
+            if m["role"] == "tool":
+                content = f"<tool_response>\n{content}\n</tool_response>"
+            for c in m.get("tool_calls") or ():
+                call = {"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                content += f"\n<tool_call>\n{_tojson(call)}\n</tool_call>"
+            out.append(f"<|im_start|>{m['role']}\n{content}<|im_end|>\n")
+        return "".join(out) + ("<|im_start|>assistant\n" if add_generation_prompt else "")
 
 
 def _load(init: dict):
@@ -130,12 +162,14 @@ def _load(init: dict):
 
             return datetime.now().strftime(str(fmt))
 
-        # As transformers renders chat templates: loop controls ({% break %}), raise_exception, strftime_now.
+        # As transformers renders chat templates: loop controls ({% break %}), raise_exception, strftime_now,
+        # a plain-JSON tojson; ``tools`` (OpenAI's tool dicts) or None.
         env = ImmutableSandboxedEnvironment(
             trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
         )
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = strftime_now
+        env.filters["tojson"] = _tojson
         try:
             template = env.from_string(init["template"])
         except jinja2.TemplateError as e:
@@ -173,7 +207,11 @@ def _run(template, tokenizer, op: str, args: dict):
     if op == "chat":
         try:
             text = template.render(
-                messages=args["messages"], add_generation_prompt=True, bos_token="", eos_token=""
+                messages=args["messages"],
+                tools=args.get("tools") or None,
+                add_generation_prompt=True,
+                bos_token="",
+                eos_token="",
             )
         except (_RequestError, MemoryError):
             raise

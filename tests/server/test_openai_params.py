@@ -242,11 +242,14 @@ def test_penalty_formula_is_openais():
 @pytest.mark.parametrize(
     "route, extra, param",
     [
-        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-        ("chat/completions", {"tool_choice": "auto"}, "tool_choice"),
+        ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools"),
+        ("chat/completions", {"tool_choice": "required"}, "tool_choice"),
         ("chat/completions", {"functions": [{"name": "f"}]}, "functions"),
         ("chat/completions", {"function_call": "auto"}, "function_call"),
-        ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format"),
+        ("chat/completions", {"response_format": {"type": "json_schema"}}, "response_format"),
+        ("chat/completions", {"temperature": 3}, "temperature"),
+        ("chat/completions", {"min_p": 2}, "min_p"),
+        ("chat/completions", {"not_a_parameter": 1}, "not_a_parameter"),
         ("chat/completions", {"logit_bias": {"5": 10}}, "logit_bias"),
         ("chat/completions", {"n": 9}, "n"),
         ("chat/completions", {"logprobs": 3}, "logprobs"),

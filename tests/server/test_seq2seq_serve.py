@@ -221,6 +221,10 @@ def test_t5_refuses_what_it_does_not_do(t5):
         ({"n": 2}, "n"),
         ({"logprobs": 1}, "logprobs"),
         ({"stop": ["x"]}, "stop"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"guided_regex": "[a-z]+"}, "guided_regex"),
+        ({"min_p": 0.1}, "min_p"),
+        ({"no_such_option": 1}, "no_such_option"),
     ):
         r = httpx.post(f"{url}/v1/completions", json={"model": "t5", "prompt": "hello", **body}, timeout=30)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
