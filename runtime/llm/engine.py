@@ -44,7 +44,7 @@ from precast.runtime.llm.scheduler import (
     StepKind,
     checked_config,
 )
-from precast.runtime.llm.structured import Grammars
+from precast.runtime.llm.structured import Grammars, allows, mask_bias
 
 __all__ = ["Engine"]
 
@@ -75,6 +75,8 @@ class Engine:
         self.output = OutputProcessor(tokenizer, self.counters, self.scheduler.finish)
         self.grammars = Grammars(tokenizer, self.vocab, spec.eos_ids or ())  # structured outputs
         self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks while the backend runs
+        # Whether grammar masks overlap the backend's step (a core to spare: Engine.load decides); else serial
+        self.grammar_thread = False
         self._handles = self.output.handles  # unfinished requests (the output processor's registry)
         self._ids = itertools.count()
         self._cond = threading.Condition(threading.RLock())
@@ -137,13 +139,15 @@ class Engine:
         )
         runner, tokenizer = found.opened
         try:
-            return cls(
+            engine = cls(
                 runner,
                 tokenizer,
                 config=config,
                 enable_prefix_caching=enable_prefix_caching,
                 temp_dir=found.temp,
             )
+            engine.grammar_thread = _spare_core(options.threads)
+            return engine
         except BaseException:
             if found.temp is not None:
                 from precast.artifact.archive import remove_temp
@@ -285,7 +289,7 @@ class Engine:
                     if burst and not self._knocks and self.scheduler.burst_steps(out) > 0:
                         produced += self._burst(out.rows[0])
                 else:
-                    sampled = self._sample(out, logits, None if masks is None else masks.result())
+                    sampled = self._sample(out, logits, masks)
                     self.scheduler.update_from_output(out, sampled)
                     if masks is not None:
                         self._advance_grammars(out, sampled)
@@ -364,7 +368,7 @@ class Engine:
         request whose logits cannot be sampled: it fails alone, the others go on). ``masks``: row -> the
         grammar's bitmask of a constrained row (_start_masks)."""
         sampled: list[int | None] = []
-        masked = None if masks is None else self._masked_rows(logits, masks)
+        masked = None if masks is None else self._masked_rows(out, logits, masks.result())
         for i, (req, n, row) in enumerate(zip(out.rows, out.num_new, logits)):
             if req.num_computed + n < len(req.token_ids):
                 sampled.append(None)  # a prefill chunk: nothing to sample yet
@@ -388,9 +392,13 @@ class Engine:
     # -- waiting / background loop ---------------------------------------------------------------
     # -- structured outputs (runtime/llm/structured.py) ------------------------------------------------
     def _start_masks(self, out: SchedulerOutput):
-        """The grammar masks of the rows that sample this step, computed (as additive biases) on a worker
-        thread while the backend runs the step (llguidance releases the GIL). A future of
-        (rows, bias, ok) (structured.Grammars.biases), or None when no row is constrained."""
+        """The grammar masks of the rows that sample this step: something whose ``result()`` is
+        (rows, mask, ok) (structured.Grammars.masks), or None when no row is constrained.
+        With ``grammar_thread`` they are computed on a worker thread while the backend runs the step
+        (llguidance releases the GIL); else after it, in the step loop. Overlap pays only where the backend
+        leaves a core free: on a 2-core host with 2 ONNX Runtime threads a third busy thread slowed every
+        step more than the masks cost (benchmarks/README.md, bench_structured.py: c8 0.81x overlapped vs
+        0.89x serial of free decoding)."""
         rows = [
             i
             for i, (req, n) in enumerate(zip(out.rows, out.num_new))
@@ -399,19 +407,34 @@ class Engine:
         if not rows:
             return None
         matchers = [out.rows[i].matcher for i in rows]
+        if not self.grammar_thread:
+            return _Later(lambda: (rows, *self.grammars.masks(matchers)))
         if self._mask_pool is None:
             self._mask_pool = ThreadPoolExecutor(1, thread_name_prefix="precast-grammar")
-        return self._mask_pool.submit(lambda: (rows, *self.grammars.biases(matchers)))
+        return self._mask_pool.submit(lambda: (rows, *self.grammars.masks(matchers)))
 
-    def _masked_rows(self, logits: np.ndarray, masks) -> dict:
-        """row -> its logits plus the grammar's bias (one vectorized add for every constrained row), or None
-        for a row whose grammar failed or allows nothing (it fails alone)."""
-        rows, bias, ok = masks
-        masked = logits[rows, : bias.shape[1]] + bias
-        out = {}
+    def _masked_rows(self, out: SchedulerOutput, logits: np.ndarray, masks) -> dict:
+        """row -> logits whose draw obeys the grammar, or None for a row whose grammar allows nothing (it
+        fails alone). A greedy row (no penalties) whose own argmax the grammar allows keeps its logits (most
+        steps inside a string); the others get the grammar's -inf bias, in one vectorized add."""
+        rows, mask, ok = masks
+        masked: dict = {}
+        biased = []
         for j, i in enumerate(rows):
-            out[i] = masked[j] if ok[j] else None
-        return out
+            if not ok[j]:
+                masked[i] = None
+                continue
+            p = out.rows[i].params
+            if p.greedy and p.plain and allows(mask[j], int(logits[i].argmax())):
+                masked[i] = logits[i]
+            else:
+                biased.append(j)
+        if biased:
+            vocab = self.grammars.vocab
+            added = logits[[rows[j] for j in biased], :vocab] + mask_bias(mask[biased], vocab)
+            for k, j in enumerate(biased):
+                masked[rows[j]] = added[k]
+        return masked
 
     def _fail_grammar(self, req: Request) -> None:
         m = req.matcher
@@ -504,6 +527,20 @@ class Engine:
                 kv_bytes_resident=int(self.runner.kv_resident_bytes),
                 block_size=self.block_size,
             )
+
+
+class _Later:
+    """A future's ``result()`` for work done when asked (the serial grammar masks)."""
+
+    def __init__(self, work: Callable[[], object]):
+        self.result = work
+
+
+def _spare_core(threads: int | None) -> bool:
+    """Whether the backend's intra-op threads (None: ONNX Runtime's default, one per core) leave a CPU of this
+    process free for the grammar thread."""
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return threads is not None and threads < cpus
 
 
 def llm_index_target(root: Path, prefer: str | None = None) -> Path | None:

@@ -171,7 +171,6 @@ class Grammars:
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (cache misses)
         self.cache_hits = 0
-        self._executor = None
 
     def _ll(self):
         llg = _need_llguidance()
@@ -190,7 +189,6 @@ class Grammars:
                 raise LLMRequestError(
                     f"structured outputs: cannot use this tokenizer: {first_line(e)}"
                 ) from None
-            self._executor = llg.LLExecutor(num_threads=1)
         return llg, self._lltok
 
     def _limits(self, llg):
@@ -248,32 +246,33 @@ class Grammars:
     def fill(self, matchers: list, mask: np.ndarray) -> None:
         """Fill ``mask[i]`` with matcher ``i``'s next-token bitmask (llguidance's executor; the GIL is released)."""
         llg, _ = self._ll()
-        llg.numpy.fill_next_token_bitmask_par(self._executor, [(m, i) for i, m in enumerate(matchers)], mask)
+        fill = llg.numpy.fill_next_token_bitmask
+        for i, m in enumerate(matchers):
+            fill(m, mask, i)
 
     def new_mask(self, rows: int) -> np.ndarray:
         return np.zeros((rows, (self.vocab + 31) // 32), dtype=np.int32)
 
-    def biases(self, matchers: list) -> tuple[np.ndarray, np.ndarray]:
-        """(bias, ok): ``bias[i]`` is 0 where matcher ``i`` allows the token and -inf where not (float32, one row
-        per matcher, vocab wide: added to the logits); ``ok[i]``: it allows some token. Runs on the engine's
-        grammar thread while the backend runs the step, so the step loop only adds."""
+    def masks(self, matchers: list) -> tuple[np.ndarray, np.ndarray]:
+        """(mask, ok): ``mask[i]`` the next-token bitmask of matcher ``i``; ``ok[i]``: it allows some token."""
         mask = self.new_mask(len(matchers))
         self.fill(matchers, mask)
-        return mask_bias(mask, self.vocab), mask.any(axis=1)
+        return mask, mask.any(axis=1)
 
 
-_BYTE_BIAS: np.ndarray | None = None
+_NEG_INF_BITS = np.array(-np.inf, np.float32).view(np.int32)
 
 
 def mask_bias(mask: np.ndarray, vocab: int) -> np.ndarray:
     """A [rows, words] int32 bitmask (bit j of word w: token 32 w + j allowed) as an additive float32 bias
-    [rows, vocab]: a table lookup per byte (8 floats each), faster than unpacking bits and selecting."""
-    global _BYTE_BIAS
-    if _BYTE_BIAS is None:
-        bits = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(bool)
-        _BYTE_BIAS = np.where(bits, np.float32(0.0), np.float32(-np.inf)).astype(np.float32)
-    rows = mask.shape[0]
-    return _BYTE_BIAS[mask.view(np.uint8)].reshape(rows, -1)[:, :vocab]
+    [rows, vocab], 0 or -inf: the bits unpacked to 0 / 1, minus 1 (0 / -1: all bits set), and-ed with -inf's
+    bit pattern. Integer ops only: ~5x faster than a table lookup or a select (8 rows x 32k: ~60 us)."""
+    bits = np.unpackbits(mask.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+    return ((bits.view(np.int8) - np.int8(1)).astype(np.int32) & _NEG_INF_BITS).view(np.float32)
+
+
+def allows(mask_row: np.ndarray, token: int) -> bool:
+    return bool((int(mask_row[token >> 5]) >> (token & 31)) & 1)
 
 
 def apply_mask(logits: np.ndarray, mask_row: np.ndarray) -> np.ndarray:

@@ -157,8 +157,11 @@ def test_regex_choice_and_grammar_outputs_match(engine):
             assert ok(out.text) and out.finish_reason == "stop", (c.kind, out.text)
 
 
-def test_free_requests_in_a_mixed_batch_keep_their_tokens(engine):
-    """8 requests, half under a schema: the free ones give the tokens they give alone (greedy and seeded)."""
+@pytest.mark.parametrize("grammar_thread", [False, True])
+def test_free_requests_in_a_mixed_batch_keep_their_tokens(engine, grammar_thread, monkeypatch):
+    """8 requests, half under a schema: the free ones give the tokens they give alone (greedy and seeded),
+    with the masks computed in the step loop or on the grammar thread beside the backend."""
+    monkeypatch.setattr(engine, "grammar_thread", grammar_thread)
     free = [
         SamplingParams(max_tokens=24, ignore_eos=True),
         SamplingParams(max_tokens=24, temperature=0.8, seed=5),
@@ -166,21 +169,26 @@ def test_free_requests_in_a_mixed_batch_keep_their_tokens(engine):
     schema = Constraint.json_schema(
         {
             "type": "object",
-            "properties": {"a": {"type": "array", "items": {"type": "integer"}, "maxItems": 4}},
+            "properties": {
+                "a": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "maxItems": 4}
+            },
             "required": ["a"],
+            "additionalProperties": False,
         }
     )
+    constrained = [
+        SamplingParams(max_tokens=200, temperature=1.0 if i % 2 else 0.0, seed=i, constraint=schema)
+        for i in range(4)
+    ]
     alone = [engine.generate([PROMPTS[i]], free[i % 2])[0].token_ids for i in range(4)]
+    alone_c = [engine.generate([PROMPTS[i + 1]], constrained[i])[0].token_ids for i in range(4)]
     handles = []
     for i in range(4):
         handles.append(engine.submit(PROMPTS[i], free[i % 2]))
-        handles.append(
-            engine.submit(
-                PROMPTS[i + 1], SamplingParams(max_tokens=200, temperature=1.0, seed=i, constraint=schema)
-            )
-        )
+        handles.append(engine.submit(PROMPTS[i + 1], constrained[i]))
     engine.run_until_done()
     assert [h.result().token_ids for h in handles[0::2]] == alone
+    assert [h.result().token_ids for h in handles[1::2]] == alone_c  # (seeded draws: their own generators)
     for h in handles[1::2]:
         assert isinstance(json.loads(h.result().text)["a"], list)
 
