@@ -71,6 +71,7 @@ def generate_cmd(
     as_json,
 ):
     """Generate a continuation of PROMPT with the compiled model in ARTIFACT."""
+    from precast.errors import LLMRequestError
     from precast.runtime.llm import SamplingParams
     from precast.runtime.llm.generate import generate
 
@@ -86,15 +87,23 @@ def generate_cmd(
         constraint=_constraint(json_schema, regex, choices, grammar),
     )
     streaming = stream and not as_json
-    out = generate(
-        artifact,
-        prompt,
-        params,
-        num_blocks=num_blocks,
-        threads=threads,
-        on_text=_write if streaming else None,
-        on_note=lambda note: err_console.print(f"note: {note}", markup=False),
-    )
+    try:
+        out = generate(
+            artifact,
+            prompt,
+            params,
+            num_blocks=num_blocks,
+            threads=threads,
+            on_text=_write if streaming else None,
+            on_note=lambda note: err_console.print(f"note: {note}", markup=False),
+        )
+    except LLMRequestError as e:  # a constraint the engine refused (or failed on): name the flag it came from
+        source = _constraint_flag(json_schema, regex, choices, grammar)
+        if source and (
+            " matches no output" in str(e) or str(e).startswith(("invalid ", "structured output"))
+        ):
+            raise LLMRequestError(f"{source}: {e}") from None
+        raise
     if as_json:
         emit_json(out.as_dict())
         return
@@ -105,9 +114,21 @@ def generate_cmd(
     )
 
 
+def _constraint_flag(json_schema, regex, choices, grammar) -> str | None:
+    for flag, v in (
+        ("--json-schema", json_schema),
+        ("--regex", regex),
+        ("--choice", choices),
+        ("--grammar", grammar),
+    ):
+        if v:
+            return f"{flag} {v}" if flag in ("--json-schema", "--grammar") else flag
+    return None
+
+
 def _constraint(json_schema, regex, choices, grammar):
     """The --json-schema / --regex / --choice / --grammar constraint (at most one), or None."""
-    from precast.errors import UsageError
+    from precast.errors import LLMRequestError, UsageError
     from precast.runtime.llm.structured import MAX_SPEC_CHARS, Constraint
 
     given = [
@@ -131,10 +152,13 @@ def _constraint(json_schema, regex, choices, grammar):
             continue
         try:
             with open(path, encoding="utf-8") as f:
-                text = f.read(MAX_SPEC_CHARS + 1)
+                text = f.read(16 * MAX_SPEC_CHARS + 1)  # (a schema's limit is on its compact JSON)
         except (OSError, UnicodeDecodeError) as e:
             raise UsageError(f"{flag} {path}: cannot read it ({type(e).__name__}: {e})") from None
-        return Constraint.json_schema(text) if flag == "--json-schema" else Constraint.grammar(text)
+        try:
+            return Constraint.json_schema(text) if flag == "--json-schema" else Constraint.grammar(text)
+        except LLMRequestError as e:
+            raise LLMRequestError(f"{flag} {path}: {e}") from None
     return None
 
 

@@ -377,9 +377,9 @@ class Engine:
                 sampled.append(int(row.argmax()))
                 continue
             if req.matcher is not None:
-                row = None if masked is None else masked.get(i)
-                if row is None or req.matcher.is_error():
-                    self._fail_grammar(req)
+                row = "no grammar mask" if masked is None else masked.get(i, "no grammar mask")
+                if isinstance(row, str):  # why its grammar failed
+                    self.output.fail_unsampled(req, LLMRequestError(f"structured output failed: {row}"))
                     sampled.append(None)
                     continue
             try:
@@ -414,15 +414,14 @@ class Engine:
         return self._mask_pool.submit(lambda: (rows, *self.grammars.masks(matchers)))
 
     def _masked_rows(self, out: SchedulerOutput, logits: np.ndarray, masks) -> dict:
-        """row -> logits whose draw obeys the grammar, or None for a row whose grammar allows nothing (it
-        fails alone). A greedy row (no penalties) whose own argmax the grammar allows keeps its logits (most
+        """row -> logits whose draw obeys the grammar, or why the row's grammar failed (a str: it fails alone). A greedy row (no penalties) whose own argmax the grammar allows keeps its logits (most
         steps inside a string); the others get the grammar's -inf bias, in one vectorized add."""
-        rows, mask, ok = masks
+        rows, mask, why = masks
         masked: dict = {}
         biased = []
         for j, i in enumerate(rows):
-            if not ok[j]:
-                masked[i] = None
+            if why[j] is not None:
+                masked[i] = why[j]
                 continue
             p = out.rows[i].params
             if p.greedy and p.plain and allows(mask[j], int(logits[i].argmax())):
@@ -435,11 +434,6 @@ class Engine:
             for k, j in enumerate(biased):
                 masked[rows[j]] = added[k]
         return masked
-
-    def _fail_grammar(self, req: Request) -> None:
-        m = req.matcher
-        why = m.get_error() if m.is_error() else "the grammar allows no next token"
-        self.output.fail_unsampled(req, LLMRequestError(f"structured output failed: {first_line(why)}"))
 
     def _advance_grammars(self, out: SchedulerOutput, sampled: list[int | None]) -> None:
         """Feed each constrained row's token to its matcher; a grammar that is complete ends the request

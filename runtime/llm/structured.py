@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -42,10 +43,14 @@ MAX_CHOICES = 256
 CACHE_SIZE = 256  # compiled grammars kept per engine
 KINDS = ("json_schema", "regex", "choice", "grammar")
 
-# Per-step work bounds (llguidance's fuel: ~14k lexer fuel / ms, ~20k Earley items / ms): a mask costs at most a
-# few ms; a grammar that needs more fails its request instead of stalling the batch.
+# Per-step work bounds: a grammar that needs more fails its request instead of stalling the batch. llguidance's
+# default of 50k Earley items let one ambiguous grammar (start: e; e: e "+" e | e e | /[a-z]/) take 0.6 s for a
+# single mask; at 5k the worst mask measured ~20 ms and the grammar failed within 60 tokens. JSON schemas use
+# far fewer items (the tests' 200-schema corpus runs at 2k). MAX_MASK_SECONDS is the wall-clock backstop: a
+# request whose mask took longer fails (its matcher's work per token is what the others wait for).
 _STEP_LEXER_FUEL = 100_000
-_STEP_MAX_ITEMS = 20_000
+_STEP_MAX_ITEMS = 5_000
+MAX_MASK_SECONDS = 0.025
 _MAX_ITEMS_IN_ROW = 2_000  # an Earley row's branching (llguidance's default)
 _INITIAL_LEXER_FUEL = 1_000_000
 _MAX_GRAMMAR_SIZE = 200_000
@@ -82,13 +87,17 @@ class Constraint:
     def json_schema(cls, schema) -> Constraint:
         """A JSON schema (a dict, or its JSON text)."""
         if isinstance(schema, str):
-            if len(schema) > MAX_SPEC_CHARS:
+            if len(schema) > 16 * MAX_SPEC_CHARS:  # (compacted below: the limit is on that)
                 raise LLMRequestError(_too_long("json schema", len(schema)))
             try:
                 schema = json.loads(schema)
             except ValueError as e:
                 raise LLMRequestError(f"json schema is not valid JSON: {first_line(e)}") from None
-        if not isinstance(schema, (dict, bool)):
+        if schema is True:  # the schema that allows everything: any JSON value
+            schema = {}
+        if schema is False:
+            raise LLMRequestError("json schema false matches no output")
+        if not isinstance(schema, dict):
             raise LLMRequestError(f"json schema must be an object, got {type(schema).__name__}")
         try:
             text = json.dumps(
@@ -96,6 +105,8 @@ class Constraint:
             )  # (key order kept: it is the output's)
         except (TypeError, ValueError) as e:
             raise LLMRequestError(f"json schema cannot be written as JSON: {first_line(e)}") from None
+        if len(text) > MAX_SPEC_CHARS:
+            raise LLMRequestError(_too_long("json schema", len(text)))
         return cls("json_schema", text)
 
     @classmethod
@@ -169,6 +180,7 @@ class Grammars:
         self._lltok = None
         self._cache: OrderedDict = OrderedDict()
         self._lock = threading.Lock()
+        self.clock = time.perf_counter  # (tests inject one)
         self.compiled = 0  # grammars compiled (cache misses)
         self.cache_hits = 0
 
@@ -238,26 +250,48 @@ class Grammars:
         # A grammar whose first step allows nothing matches nothing (e.g. a choice of strings this tokenizer
         # cannot spell); found now, as a 400, not after a token.
         mask = np.zeros((1, (self.vocab + 31) // 32), dtype=np.int32)
-        llg.numpy.fill_next_token_bitmask(m.deep_copy(), mask, 0)
-        if not mask.any():
+        probe = m.deep_copy()
+        llg.numpy.fill_next_token_bitmask(probe, mask, 0)
+        if not mask.any() or probe.is_error():
             raise LLMRequestError(f"{constraint.label} matches no output")
         return m
 
-    def fill(self, matchers: list, mask: np.ndarray) -> None:
-        """Fill ``mask[i]`` with matcher ``i``'s next-token bitmask (llguidance's executor; the GIL is released)."""
+    def fill(self, matchers: list, mask: np.ndarray) -> list[float]:
+        """Fill ``mask[i]`` with matcher ``i``'s next-token bitmask (the GIL is released while it works); returns
+        the seconds each took (``clock``). In the calling thread: llguidance's LLExecutor (a rayon pool) kept a
+        thread spinning after each call, which slowed every ONNX Runtime step (benchmarks/README.md)."""
         llg, _ = self._ll()
-        fill = llg.numpy.fill_next_token_bitmask
+        fill, clock = llg.numpy.fill_next_token_bitmask, self.clock
+        took = []
         for i, m in enumerate(matchers):
+            t0 = clock()
             fill(m, mask, i)
+            took.append(clock() - t0)
+        return took
 
     def new_mask(self, rows: int) -> np.ndarray:
         return np.zeros((rows, (self.vocab + 31) // 32), dtype=np.int32)
 
-    def masks(self, matchers: list) -> tuple[np.ndarray, np.ndarray]:
-        """(mask, ok): ``mask[i]`` the next-token bitmask of matcher ``i``; ``ok[i]``: it allows some token."""
+    def masks(self, matchers: list) -> tuple[np.ndarray, list[str | None]]:
+        """(mask, why): ``mask[i]`` the next-token bitmask of matcher ``i``; ``why[i]`` None, or why its request
+        must fail: the grammar allows nothing, went over llguidance's per-step limits, or took longer than
+        MAX_MASK_SECONDS for this one token."""
         mask = self.new_mask(len(matchers))
-        self.fill(matchers, mask)
-        return mask, mask.any(axis=1)
+        took = self.fill(matchers, mask)
+        why: list[str | None] = []
+        for m, row, t in zip(matchers, mask, took):
+            if m.is_error():
+                why.append(first_line(m.get_error()))
+            elif t > MAX_MASK_SECONDS:
+                why.append(
+                    f"the grammar took {1000 * t:.0f} ms to mask one token (limit {1000 * MAX_MASK_SECONDS:.0f} ms): "
+                    "it is too ambiguous"
+                )
+            elif not row.any():
+                why.append("the grammar allows no next token")
+            else:
+                why.append(None)
+        return mask, why
 
 
 _NEG_INF_BITS = np.array(-np.inf, np.float32).view(np.int32)

@@ -19,7 +19,8 @@ What precast does not implement is refused, never ignored: ``functions`` / ``fun
 ``modalities`` (other than text), ``store`` true, ``reasoning_effort``, ``verbosity``, ``moderation``,
 ``guided_whitespace_pattern``, and any key this module does not know -> 400 with ``param`` set. A
 ``max_tokens`` that does not fit the context beside the prompt is a 400 naming the limit (OpenAI's behaviour);
-without ``max_tokens`` the default (16) is capped to what fits.
+without ``max_tokens`` the default (16; with a structured-output constraint: the rest of the context) is capped
+to what fits.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ MAX_CHOICES = 64  # prompts x n: sequences one request may start
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's cap for /v1/completions 'logprobs'
 MAX_TOP_LOGPROBS = 20  # OpenAI's cap for chat 'top_logprobs'
 DEFAULT_MAX_TOKENS = 16
+DEFAULT_CONSTRAINED_MAX_TOKENS = 1 << 20  # capped to what the context holds
 
 
 class ParamError(LLMRequestError):
@@ -231,7 +233,10 @@ def sampling_params(
     from precast.runtime.llm.sampler import SamplingParams
 
     key = _max_tokens_key(body)
-    max_tokens = DEFAULT_MAX_TOKENS if key is None else body[key]
+    # A structured output cut at 16 tokens never parses: without max_tokens it may run to the context's end
+    # (OpenAI's chat default; _fit_max_tokens caps it to what fits), and the grammar ends it.
+    default = DEFAULT_MAX_TOKENS if constraint is None else DEFAULT_CONSTRAINED_MAX_TOKENS
+    max_tokens = default if key is None else body[key]
     if key is not None and (
         isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1
     ):

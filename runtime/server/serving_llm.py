@@ -192,6 +192,9 @@ class CompletionServing:
                 k, ev = got
                 if ev is None:
                     continue
+                failed = _grammar_failure(run, k, ev)
+                if failed is not None:  # (OpenAI's in-stream error: the choice ends here)
+                    yield _sse({"error": failed})
                 for choice in self.event_choices(run, k, ev):
                     yield _sse(self._chunk(run, [choice]))
             if run.req.include_usage:
@@ -223,6 +226,11 @@ class CompletionServing:
                 run.add_logprobs(k, ev)
         finally:
             run.choices.close()
+        for k in range(n):
+            if finish[k] == "error":
+                failed = _grammar_failure(run, k, None)
+                if failed is not None:  # the request's grammar failed it: the client's input, a 400
+                    raise HTTPError(400, failed["message"], param=failed["param"])
         out = []
         for k, parts in enumerate(texts):
             lp = run.logprobs[k].result() if run.logprobs[k] is not None else None
@@ -235,6 +243,25 @@ class CompletionServing:
             "choices": out,
             "usage": run.usage(),
         }
+
+
+def _grammar_failure(run: _Run, k: int, ev) -> dict | None:
+    """OpenAI's error object for choice ``k`` when its structured output failed in the engine (the grammar
+    went over its limits mid-way: the client's grammar, so a 400 naming the parameter), else None. ``ev``:
+    the event just read (None: look at the choice's end)."""
+    if ev is not None and ev.finish_reason != "error":
+        return None
+    handle = run.choices.streams[k].handle
+    why = getattr(handle, "error", None) if handle is not None else None
+    if not why or not why.startswith("structured output failed"):
+        return None
+    key = run.req.constraint_key
+    return {
+        "message": f"'{key}': {why}" if key else why,
+        "type": "invalid_request_error",
+        "param": key,
+        "code": 400,
+    }
 
 
 class ChatServing(CompletionServing):

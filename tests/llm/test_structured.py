@@ -170,7 +170,11 @@ def test_free_requests_in_a_mixed_batch_keep_their_tokens(engine, grammar_thread
         {
             "type": "object",
             "properties": {
-                "a": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 999}, "maxItems": 4}
+                "a": {
+                    "type": "array",
+                    "items": {"type": "integer", "minimum": 0, "maximum": 999},
+                    "maxItems": 4,
+                }
             },
             "required": ["a"],
             "additionalProperties": False,
@@ -235,6 +239,9 @@ def test_constrained_greedy_survives_preemption(llama):
         (lambda: Constraint.grammar("start: x\n"), "invalid grammar"),
         (lambda: Constraint.choice([]), "non-empty list"),
         (lambda: Constraint.json_schema({"enum": ["x" * (MAX_SPEC_CHARS + 1)]}), "characters; at most"),
+        (lambda: Constraint.json_schema(False), "json schema false matches no output"),
+        (lambda: Constraint.regex(r"[^\s\S]"), "regex matches no output"),
+        (lambda: Constraint.grammar('start: a\na: a "x"\n'), "grammar matches no output"),
     ],
 )
 def test_bad_constraints_are_refused_before_any_token(engine, make, needle):
@@ -279,7 +286,8 @@ def test_generate_cli_json_schema(cli, llama, tmp_path):
     assert r.code == 0 and r.out.strip() in ("yes", "no")
     (tmp_path / "bad.json").write_text('{"type": "foo"}')
     for args, needle in [
-        (("--json-schema", tmp_path / "bad.json"), "invalid json schema: Invalid type: foo"),
+        (("--json-schema", tmp_path / "bad.json"), "bad.json: invalid json schema: Invalid type: foo"),
+        (("--regex", "[^\\s\\S]"), "--regex: regex matches no output"),
         (("--json-schema", tmp_path / "missing.json"), "--json-schema"),
         (("--regex", "a(b"), "invalid regex"),
         (("--regex", "a", "--choice", "b"), "--regex and --choice: give at most one"),
@@ -318,3 +326,32 @@ def test_a_grammar_over_its_step_budget_fails_alone(llama, monkeypatch):
     else:
         assert "invalid grammar" in refused
     eng.close()
+
+
+def test_a_mask_over_its_time_limit_fails_its_request_alone(engine, monkeypatch):
+    """The wall-clock backstop (an injected clock: every mask 'takes' 40 ms, over MAX_MASK_SECONDS)."""
+    from precast.runtime.llm import structured
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(engine.grammars, "clock", lambda: next(ticks) * 0.02)  # 2 reads a mask: 20 ms apart
+    monkeypatch.setattr(structured, "MAX_MASK_SECONDS", 0.015)
+    free = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = engine.generate([PROMPTS[2]], free)[0].token_ids
+    h = engine.submit(PROMPTS[1], SamplingParams(max_tokens=40, constraint=Constraint.json_object()))
+    h_free = engine.submit(PROMPTS[2], free)
+    engine.run_until_done()
+    assert h_free.result().token_ids == alone
+    with pytest.raises(LLMRequestError, match=r"took 20 ms to mask one token \(limit 15 ms\)"):
+        h.result()
+
+
+def test_true_schema_allows_any_json(engine):
+    """``true`` (the schema every value satisfies) is ``{}``: any JSON value, not an error."""
+    c = Constraint.json_schema(True)
+    assert c == Constraint.json_schema({}) == Constraint.json_schema("true")
+    out = engine.generate(
+        [PROMPTS[0]], SamplingParams(max_tokens=300, temperature=1.0, seed=2, constraint=c)
+    )[0]
+    assert out.finish_reason in ("stop", "length")
+    if out.finish_reason == "stop":
+        json.loads(out.text)

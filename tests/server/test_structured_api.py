@@ -529,6 +529,20 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
         ("chat", {"store": True}, "store", "not supported"),
         ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
         ("chat", {"ignore_eos": True, "guided_regex": "a"}, "ignore_eos", "constraint"),
+        ("chat", {"guided_regex": "[^\\s\\S]"}, "guided_regex", "matches no output"),
+        ("completions", {"guided_grammar": 'start: a\na: a "x"\n'}, "guided_grammar", "matches no output"),
+        ("chat", {"guided_json": False}, "guided_json", "matches no output"),
+        (
+            "chat",
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "big", "schema": {"enum": ["x" * 70000]}},
+                }
+            },
+            "response_format",
+            "characters; at most",
+        ),
     ],
 )
 def test_bad_structured_requests_are_400_naming_the_parameter(server, route, extra, param, needle):
@@ -556,3 +570,45 @@ def test_harmless_openai_parameters_are_accepted(server):
         "min_p": 0.1,
     }
     assert _post(server, "chat/completions", body).status_code == 200
+
+
+def test_a_grammar_that_fails_mid_way_is_a_400_naming_it_and_the_server_goes_on(server, monkeypatch):
+    """A grammar over its per-step limits (here: a tiny Earley row budget) fails its own request: a 400 naming
+    the parameter (streamed: an OpenAI error event), never a 200 with finish_reason "error"; the next request
+    is served."""
+    from precast.runtime.llm import structured
+
+    monkeypatch.setattr(structured, "_MAX_ITEMS_IN_ROW", 3)
+    for i, stream in enumerate((False, True)):
+        grammar = (
+            f"start: item+\nitem: a | b\na: x x\nb: x\nx: NUM{i} | WORD\nNUM{i}: /[0-9]+/\nWORD: /[a-z]+/\n"
+        )
+        body = {"messages": HI, "max_tokens": 40, "seed": 0, "temperature": 1.0, "guided_grammar": grammar}
+        if not stream:
+            r = _post(server, "chat/completions", body)
+            assert r.status_code == 400, r.text
+            err = r.json()["error"]
+        else:
+            with httpx.stream(
+                "POST",
+                f"{server[0]}/v1/chat/completions",
+                json={"model": "tiny", "stream": True, **body},
+                timeout=60,
+            ) as r:
+                events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+            err = next(e["error"] for e in events if "error" in e)
+        assert err["param"] == "guided_grammar" and "structured output failed" in err["message"], err
+        assert "\n" not in err["message"]
+    monkeypatch.undo()
+    r = _post(server, "chat/completions", {"messages": HI, "max_tokens": 4})
+    assert r.status_code == 200
+
+
+def test_a_constraint_without_max_tokens_is_not_cut_at_16(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON}}
+    r = client.chat.completions.create(
+        model="tiny", messages=HI, response_format=fmt, seed=3, temperature=1.0
+    )
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    _valid(r.choices[0].message.content, PERSON)
+    assert r.usage.completion_tokens > 16
