@@ -337,11 +337,12 @@ def parse(svc, body: dict, chat: bool, header_priority, config) -> _Parsed:
     """Everything one request is checked for before its text is tokenized (a worker thread: off the event loop).
     LLMRequestError / ParamError name what is wrong."""
     from precast.runtime.server.llm_service import parse_priority
-    from precast.runtime.server.tool_calls import parse_tools
+    from precast.runtime.server.tool_calls import check_tool_schemas, parse_tools
 
     refuse_unsupported(body, chat)
     n = _n(body)
     tools = parse_tools(body) if chat else None
+    check_tool_schemas(tools, svc.engine.grammars)
     from precast.runtime.server.structured_params import constraint
 
     made, key = constraint(body, tools)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 from precast.runtime.server.openai_params import ParamError
 
-__all__ = ["MAX_TOOLS", "ToolCall", "ToolRequest", "parse_tools"]
+__all__ = ["MAX_TOOLS", "ToolCall", "ToolRequest", "check_tool_schemas", "parse_tools"]
 
 MAX_TOOLS = 128  # OpenAI's limit
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -230,5 +230,23 @@ def parse_tools(body: dict) -> ToolRequest | None:
         )
     choice, name = _choice(body.get("tool_choice"), names)
     if not tools:
+        for key in ("tool_choice", "parallel_tool_calls"):  # (OpenAI's: only with tools)
+            if body.get(key) is not None and body.get(key) != "none":
+                raise ParamError(f"'{key}' is only allowed when 'tools' are given", key)
         return None
     return ToolRequest(tools, choice, name, parallel is not False)
+
+
+def check_tool_schemas(tools: ToolRequest | None, grammars) -> None:
+    """Each tool's parameters compiled as a JSON schema by the engine's grammar engine (cached per schema),
+    whatever the tool_choice: a tool the model is shown must be callable. A 400 naming the tool."""
+    from precast.errors import LLMRequestError
+    from precast.runtime.llm.structured import Constraint, structured_available
+
+    if tools is None or not structured_available():
+        return
+    for i, t in enumerate(tools.tools):
+        try:
+            grammars.matcher(Constraint.json_schema(t["function"]["parameters"]))
+        except LLMRequestError as e:
+            raise ParamError(f"'tools[{i}].function.parameters': {e}", "tools") from None

@@ -526,6 +526,14 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
             "invalid json schema",
         ),
         ("completions", {"tools": TOOLS}, "tools", "chat"),
+        (
+            "chat",
+            {"tools": _fn(name="f", parameters={"type": "object", "properties": {"x": {"type": "foo"}}})},
+            "tools",
+            "tools[0].function.parameters': invalid json schema",
+        ),
+        ("chat", {"tool_choice": "auto"}, "tool_choice", "only allowed when 'tools'"),
+        ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when 'tools'"),
         ("chat", {"store": True}, "store", "not supported"),
         ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
         ("chat", {"ignore_eos": True, "guided_regex": "a"}, "ignore_eos", "constraint"),
@@ -566,7 +574,6 @@ def test_harmless_openai_parameters_are_accepted(server):
         "safety_identifier": "s",
         "response_format": {"type": "text"},
         "guided_decoding_backend": "llguidance",
-        "parallel_tool_calls": True,
         "min_p": 0.1,
     }
     assert _post(server, "chat/completions", body).status_code == 200
