@@ -39,6 +39,7 @@ def inspect(artifact, as_json):
         out_console.print(
             f"[bold]{artifact}[/bold]: multi-target artifact, fallback order {manifest.get('fallback_order', '?')}"
         )
+        _inspect_speeds(Path(artifact), manifest["targets"])
         for name, entry in manifest["targets"].items():
             out_console.print(f"\n[bold]== {name} ==[/bold]")
             _inspect_one(
@@ -47,6 +48,29 @@ def inspect(artifact, as_json):
             )
         return
     _inspect_one(Path(artifact), manifest)
+
+
+def _inspect_speeds(root: Path, targets: dict) -> None:
+    """A causal LM's measured serving rates per target (the compile's, on its host) and which target each load
+    opens: ``precast generate`` 1 request, ``serve`` its --max-num-seqs (runtime/hal.py's rate_at)."""
+    from precast.artifact.manifest import read_manifest
+    from precast.runtime.hal import SPEED_FIGURES, rate_at
+
+    speeds = {}
+    for name, entry in targets.items():
+        speed = (read_manifest(root / entry.get("dir", name)).parity or {}).get("speed")
+        if rate_at(speed, 1) is None:
+            return
+        speeds[name] = speed
+    out_console.print("measured on the compiling host, tokens/s (requests at once):")
+    for name, speed in speeds.items():
+        rates = ", ".join(
+            f"{n}: {speed[k]:g}" for n, k in SPEED_FIGURES if isinstance(speed.get(k), (int, float))
+        )
+        out_console.print(f"  {name}: {rates}")
+    for n, _ in SPEED_FIGURES:
+        best = max(speeds, key=lambda t: rate_at(speeds[t], n) or 0.0)
+        out_console.print(f"  at {n} request{'s' if n > 1 else ''}: {best}", markup=False)
 
 
 def _inspect_one(path: Path, m: dict) -> None:
@@ -204,36 +228,65 @@ def verify(artifact, as_json, pubkey, expect_name, min_version, junit, quiet):
 @click.option("--top-k", default=5, show_default=True, type=click.IntRange(1, 1000), help="Labels per input.")
 @click.option("-o", "--output", "output_file", type=click.Path(), default=None, help="Save outputs to .npz.")
 @click.option("--prefer", default=None, help="Target to prefer in a multi-target artifact.")
-@click.option("--max-new-tokens", type=click.IntRange(1, 65536), default=None,
-              help="Generation tasks: tokens to generate at most (default: the model's generation config).")
-@click.option("--num-beams", type=click.IntRange(1, 64), default=None,
-              help="Generation tasks: beam search width (default: the model's generation config).")
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(1, 65536),
+    default=None,
+    help="Generation tasks: tokens to generate at most (default: the model's generation config).",
+)
+@click.option(
+    "--num-beams",
+    type=click.IntRange(1, 64),
+    default=None,
+    help="Generation tasks: beam search width (default: the model's generation config).",
+)
 @click.option("--language", default=None, help="Whisper: the spoken language (e.g. en); default: detected.")
 @click.option("--translate", is_flag=True, help="Whisper: translate to English instead of transcribing.")
 @THREADS
 @click.option("--json", "as_json", is_flag=True, help="Print outputs as JSON lists.")
 def run(
-    artifact, input_file, images, audios, texts, context, labels, top_k, output_file, prefer,
-    max_new_tokens, num_beams, language, translate, threads, as_json
+    artifact,
+    input_file,
+    images,
+    audios,
+    texts,
+    context,
+    labels,
+    top_k,
+    output_file,
+    prefer,
+    max_new_tokens,
+    num_beams,
+    language,
+    translate,
+    threads,
+    as_json,
 ):
     """Run an artifact on feeds from a file (-i), or a task artifact on images, WAV files or text, and print
     (or save) the outputs: labels and scores, decoded text, an answer span, an embedding; an encoder-decoder
     artifact translates / summarizes --text or transcribes --audio (WAV or FLAC, any length)."""
     from precast.runtime import load
 
-    generation = {k: v for k, v in (("max_new_tokens", max_new_tokens), ("num_beams", num_beams),
-                                    ("language", language)) if v is not None}
+    generation = {
+        k: v
+        for k, v in (("max_new_tokens", max_new_tokens), ("num_beams", num_beams), ("language", language))
+        if v is not None
+    }
     if translate:
         generation["task"] = "translate"
     if (Path(artifact).parent / "seq2seq.json").is_file() and Path(artifact).name in ("encoder", "decoder"):
-        raise UsageError(f"{artifact} is a part of the encoder-decoder artifact {Path(artifact).parent}: run that")
+        raise UsageError(
+            f"{artifact} is a part of the encoder-decoder artifact {Path(artifact).parent}: run that"
+        )
     if (Path(artifact) / "seq2seq.json").is_file():
         if input_file or images:
             raise UsageError(f"{artifact} is an encoder-decoder artifact: give --text or --audio")
         unused = [("-o", output_file), ("--context", context), ("--labels", labels), ("--top-k", top_k != 5)]
         for option, value in unused:
             if value:
-                raise UsageError(f"{option} does not apply to an encoder-decoder artifact (it prints text; --json)")
+                raise UsageError(
+                    f"{option} does not apply to an encoder-decoder artifact (it prints text; --json)"
+                )
         _run_seq2seq(artifact, audios, texts, generation, threads, as_json)
         return
     if generation:
@@ -327,8 +380,17 @@ def _run_seq2seq(artifact, audios, texts, generation: dict, threads, as_json) ->
     finally:
         engine.close()
     if as_json:
-        emit_json([{"input": n, "text": r.text, "tokens": r.tokens, **({"language": r.language} if r.language else {})}
-                   for n, r in zip(names, results)])
+        emit_json(
+            [
+                {
+                    "input": n,
+                    "text": r.text,
+                    "tokens": r.tokens,
+                    **({"language": r.language} if r.language else {}),
+                }
+                for n, r in zip(names, results)
+            ]
+        )
         return
     for name, r in zip(names, results):
         out_console.print(escape(f"{name}: {r.text}"))

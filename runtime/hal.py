@@ -3,8 +3,10 @@
     resolve(path, open, prefer=..., pubkey=...) -> Resolved(root, manifest, opened, skipped, temp)
 
 ``path`` is an artifact directory, a multi-target index, or a packed file (unpacked, checksums and signature
-checked, into a temp dir the caller then owns). An index's targets are tried best first (``prefer``, then
-the compile's measured ``fallback_order``, else PREFERENCE): ``open(root, manifest)`` opens one, and a
+checked, into a temp dir the caller then owns). An index's targets are tried best first (``prefer``; then,
+given the ``concurrency`` the caller will run at, the target whose measured rate at that load is highest (a
+causal-lm compile records each target's decode rate alone and its aggregate rate at 8 and 32 requests); else
+the compile's measured ``fallback_order``; else PREFERENCE): ``open(root, manifest)`` opens one, and a
 TargetUnavailableError from it passes to the next, its reason kept in ``skipped``. runtime.load opens a
 backend session this way, Engine.load a step runner; both get the same order, signature policy and errors.
 
@@ -15,6 +17,7 @@ compiler's target registry checks its names against TARGET_NAMES instead of keep
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +36,7 @@ __all__ = [
     "Resolved",
     "check_target_name",
     "preference_order",
+    "rate_at",
     "resolve",
     "target_order",
 ]
@@ -80,14 +84,59 @@ def preference_order(names: Iterable[str], prefer: str | None = None) -> list[st
     return sorted(names, key=lambda n: (n != prefer, rank[n]))
 
 
-def target_order(root: Path, manifest: Manifest, prefer: str | None = None) -> list[str]:
-    """An index's targets in the order to try: ``prefer`` first, then its ``fallback_order`` (a causal-lm
-    compile ranks its targets by measured speed there), else PREFERENCE's."""
+# The rates a causal-lm compile measures per target (its manifest's parity.speed), by the concurrency each
+# stands for (compiler/decoder/llm_speed.py).
+SPEED_FIGURES = ((1, "decode_b1_tok_s"), (8, "batch8_tok_s"), (32, "batch32_tok_s"))
+
+
+def rate_at(speed: object, concurrency: int) -> float | None:
+    """The recorded rate measured nearest ``concurrency`` requests (on a log scale: 1, 8, 32), or None when
+    ``speed`` records none (an artifact is untrusted data: only finite, non-negative numbers count)."""
+    if not isinstance(speed, Mapping):
+        return None
+    figures = [
+        (n, float(v))
+        for n, key in SPEED_FIGURES
+        if isinstance(v := speed.get(key), (int, float))
+        and not isinstance(v, bool)
+        and math.isfinite(v)
+        and v >= 0
+    ]
+    if not figures:
+        return None
+    at = math.log(max(1, int(concurrency)))
+    return min(figures, key=lambda f: abs(math.log(f[0]) - at))[1]
+
+
+def _measured_order(root: Path, entries: Mapping[str, str], concurrency: int) -> list[str] | None:
+    """The index's targets by their recorded rate at ``concurrency`` (fastest first), or None unless every
+    target records one."""
+    rates = {}
+    for name, rel in entries.items():
+        try:
+            speed = (read_manifest(root / rel).parity or {}).get("speed")
+        except (ArtifactError, OSError):
+            return None
+        rates[name] = rate_at(speed, concurrency)
+        if rates[name] is None:
+            return None
+    return sorted(entries, key=lambda n: -rates[n])
+
+
+def target_order(
+    root: Path, manifest: Manifest, prefer: str | None = None, concurrency: int | None = None
+) -> list[str]:
+    """An index's targets in the order to try: ``prefer`` first; then, for a caller that says the
+    ``concurrency`` it will run at, by the rate each target recorded nearest that load; else the index's
+    ``fallback_order`` (a causal-lm compile's ranking over both loads), else PREFERENCE's."""
     entries = manifest.target_dirs()
     if prefer is not None and prefer not in entries:
         raise ArtifactError(
             f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})"
         )
+    measured = _measured_order(root, entries, concurrency) if concurrency is not None else None
+    if measured is not None:
+        return sorted(measured, key=lambda n: n != prefer)
     recorded = manifest.fallback_order or []
     if sorted(recorded) != sorted(entries):  # absent, or not this index's targets: the static order
         return preference_order(entries, prefer)
@@ -104,12 +153,14 @@ def resolve(
     min_version: str | None = None,
     now: datetime | None = None,
     verify: bool = True,
+    concurrency: int | None = None,
 ) -> Resolved[T]:
     """The target of the artifact at ``path`` that this host runs, opened by ``open`` (see the module doc).
 
     ``pubkey`` requires a packed artifact's signed statement (artifact/signing.py): a valid Ed25519
     signature, not expired at ``now``, named ``expect_name`` and at least ``min_version`` when given.
-    ``verify``: the sha256 of every file of the manifests read on the way."""
+    ``verify``: the sha256 of every file of the manifests read on the way. ``concurrency``: the requests the
+    caller will run at once (an LLM engine's batch): an index's targets are ranked by their rate there."""
     if prefer is not None:  # a typo: exit 4 with the close match, not "no target ... in this artifact"
         check_target_name(prefer)
     from precast.artifact.signing import signature_policy
@@ -121,24 +172,26 @@ def resolve(
             raise ArtifactError(
                 f"{root}: signatures live in packed artifacts; pack it, or drop the public key"
             )
-        return _resolve_dir(root, open, prefer, verify)
+        return _resolve_dir(root, open, prefer, verify, concurrency)
     from precast.artifact.archive import remove_temp, unpack_to_temp
 
     temp = unpack_to_temp(root, policy=policy, now=now)
     try:
-        return dataclasses.replace(_resolve_dir(temp, open, prefer, verify), temp=temp)
+        return dataclasses.replace(_resolve_dir(temp, open, prefer, verify, concurrency), temp=temp)
     except BaseException:
         remove_temp(temp)
         raise
 
 
-def _resolve_dir(root: Path, open: Opener[T], prefer: str | None, verify: bool) -> Resolved[T]:
+def _resolve_dir(
+    root: Path, open: Opener[T], prefer: str | None, verify: bool, concurrency: int | None = None
+) -> Resolved[T]:
     manifest = read_manifest(root)
     if verify:
         check_integrity(root, manifest)
     if manifest.is_multi_target:
         entries, skipped = manifest.target_dirs(), {}
-        for name in target_order(root, manifest, prefer):
+        for name in target_order(root, manifest, prefer, concurrency):
             try:
                 found = _resolve_dir(root / entries[name], open, None, verify)
             except TargetUnavailableError as e:

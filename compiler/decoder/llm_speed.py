@@ -2,9 +2,12 @@
 
 A causal LM compiled for several CPU backends (ort-cpu and openvino: the same engine above two step graphs)
 is measured per target right after it verifies, through the runtime's own Engine: one request's decode rate
-and 8 requests' aggregate rate, fresh prompts, the prefix cache off. The index's ``fallback_order`` puts the
-faster one first (geometric mean of the two rates), so ``load`` / ``Engine.load`` / ``precast serve`` pick it;
-``--prefer`` overrides. Each target's parity block keeps its numbers (``speed``). It is this host's
+and the aggregate rates of 8 and of 32 requests, fresh prompts, the prefix cache off. The backends lead at
+different loads (issue 43: ONNX Runtime at batch 1, OpenVINO at 32 requests), so the loaders rank by the rate
+nearest the load they will run (runtime/hal.py's ``rate_at``): ``precast generate`` by the batch-1 rate,
+``precast serve`` and ``Engine.load(config=...)`` by ``--max-num-seqs``. The index's ``fallback_order`` (the
+geometric mean of the b1 and 8-request rates) is the order for a caller that says no load; ``--prefer``
+overrides both. Each target's parity block keeps its numbers (``speed``). It is this host's
 measurement: a deployment host unlike it may rank them otherwise (``precast bench`` says).
 """
 
@@ -20,10 +23,11 @@ __all__ = ["llm_speed", "speed_score"]
 
 NEW_TOKENS = 16
 BATCH = 8
+BATCH_LARGE = 32
 
 
 def llm_speed(path: Path, threads: int | None = None) -> dict[str, float]:
-    """{'decode_b1_tok_s', 'batch8_tok_s'} of the causal-lm artifact at ``path`` on this host."""
+    """{'decode_b1_tok_s', 'batch8_tok_s', 'batch32_tok_s'} of the causal-lm artifact at ``path`` on this host."""
     from precast.runtime.llm import Engine
     from precast.runtime.llm.sampler import SamplingParams
 
@@ -46,12 +50,18 @@ def llm_speed(path: Path, threads: int | None = None) -> dict[str, float]:
         t0 = time.perf_counter()
         engine.generate(prompts(1), params(NEW_TOKENS + 1))
         b1 = NEW_TOKENS / max(time.perf_counter() - t0 - ttft, 1e-9)
-        t0 = time.perf_counter()
-        done = engine.generate(prompts(BATCH), params(NEW_TOKENS))
-        batched = sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
+        rates = {}
+        for n in (BATCH, BATCH_LARGE):
+            t0 = time.perf_counter()
+            done = engine.generate(prompts(n), params(NEW_TOKENS))
+            rates[n] = sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
     finally:
         engine.close()
-    return {"decode_b1_tok_s": round(b1, 2), "batch8_tok_s": round(batched, 2)}
+    return {
+        "decode_b1_tok_s": round(b1, 2),
+        "batch8_tok_s": round(rates[BATCH], 2),
+        "batch32_tok_s": round(rates[BATCH_LARGE], 2),
+    }
 
 
 def speed_score(speed: dict[str, float] | None) -> float:

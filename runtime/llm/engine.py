@@ -105,6 +105,7 @@ class Engine:
         expect_name: str | None = None,
         min_version: str | None = None,
         now: datetime | None = None,
+        concurrency: int | None = None,
         **runner_kwargs,
     ) -> Engine:
         """Open a causal-lm artifact (a directory, or a file packed by ``precast pack``, as
@@ -115,7 +116,9 @@ class Engine:
         into a temp dir the engine owns: ``close()`` removes it (else garbage collection or exit). A
         multi-target index (a causal LM compiled for ort-cpu and openvino) opens its first target this host
         can run in the index's order, which the compile measured (the faster first); ``prefer`` names one
-        to put first (runtime/hal.py, as load's)."""
+        to put first (runtime/hal.py, as load's). ``concurrency``: the requests it will run at once (default:
+        ``config.max_num_seqs`` when a config is given, else unknown): an index's targets are then ranked by the
+        rate each recorded at the compile nearest that load (1, 8, 32 requests), not by its overall order."""
         from precast.runtime.hal import resolve
         from precast.runtime.llm.runners.factory import RunnerOptions
 
@@ -123,6 +126,10 @@ class Engine:
             raise UsageError(f"num_blocks must be a positive integer (or None), got {num_blocks!r}")
         checked_config(config)  # before a model is loaded for nothing
         options = RunnerOptions.from_kwargs(runner_kwargs, "Engine.load")
+        if concurrency is not None and (not is_int(concurrency) or concurrency < 1):
+            raise UsageError(f"concurrency must be a positive integer (or None), got {concurrency!r}")
+        if concurrency is None and config is not None:
+            concurrency = config.max_num_seqs
 
         def open_target(root: Path, manifest) -> tuple:
             return _open_llm_target(root, manifest, num_blocks, options, where=path)
@@ -136,6 +143,7 @@ class Engine:
             min_version=min_version,
             now=now,
             verify=options.verify,
+            concurrency=concurrency,
         )
         runner, tokenizer = found.opened
         try:
@@ -537,8 +545,9 @@ def _spare_core(threads: int | None) -> bool:
     return threads is not None and threads < cpus
 
 
-def llm_index_target(root: Path, prefer: str | None = None) -> Path | None:
-    """For a multi-target index of a causal LM: the sub-artifact Engine.load opens (else None)."""
+def llm_index_target(root: Path, prefer: str | None = None, concurrency: int | None = None) -> Path | None:
+    """For a multi-target index of a causal LM: the sub-artifact Engine.load opens (else None), for
+    ``concurrency`` requests at once when given (runtime/hal.py)."""
     from precast.artifact.manifest import read_manifest
     from precast.runtime.hal import resolve
 
@@ -548,7 +557,13 @@ def llm_index_target(root: Path, prefer: str | None = None) -> Path | None:
     first = next(iter(manifest.target_dirs().values()))
     if read_manifest(root / first).llm is None:
         return None
-    return resolve(root, lambda sub, m: _check_available(sub, m.target), prefer=prefer, verify=False).root
+    return resolve(
+        root,
+        lambda sub, m: _check_available(sub, m.target),
+        prefer=prefer,
+        verify=False,
+        concurrency=concurrency,
+    ).root
 
 
 def _open_llm_target(root: Path, manifest, num_blocks: int | None, options, where) -> tuple:

@@ -207,8 +207,11 @@ class ModelHost:
         manifest = read_manifest(root) if root.is_dir() else None
         if manifest is not None and manifest.is_multi_target:  # a causal LM's index: its fastest target here
             from precast.runtime.llm.engine import llm_index_target
+            from precast.runtime.llm.scheduler import SchedulerConfig
 
-            sub = llm_index_target(root)
+            # ranked for the batch it will serve (--max-num-seqs): the measured rate nearest that load
+            seqs = self.llm_options.get("max_num_seqs") or SchedulerConfig().max_num_seqs
+            sub = llm_index_target(root, concurrency=seqs)
             if sub is not None:
                 root, manifest = sub, read_manifest(sub)
         is_llm = manifest is not None and manifest.llm is not None

@@ -38,3 +38,34 @@ def test_sessions_expose_their_native_handle():
     compiled = _Compiled()
     session = OpenVINOSession(compiled, "CPU")
     assert isinstance(session, Session) and session.native is compiled
+
+
+def test_rate_at_takes_the_measured_rate_nearest_the_load():
+    from precast.runtime.hal import rate_at
+
+    speed = {"decode_b1_tok_s": 100, "batch8_tok_s": 300.5, "batch32_tok_s": 900}
+    assert [rate_at(speed, n) for n in (1, 2, 3, 4, 8, 15, 17, 64, 1000)] == [
+        100,
+        100,
+        300.5,
+        300.5,
+        300.5,
+        300.5,
+        900,
+        900,
+        900,
+    ]
+    assert (
+        rate_at({"decode_b1_tok_s": 5, "batch8_tok_s": 9}, 64) == 9
+    )  # (an older compile: no 32-request rate)
+    # an artifact is untrusted: only finite non-negative numbers count
+    for bad in (
+        None,
+        "fast",
+        [1, 2],
+        {"decode_b1_tok_s": True},
+        {"batch8_tok_s": float("nan")},
+        {"batch32_tok_s": -1},
+        {"decode_b1_tok_s": "9"},
+    ):
+        assert rate_at(bad, 8) is None, bad
