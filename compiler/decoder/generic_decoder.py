@@ -23,6 +23,7 @@ torch is imported by the caller (this module is only imported on the compile sid
 from __future__ import annotations
 
 import contextlib
+import re
 from dataclasses import dataclass, field
 
 import torch
@@ -139,12 +140,12 @@ def precast_paged_attention(
     ``alibi_slopes`` [H] (BLOOM, MPT, from attention_swaps): score[h, q, k] += slope[h] * position of key k, as
     the model's alibi tensor (softmax is shift-invariant per query, so absolute key positions are exact).
     ``attention_chunk`` (Llama 4's chunked layers, from attention_swaps): a query sees only the keys of its own
-    chunk of positions (HF: kv_idx // chunk == q_idx // chunk)."""
+    chunk of positions (HF: kv_idx // chunk == q_idx // chunk). ``s_aux`` / ``sinks`` [H] (gpt-oss's attention
+    sinks): a per-head logit joins each query's softmax and its probability is dropped."""
     step = _ACTIVE
     if step is None:
         raise RuntimeError("precast_paged attention called outside a precast step")
-    if kwargs.get("s_aux") is not None or kwargs.get("sinks") is not None:
-        raise ModelLoadError("attention sinks are not supported for task causal-lm")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # gpt-oss: a learned logit per head
     if attention_mask is not None and attention_mask.dtype != torch.bool and not step.probe:
         # an additive bias the model built itself (ALiBi-style): not reproduced here
         raise ModelLoadError("models that pass their own attention bias are not supported for task causal-lm")
@@ -158,7 +159,15 @@ def precast_paged_attention(
     window = int(sliding_window) if sliding_window else None
     if step.probe:
         step.layers.append(
-            (i, kv, key.shape[-1], value.shape[-1], window, float(softcap) if softcap else None)
+            (
+                i,
+                kv,
+                key.shape[-1],
+                value.shape[-1],
+                window,
+                float(softcap) if softcap else None,
+                sinks is not None,
+            )
         )
         keys, values = key, value
         past_lens = torch.zeros(b, dtype=torch.long, device=query.device)
@@ -180,7 +189,13 @@ def precast_paged_attention(
         k_pos = _positions(past_lens, s, keys.shape[2] - s)[1].to(scores.dtype)  # [B,P+S]
         scores = scores + alibi_slopes.to(scores.dtype)[None, :, None, None] * k_pos[:, None, None, :]
     scores = torch.where(mask, scores, torch.full_like(scores, _NEG))
-    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    if sinks is not None:
+        # attention sinks (gpt-oss): one more logit per head in each softmax, attending to nothing: it takes
+        # its share of the probability mass, and its column is dropped (HF's eager_attention_forward)
+        sink = sinks.reshape(1, h, 1, 1).to(scores.dtype).expand(b, h, s, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1).float(), dim=-1)[..., :-1].to(query.dtype)
+    else:
+        probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
     return torch.matmul(probs, values).transpose(1, 2).contiguous(), None
 
 
@@ -296,12 +311,24 @@ class DecoderShape:
     head_size: int
     windows: tuple  # per layer: sliding window or None
     softcaps: tuple
+    sinks: tuple = ()  # per layer: whether it has attention sinks (gpt-oss)
 
 
 def probe(hf: nn.Module, where: str) -> DecoderShape:
     """One eager forward of 4 tokens through the registered attention: the model's layers, heads and options."""
     from precast.compiler.decoder.attention_swaps import swap_attention
 
+    cfg = hf.config.get_text_config()
+    family = f"'{getattr(cfg, 'model_type', None) or type(hf).__name__}'"
+    names = {type(m).__name__ for m in hf.modules()}
+    recurrent = sorted(n for n in names if _RECURRENT.search(n))
+    if recurrent:  # (before a forward: a hybrid's own forward may not even run under the probe)
+        hybrid = any("Attention" in n and not _RECURRENT.search(n) for n in names)
+        kind = "a hybrid model: beside attention it has" if hybrid else "a state-space model: it has"
+        raise ModelLoadError(
+            f"{where}: {family} is {kind} recurrent-state layers ({', '.join(recurrent)}: a fixed-size state "
+            "per request, not a K/V cache); not supported for task causal-lm yet"
+        )
     register()
     swap_attention(hf)  # falcon / bloom: their own attention code, pointed at precast_paged_attention
     set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
@@ -311,19 +338,31 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
         hf(input_ids=ids, position_ids=torch.arange(4)[None], use_cache=False)
     if not step.layers:
         raise ModelLoadError(
-            f"{where}: the model does not route attention through transformers' attention interface "
+            f"{where}: {family} has no attention layer that goes through transformers' attention interface "
             "(needed for task causal-lm)"
         )
     layers = sorted(step.layers)
-    if [entry[0] for entry in layers] != list(range(len(layers))):
-        raise ModelLoadError(f"{where}: attention layer indices {[e[0] for e in layers]} are not 0..L-1")
-    shapes = {(e[1], e[2], e[3]) for e in layers}
-    if len(shapes) != 1 or layers[0][2] != layers[0][3]:
+    n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    if [entry[0] for entry in layers] != list(range(len(layers))) or (n_layers and len(layers) != n_layers):
+        attn = {e[0] for e in layers}
+        others = [i for i in range(max(n_layers, max(attn) + 1)) if i not in attn]
         raise ModelLoadError(
-            f"{where}: layers with different KV shapes {sorted(shapes)} are not supported for task causal-lm"
+            f"{where}: {family} is a hybrid model: layers {others} are {_layer_kinds(cfg, others)}, not "
+            "attention with a K/V cache; not supported for task causal-lm yet"
+        )
+    shapes = {(e[1], e[2], e[3]) for e in layers}
+    if any(e[2] != e[3] for e in layers):
+        k, v = layers[0][2], layers[0][3]
+        raise ModelLoadError(
+            f"{where}: {family} has K heads of size {k} and V heads of size {v} (multi-head latent attention: "
+            "the paged cache holds one head size); not supported for task causal-lm yet"
+        )
+    if len(shapes) != 1:
+        raise ModelLoadError(
+            f"{where}: {family} has layers with different K/V shapes (kv heads, head size): {sorted(shapes)}; "
+            "not supported for task causal-lm yet"
         )
     kv, d, _ = shapes.pop()
-    cfg = hf.config.get_text_config()
     heads = int(cfg.num_attention_heads)
     return DecoderShape(
         layers=len(layers),
@@ -332,7 +371,22 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
         head_size=d,
         windows=tuple(e[4] for e in layers),
         softcaps=tuple(e[5] for e in layers),
+        sinks=tuple(e[6] for e in layers),
     )
+
+
+# Layers whose per-request state is a recurrent one (Mamba / Mamba2 mixers, LFM2's short convolutions,
+# Qwen3-Next's gated delta net, linear attention): the paged K/V cache cannot hold it.
+_RECURRENT = re.compile(r"Mixer$|ShortConv|GatedDeltaNet|LinearAttention")
+
+
+def _layer_kinds(cfg, indices: list[int]) -> str:
+    """What the config says layers ``indices`` are (Jamba's layers_block_type, LFM2 / Qwen3-Next's layer_types),
+    e.g. "mamba" or "conv, linear_attention"; "not attention layers" when it does not say."""
+    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
+    if isinstance(types, (list, tuple)) and all(i < len(types) for i in indices):
+        return ", ".join(sorted({str(types[i]) for i in indices})) + " layers"
+    return "layers of another kind"
 
 
 class GenericDecoder(DecoderOverHF):

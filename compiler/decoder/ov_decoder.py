@@ -153,6 +153,8 @@ def ov_refusal(model_type: str, shape) -> str | None:
     """Why this model cannot take the OpenVINO step graph (None: it can). ``shape``: generic_decoder.probe's."""
     if model_type in _SWAPPED:
         return f"'{model_type}' computes its own attention (not through transformers' interface)"
+    if any(shape.sinks):
+        return f"'{model_type}' has attention sinks, not lowered to OpenVINO's PagedAttention yet (ort-cpu serves it)"
     if any(shape.softcaps):
         return "attention logit softcaps are not in OpenVINO's PagedAttention"
     if any(shape.windows):
@@ -263,7 +265,6 @@ def _converter(context):
     rt["num_k_heads"] = rt["num_v_heads"] = kv_heads
     rt["k_head_size"] = rt["v_head_size"] = head_size
     return [node.output(0)]
-
 
 
 def export_ov_step(module: OVDecoder, spec: dict):

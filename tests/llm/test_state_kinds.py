@@ -1,0 +1,217 @@
+"""Decoders whose state is not one plain K/V per layer (issue 41): gpt-oss's attention sinks through the generic
+paged path, and a one-line refusal naming the family and the layer kind for what the engine cannot hold yet
+(multi-head latent attention, state-space and hybrid models)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.llm.fixtures import build_causal_lm
+
+pytest.importorskip("transformers")
+
+NEW = 32
+# gpt-oss, tiny: 4 experts (2 a token: routed to several), alternating sliding (8) / full layers, YaRN rotary
+# scaled from 8 positions, attention sinks (1-D: build_causal_lm perturbs them N(0, 0.1) like the norms)
+GPT_OSS = dict(
+    num_key_value_heads=2,
+    head_dim=16,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    sliding_window=8,
+    layer_types=["sliding_attention", "full_attention"],
+    rope_parameters={
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "original_max_position_embeddings": 8,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "rope_theta": 150000.0,
+        "truncate": False,
+    },
+)
+TEXTS = [
+    "def wrap(text, width=70):\n    return [line for line in text.split()]",
+    "import os\nclass Formatter:",
+    "x = 1",
+    "while True:\n    pass\n" * 3,
+    "# a comment that is longer than the window of eight tokens",
+    "a, b = b, a",
+    "for i in range(10):\n    print(i)",
+    "return None",
+]
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory):
+    folder = build_causal_lm(tmp_path_factory.mktemp("oss") / "gpt-oss", "gpt_oss", seed=3, **GPT_OSS)
+    return folder
+
+
+@pytest.mark.slow
+def test_gpt_oss_attention_sinks_greedy_matches_hf_generate(gpt_oss, cli, tmp_path):
+    """Greedy 32 tokens == HF generate(): each prompt alone, all 8 batched (lengths 4-27, past the window), and
+    under a 6-block pool that preempts, with one request cancelled mid-way: the others' tokens unchanged."""
+    from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
+    from tests.llm.test_causal_lm import hf_greedy
+
+    out = tmp_path / "art"
+    res = cli("compile", gpt_oss, "-o", out, "--task", "causal-lm", "--target", "ort-cpu", "-q")
+    assert res.code == 0, res.err
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True, detokenize=False)
+    eng = Engine.load(out, num_blocks=64)
+    try:
+        prompts = [eng.tokenizer.encode(t) for t in TEXTS]
+        assert max(map(len, prompts)) > 2 * GPT_OSS["sliding_window"]
+        want = [hf_greedy(gpt_oss, p, NEW) for p in prompts]
+        assert [eng.generate([p], params)[0].token_ids for p in prompts[:2]] == want[:2]
+        assert [c.token_ids for c in eng.generate(prompts, params)] == want
+    finally:
+        eng.close()
+    eng = Engine.load(out, num_blocks=6, config=SchedulerConfig(max_num_batched_tokens=16))
+    try:
+        handles = [eng.submit(p, params) for p in prompts]
+        for _ in range(6):
+            eng.step()
+        assert eng.cancel(handles[3].request_id)
+        eng.run_until_done()
+        assert eng.metrics().preemptions > 0
+        for i, h in enumerate(handles):
+            if i != 3:
+                assert h.result().token_ids == want[i], i
+    finally:
+        eng.close()
+
+
+def test_gpt_oss_without_its_sinks_fails_the_check_against_hf(gpt_oss, monkeypatch):
+    """The sinks are what the model computes: dropped, the pre-export check against the model's own forward
+    is exit 2 (ParityError)."""
+    import precast.compiler.decoder.generic_decoder as gd
+    from precast.compiler.decoder.causal_lm import build_paged_decoder
+    from precast.errors import ParityError
+
+    right = gd.precast_paged_attention
+
+    def without(*args, **kwargs):
+        kwargs.pop("s_aux", None)
+        kwargs.pop("sinks", None)
+        return right(*args, **kwargs)
+
+    monkeypatch.setattr(gd, "precast_paged_attention", without)
+    with pytest.raises(ParityError, match="differ from the model's own forward"):
+        build_paged_decoder(gpt_oss, "gpt_oss")
+
+
+def test_gpt_oss_for_openvino_is_refused_naming_the_sinks(gpt_oss, cli, tmp_path):
+    res = cli("compile", gpt_oss, "-o", tmp_path / "ov", "--task", "causal-lm", "--target", "openvino", "-q")
+    lines = res.err.strip().splitlines()
+    assert res.code != 0 and len(lines) == 1, res.err
+    assert "'gpt_oss' has attention sinks" in lines[0] and "ort-cpu serves it" in lines[0], lines[0]
+
+
+# tiny configs of the families the engine cannot hold yet (issue 41), and what the refusal must name
+REFUSED = {
+    "deepseek_v2": (
+        dict(
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            num_key_value_heads=4,
+        ),
+        "K heads of size 48 and V heads of size 32 (multi-head latent attention",
+    ),
+    "deepseek_v3": (
+        dict(
+            kv_lora_rank=16,
+            q_lora_rank=24,
+            qk_nope_head_dim=32,
+            qk_rope_head_dim=16,
+            v_head_dim=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            first_k_dense_replace=1,
+            moe_intermediate_size=32,
+            n_shared_experts=1,
+            num_key_value_heads=4,
+            n_group=1,
+            topk_group=1,
+        ),
+        "K heads of size 48 and V heads of size 32 (multi-head latent attention",
+    ),
+    "mamba": (
+        dict(state_size=8, expand=2, conv_kernel=4),
+        "a state-space model: it has recurrent-state layers (MambaMixer",
+    ),
+    "mamba2": (
+        dict(num_heads=8, head_dim=16, state_size=8, expand=2, n_groups=1, conv_kernel=4),
+        "a state-space model: it has recurrent-state layers (Mamba2Mixer",
+    ),
+    "jamba": (
+        dict(
+            num_experts=2,
+            num_experts_per_tok=1,
+            attn_layer_period=2,
+            attn_layer_offset=1,
+            expert_layer_period=2,
+            expert_layer_offset=1,
+            mamba_d_state=8,
+            mamba_expand=2,
+            mamba_dt_rank=8,
+        ),
+        "a hybrid model: beside attention it has recurrent-state layers (JambaMambaMixer",
+    ),
+    "lfm2": (
+        dict(layer_types=["conv", "full_attention"], num_key_value_heads=2),
+        "a hybrid model: beside attention it has recurrent-state layers (Lfm2ShortConv",
+    ),
+    "qwen3_next": (
+        dict(
+            layer_types=["linear_attention", "full_attention"],
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+        ),
+        "a hybrid model: beside attention it has recurrent-state layers (Qwen3NextGatedDeltaNet",
+    ),
+    "falcon_h1": (
+        dict(
+            num_key_value_heads=2,
+            head_dim=16,
+            mamba_d_ssm=64,
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_n_groups=1,
+        ),
+        "a hybrid model: beside attention it has recurrent-state layers (FalconH1Mixer",
+    ),
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSED))
+def test_state_kinds_the_engine_cannot_hold_are_refused_naming_family_and_kind(model_type, cli, tmp_path):
+    config, needle = REFUSED[model_type]
+    folder = build_causal_lm(tmp_path / model_type, model_type, seed=1, **config)
+    res = cli("compile", folder, "-o", tmp_path / "art", "--task", "causal-lm", "--target", "ort-cpu", "-q")
+    lines = res.err.strip().splitlines()
+    assert res.code == 1 and len(lines) == 1, res.err
+    assert (
+        f"'{model_type}' " in lines[0]
+        and needle in lines[0]
+        and "not supported for task causal-lm yet" in lines[0]
+    )
+    assert not (tmp_path / "art").exists()
