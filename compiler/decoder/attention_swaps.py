@@ -19,6 +19,8 @@ against the model's real attention.
     llama4  (its rotary module -> cos, sin, positions: its complex freqs_cis does not export)
             q/k/v_proj -> rotary in reals (RoPE layers) -> qk_norm -> temperature tuning (NoPE layers)
             -> precast_paged_attention(attention_chunk on its chunked layers) -> o_proj
+    deepseek_v2  (its rotary module -> (cos, sin) in reals, and its module's apply_rotary_emb takes them:
+            the complex freqs_cis does not export); the attention itself is on the interface (MLA: K 48, V 32)
 
 Falcon with ``alibi=True`` is refused before this (causal_lm._check_architecture): transformers' own eager and
 sdpa attention disagree for it, so there is no reference to match.
@@ -105,6 +107,37 @@ def _llama4_rotary_forward(self, x, position_ids):
         return self.precast_own_forward(x, position_ids)
     freqs = position_ids[..., None].float() * self.inv_freq.float()
     return torch.cos(freqs) * self.attention_scaling, torch.sin(freqs) * self.attention_scaling, position_ids
+
+
+def _deepseek_rotary_forward(self, x, position_ids):
+    """In a step: DeepSeek-V2's freqs_cis as reals, [B,S,D/2,2] (cos, sin) times its attention scaling."""
+    from precast.compiler.decoder.generic_decoder import in_step
+
+    if not in_step():
+        return self.precast_own_forward(x, position_ids)
+    freqs = position_ids[..., None].float() * self.inv_freq.float()
+    return torch.stack([torch.cos(freqs), torch.sin(freqs)], dim=-1) * self.attention_scaling
+
+
+def _patch_deepseek_rotary(module) -> None:
+    """DeepSeek-V2's module-level apply_rotary_emb, taking the real (cos, sin) form too (idempotent)."""
+    own = module.apply_rotary_emb
+    if getattr(own, "precast", False):
+        return
+
+    def apply_rotary_emb(xq, xk, freqs_cis):
+        if freqs_cis.is_complex():
+            return own(xq, xk, freqs_cis)
+        cos, sin = freqs_cis[..., 0][:, None], freqs_cis[..., 1][:, None]  # [B,1,S,D/2] over q/k [B,H,S,D]
+
+        def rot(x):
+            a, b = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+            return torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2).type_as(x)
+
+        return rot(xq), rot(xk)
+
+    apply_rotary_emb.precast = True
+    module.apply_rotary_emb = apply_rotary_emb
 
 
 def _llama4_forward(self, hidden_states, position_embeddings, attention_mask, cache=None, **kwargs):
@@ -228,11 +261,13 @@ def _swap(mod: nn.Module, forward) -> None:
 
 
 def swap_attention(hf: nn.Module) -> int:
-    """Point Falcon / BLOOM / MPT / XGLM / Llama 4 attention modules at precast's paged attention (idempotent)
+    """Point Falcon / BLOOM / MPT / XGLM / Llama 4 attention modules at precast's paged attention, and DeepSeek-V2's rotary at reals (idempotent)
     -> how many modules swapped."""
     model_type = getattr(hf.config, "model_type", None)
-    if model_type not in ("falcon", "bloom", "mpt", "xglm", "llama4_text"):
+    if model_type not in ("falcon", "bloom", "mpt", "xglm", "llama4_text", "deepseek_v2"):
         return 0
+    if model_type == "deepseek_v2":
+        _patch_deepseek_rotary(inspect.getmodule(type(hf)))
     n = 0
     for mod in hf.modules():
         name = type(mod).__name__
@@ -256,6 +291,8 @@ def swap_attention(hf: nn.Module) -> int:
             _swap(mod, _llama4_forward)
         elif name == "Llama4TextRotaryEmbedding":
             _swap(mod, _llama4_rotary_forward)
+        elif name == "DeepseekV2RotaryEmbedding":
+            _swap(mod, _deepseek_rotary_forward)
         else:
             continue
         n += 1

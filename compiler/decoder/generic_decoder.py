@@ -174,9 +174,14 @@ def precast_paged_attention(
         mask = _mask(past_lens, s, 0, window)
     else:
         past_lens = step.past_lens
+        dv = value.shape[-1]
+        if (
+            dv < key.shape[-1]
+        ):  # multi-head latent attention (DeepSeek): V heads padded to K's size in the pool
+            value = torch.nn.functional.pad(value, (0, key.shape[-1] - dv))
         step.new_keys[i], step.new_values[i] = key, value
         keys = torch.cat([gather_past(step.key_caches[i], step.block_tables), key], dim=2)
-        values = torch.cat([gather_past(step.value_caches[i], step.block_tables), value], dim=2)
+        values = torch.cat([gather_past(step.value_caches[i], step.block_tables), value], dim=2)[..., :dv]
         p = keys.shape[2] - s
         mask = _mask(step.past_lens, s, p, window)
     if attention_chunk:
@@ -312,6 +317,9 @@ class DecoderShape:
     windows: tuple  # per layer: sliding window or None
     softcaps: tuple
     sinks: tuple = ()  # per layer: whether it has attention sinks (gpt-oss)
+    # V's head size when smaller than K's (multi-head latent attention, DeepSeek: K 48 = 32 nope + 16 rope, V 32):
+    # the pool holds V padded to head_size, the attention reads its first value_size columns
+    value_size: int | None = None
 
 
 def probe(hf: nn.Module, where: str) -> DecoderShape:
@@ -351,18 +359,18 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
             "attention with a K/V cache; not supported for task causal-lm yet"
         )
     shapes = {(e[1], e[2], e[3]) for e in layers}
-    if any(e[2] != e[3] for e in layers):
+    if any(e[2] < e[3] for e in layers):
         k, v = layers[0][2], layers[0][3]
         raise ModelLoadError(
-            f"{where}: {family} has K heads of size {k} and V heads of size {v} (multi-head latent attention: "
-            "the paged cache holds one head size); not supported for task causal-lm yet"
+            f"{where}: {family} has K heads of size {k} and larger V heads of size {v}; the paged cache holds "
+            "V padded to K's head size; not supported for task causal-lm yet"
         )
     if len(shapes) != 1:
         raise ModelLoadError(
             f"{where}: {family} has layers with different K/V shapes (kv heads, head size): {sorted(shapes)}; "
             "not supported for task causal-lm yet"
         )
-    kv, d, _ = shapes.pop()
+    kv, d, dv = shapes.pop()
     heads = int(cfg.num_attention_heads)
     return DecoderShape(
         layers=len(layers),
@@ -372,6 +380,7 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
         windows=tuple(e[4] for e in layers),
         softcaps=tuple(e[5] for e in layers),
         sinks=tuple(e[6] for e in layers),
+        value_size=dv,
     )
 
 

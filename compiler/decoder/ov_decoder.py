@@ -153,6 +153,11 @@ def ov_refusal(model_type: str, shape) -> str | None:
     """Why this model cannot take the OpenVINO step graph (None: it can). ``shape``: generic_decoder.probe's."""
     if model_type in _SWAPPED:
         return f"'{model_type}' computes its own attention (not through transformers' interface)"
+    if shape.value_size is not None and shape.value_size != shape.head_size:
+        return (
+            f"'{model_type}' has multi-head latent attention (K heads {shape.head_size}, V heads "
+            f"{shape.value_size}), not lowered to OpenVINO's PagedAttention yet (ort-cpu serves it)"
+        )
     if any(shape.sinks):
         return f"'{model_type}' has attention sinks, not lowered to OpenVINO's PagedAttention yet (ort-cpu serves it)"
     if any(shape.softcaps):
