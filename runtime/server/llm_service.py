@@ -43,6 +43,10 @@ __all__ = [
 
 PRIORITIES = {"high": 0, "normal": 1, "low": 2}
 DEFAULT_PRIORITY = PRIORITIES["normal"]
+# What an OpenAI chat message may hold (anything else is a 400, never ignored); "refusal" is an assistant's
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal"})
+# ... and what a response's message carries back when a client appends it whole (model_dump()): fine empty
+_EMPTY_OK = frozenset({"annotations", "audio", "function_call"})
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # developer is rendered as system
 
 # (text_worker._ChatML renders the same in plain Python. The '\\n' in {{ }}: trim_blocks drops a newline after a tag.)
@@ -227,6 +231,11 @@ class LLMService:
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise LLMRequestError(f"messages[{i}] must be an object with a 'role' and 'content'")
             role = m["role"]
+            unknown = sorted(
+                k for k in set(m) - _MESSAGE_KEYS if not (k in _EMPTY_OK and m[k] in (None, [], {}))
+            )
+            if unknown:
+                raise LLMRequestError(f"messages[{i}] has unknown key(s) {', '.join(map(repr, unknown))}")
             if role not in CHAT_ROLES:
                 raise LLMRequestError(
                     f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {role!r}"

@@ -350,9 +350,14 @@ def parse(svc, body: dict, chat: bool, header_priority, config) -> _Parsed:
     stream, include_usage = _stream_options(body)
     priority = parse_priority(body.get("priority", header_priority))
     if chat:
-        messages = svc.clean_messages(
-            body.get("messages"), config.max_text_chars, tools.tools if tools is not None else None
-        )
+        try:
+            messages = svc.clean_messages(
+                body.get("messages"), config.max_text_chars, tools.tools if tools is not None else None
+            )
+        except ParamError:
+            raise
+        except LLMRequestError as e:  # (OpenAI names the parameter: messages)
+            raise ParamError(str(e), "messages") from None
         return _Parsed(params, n, priority, stream, include_usage, messages, None, tools, key)
     prompts = _completion_prompts(body.get("prompt"), svc.max_context)
     if len(prompts) * n > MAX_CHOICES:

@@ -314,6 +314,10 @@ def test_tool_role_developer_role_and_assistant_calls_are_accepted(client, serve
     ]
     r = _post(server, "chat/completions", {"messages": bad, "max_tokens": 2})
     assert r.status_code == 400 and "messages[2].tool_calls[0].function.arguments" in r.text
+    # a response's message appended whole (the client's model_dump(): empty annotations / audio / function_call)
+    dumped = {**msgs[2], "refusal": None, "annotations": [], "audio": None, "function_call": None}
+    r = _post(server, "chat/completions", {"messages": [*msgs[:2], dumped, msgs[3]], "max_tokens": 2})
+    assert r.status_code == 200, r.text
 
 
 def test_the_default_chatml_lists_tools_and_calls():
@@ -533,6 +537,18 @@ BAD_SCHEMA = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"ty
             "tools[0].function.parameters': invalid json schema",
         ),
         ("chat", {"tool_choice": "auto"}, "tool_choice", "only allowed when 'tools'"),
+        (
+            "chat",
+            {"messages": [{"role": "user", "content": "hi", "foo": 1}]},
+            "messages",
+            "unknown key(s) 'foo'",
+        ),
+        (
+            "chat",
+            {"messages": [{"role": "tool", "content": "x", "tool_call_id": "nope"}]},
+            "messages",
+            "tool_call_id",
+        ),
         ("chat", {"parallel_tool_calls": False}, "parallel_tool_calls", "only allowed when 'tools'"),
         ("chat", {"store": True}, "store", "not supported"),
         ("chat", {"reasoning_effort": "high"}, "reasoning_effort", "not supported"),
