@@ -39,6 +39,13 @@ def inspect(artifact, as_json):
         out_console.print(
             f"[bold]{artifact}[/bold]: multi-target artifact, fallback order {manifest.get('fallback_order', '?')}"
         )
+        for name, why in (manifest.get("failed") or {}).items():  # targets the compile could not build
+            from rich.markup import escape
+
+            reason = why.get("error", why) if isinstance(why, dict) else why
+            out_console.print(
+                f"[yellow]{escape(str(name))}: not built[/yellow] ({escape(str(reason))})", highlight=False
+            )
         _inspect_speeds(Path(artifact), manifest["targets"])
         for name, entry in manifest["targets"].items():
             out_console.print(f"\n[bold]== {name} ==[/bold]")

@@ -297,6 +297,12 @@ def bench(path: str | os.PathLike, options: BenchOptions, progress: Progress | N
         url = loopback_url(options.url)  # a non-loopback address fails before the artifact is read
     with _artifact_dir(path) as root:
         top = read_manifest(root)
+        if top.is_multi_target:  # a causal LM's index: the target its loaders would open at this load
+            from precast.runtime.llm.engine import llm_index_target
+
+            sub = llm_index_target(root, options.prefer, concurrency=max(options.concurrency))
+            if sub is not None:
+                root, top = sub, read_manifest(sub)
         if top.llm is not None:
             if options.dims or options.feeds is not None:
                 raise UsageError(

@@ -345,6 +345,20 @@ def _loaders_rank_by_the_rate_at_their_load(out, runner_of, capsys):
     assert exited.value.code in (0, None)
     shown = capsys.readouterr().out
     assert "at 1 request: ort-cpu" in shown and "at 32 requests: openvino" in shown, shown
+    from precast.runtime.bench import BenchOptions, bench
+
+    # precast bench on the index: the LLM engine over the target picked for its highest concurrency
+    opts = BenchOptions(
+        concurrency=(1, 32),
+        duration_s=None,
+        requests=2,
+        warmup_s=0,
+        prompt_len=8,
+        output_len=4,
+        num_blocks=16,
+    )
+    report = bench(out, opts)
+    assert report.target == "openvino" and [lv.errors for lv in report.levels] == [0, 0], report
     order = json.loads((out / "manifest.json").read_text())["fallback_order"]
     edit_manifest(out / "openvino", lambda m: m["parity"].update(speed={"batch32_tok_s": "fast"}))
     assert llm_index_target(out, concurrency=64) == out / order[0]  # (not numbers: the index's order)

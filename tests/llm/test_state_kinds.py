@@ -228,3 +228,25 @@ def test_state_kinds_the_engine_cannot_hold_are_refused_naming_family_and_kind(m
         and "not supported for task causal-lm yet" in lines[0]
     )
     assert not (tmp_path / "art").exists()
+
+
+def test_a_multi_target_compile_writes_ort_cpu_and_inspect_shows_why_openvino_is_not_there(cli, tmp_path):
+    folder = build_causal_lm(tmp_path / "gpt_oss", "gpt_oss", seed=3, **GPT_OSS)
+    out = tmp_path / "both"
+    res = cli(
+        "compile",
+        folder,
+        "-o",
+        out,
+        "--task",
+        "causal-lm",
+        "--target",
+        "ort-cpu",
+        "--target",
+        "openvino",
+        "-q",
+    )
+    assert res.code != 0 and "wrote the other target(s) ort-cpu" in res.err, res.err
+    shown = cli("inspect", out)
+    assert shown.code == 0
+    assert "openvino: not built" in shown.out and "attention sinks" in shown.out, shown.out
