@@ -60,7 +60,7 @@ def test_bench_json_has_sane_numbers(cli, mlp):
         lat = lv["latency"]
         assert lv["errors"] == 0 and lv["requests"] == lat["count"] > 10
         assert 0 < lat["min_ms"] <= lat["p50_ms"] <= lat["p90_ms"] <= lat["p99_ms"] <= lat["max_ms"]
-        assert 0.3 <= lv["wall_s"] < 2.0
+        assert 0.3 <= lv["wall_s"] < 60  # (at least the duration; no upper bound a busy host could break)
         assert lv["requests_per_s"] == pytest.approx(lv["requests"] / lv["wall_s"])
         assert lv["items_per_s"] == pytest.approx(lv["requests_per_s"])
     assert rep["host"]["cpus"] == os.cpu_count()
