@@ -44,14 +44,14 @@ def no_export(monkeypatch):
 
 
 def _fast_error(cli, *args, code=1, needles=()):
-    """The command fails with one line naming ``needles``, in well under a second (timed on a second run:
-    the first also pays for importing precast's passes and targets)."""
+    """The command fails with one line naming ``needles``, before any export (the patched loaders raise if
+    reached); the time is only a sanity bound, loose enough for a busy host (a quiet one: well under 1 s)."""
     cli(*args)
     t = time.perf_counter()
     r = cli(*args)
     seconds = time.perf_counter() - t
     line = one_line_error(r, code, *needles)
-    assert seconds < 1.0, f"{seconds:.2f}s: {line}"
+    assert seconds < 10.0, f"{seconds:.2f}s: {line}"
     return line
 
 
