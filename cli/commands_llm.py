@@ -109,7 +109,7 @@ def generate_cmd(
         return
     click.echo("" if streaming else out.text)  # a stream ends its line here
     err_console.print(
-        f"[dim]{len(out.token_ids)} tokens, finish: {out.finish_reason}, time to first token "
+        f"[dim]{len(out.token_ids)} tokens, finish: {out.finish_reason}, target {out.target}, time to first token "
         f"{1000 * (out.ttft_s or 0):.1f} ms, decode {out.decode_tokens_per_s:.1f} tokens/s[/dim]"
     )
 

@@ -77,6 +77,7 @@ class Engine:
         self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks while the backend runs
         # Whether grammar masks overlap the backend's step (a core to spare: Engine.load decides); else serial
         self.grammar_thread = False
+        self.target: str | None = None  # the artifact target it runs (Engine.load: a multi-target index's pick)
         self._handles = self.output.handles  # unfinished requests (the output processor's registry)
         self._ids = itertools.count()
         self._cond = threading.Condition(threading.RLock())
@@ -155,6 +156,7 @@ class Engine:
                 temp_dir=found.temp,
             )
             engine.grammar_thread = _spare_core(options.threads)
+            engine.target = found.manifest.target.name
             return engine
         except BaseException:
             if found.temp is not None:

@@ -18,6 +18,7 @@ class Generation:
     seconds: float  # submit to the last token
     metrics: dict  # the engine's counters after the request
     note: str | None = None  # why fewer tokens than asked can come (the context or the KV pool caps them)
+    target: str | None = None  # the artifact's target that ran (a multi-target index: the one opened)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -30,6 +31,7 @@ class Generation:
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "ttft_s": self.ttft_s,
+            "target": self.target,
             "metrics": self.metrics,
         }
 
@@ -71,4 +73,6 @@ def generate(
     out = handle.result()
     seconds = time.perf_counter() - handle.t_submit
     metrics = engine.metrics().as_dict()
-    return Generation(out.text, out.token_ids, out.finish_reason, out.ttft_s, seconds, metrics, note)
+    return Generation(
+        out.text, out.token_ids, out.finish_reason, out.ttft_s, seconds, metrics, note, engine.target
+    )

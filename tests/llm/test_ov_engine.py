@@ -318,6 +318,13 @@ def _loaders_rank_by_the_rate_at_their_load(out, runner_of, capsys):
     from precast.runtime.llm.engine import llm_index_target
     from tests.helpers import edit_manifest
 
+    capsys.readouterr()
+    with pytest.raises(
+        SystemExit
+    ) as exited:  # precast generate: one request, the target measured fastest alone
+        main(["generate", str(out), "hello", "--max-tokens", "2", "--json"])
+    assert exited.value.code in (0, None)
+    assert json.loads(capsys.readouterr().out)["target"] == llm_index_target(out, concurrency=1).name
     figures = {
         "ort-cpu": {"decode_b1_tok_s": 100.0, "batch8_tok_s": 300.0, "batch32_tok_s": 400.0},
         "openvino": {"decode_b1_tok_s": 60.0, "batch8_tok_s": 250.0, "batch32_tok_s": 900.0},
