@@ -74,6 +74,7 @@ def generate_cmd(
     from precast.errors import LLMRequestError
     from precast.runtime.llm import SamplingParams
     from precast.runtime.llm.generate import generate
+    from precast.runtime.llm.structured import FAILED as GRAMMAR_FAILED
 
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -98,10 +99,8 @@ def generate_cmd(
             on_note=lambda note: err_console.print(f"note: {note}", markup=False),
         )
     except LLMRequestError as e:  # a constraint the engine refused (or failed on): name the flag it came from
-        source = _constraint_flag(json_schema, regex, choices, grammar)
-        if source and (
-            " matches no output" in str(e) or str(e).startswith(("invalid ", "structured output"))
-        ):
+        source = next((shown for _, shown in _constraint_flags(json_schema, regex, choices, grammar)), None)
+        if source and (" matches no output" in str(e) or str(e).startswith(("invalid ", GRAMMAR_FAILED))):
             raise LLMRequestError(f"{source}: {e}") from None
         raise
     if as_json:
@@ -114,16 +113,17 @@ def generate_cmd(
     )
 
 
-def _constraint_flag(json_schema, regex, choices, grammar) -> str | None:
-    for flag, v in (
+def _constraint_flags(json_schema, regex, choices, grammar) -> list[tuple[str, str]]:
+    """(flag, how an error names it: the file flags with their file) of each constraint flag given."""
+    given = (
         ("--json-schema", json_schema),
         ("--regex", regex),
         ("--choice", choices),
         ("--grammar", grammar),
-    ):
-        if v:
-            return f"{flag} {v}" if flag in ("--json-schema", "--grammar") else flag
-    return None
+    )
+    return [
+        (flag, f"{flag} {v}" if flag in ("--json-schema", "--grammar") else flag) for flag, v in given if v
+    ]
 
 
 def _constraint(json_schema, regex, choices, grammar):
@@ -131,16 +131,7 @@ def _constraint(json_schema, regex, choices, grammar):
     from precast.errors import LLMRequestError, UsageError
     from precast.runtime.llm.structured import MAX_SPEC_CHARS, Constraint
 
-    given = [
-        n
-        for n, v in (
-            ("--json-schema", json_schema),
-            ("--regex", regex),
-            ("--choice", choices),
-            ("--grammar", grammar),
-        )
-        if v
-    ]
+    given = [flag for flag, _ in _constraint_flags(json_schema, regex, choices, grammar)]
     if len(given) > 1:
         raise UsageError(f"{' and '.join(given)}: give at most one output constraint")
     if choices:

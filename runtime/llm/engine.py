@@ -44,6 +44,7 @@ from precast.runtime.llm.scheduler import (
     StepKind,
     checked_config,
 )
+from precast.runtime.llm.structured import FAILED as GRAMMAR_FAILED
 from precast.runtime.llm.structured import Grammars, allows, mask_bias
 
 __all__ = ["Engine"]
@@ -77,7 +78,7 @@ class Engine:
         self._mask_pool: ThreadPoolExecutor | None = None  # computes grammar masks while the backend runs
         # Whether grammar masks overlap the backend's step (a core to spare: Engine.load decides); else serial
         self.grammar_thread = False
-        self.target: str | None = None  # the artifact target it runs (Engine.load: a multi-target index's pick)
+        self.target: str | None = None  # the target it runs (Engine.load: a multi-target index's pick)
         self._handles = self.output.handles  # unfinished requests (the output processor's registry)
         self._ids = itertools.count()
         self._cond = threading.Condition(threading.RLock())
@@ -375,8 +376,8 @@ class Engine:
 
     def _sample(self, out: SchedulerOutput, logits: np.ndarray, masks=None) -> list[int | None]:
         """The next token of each row that reached the end of its known tokens (None: a prefill chunk, or a
-        request whose logits cannot be sampled: it fails alone, the others go on). ``masks``: row -> the
-        grammar's bitmask of a constrained row (_start_masks)."""
+        request whose logits cannot be sampled: it fails alone, the others go on). ``masks``: the constrained
+        rows' grammar masks, from _start_masks."""
         sampled: list[int | None] = []
         masked = None if masks is None else self._masked_rows(out, logits, masks.result())
         for i, (req, n, row) in enumerate(zip(out.rows, out.num_new, logits)):
@@ -389,7 +390,7 @@ class Engine:
             if req.matcher is not None:
                 row = "no grammar mask" if masked is None else masked.get(i, "no grammar mask")
                 if isinstance(row, str):  # why its grammar failed
-                    self.output.fail_unsampled(req, LLMRequestError(f"structured output failed: {row}"))
+                    self.output.fail_unsampled(req, LLMRequestError(f"{GRAMMAR_FAILED}: {row}"))
                     sampled.append(None)
                     continue
             try:
@@ -399,16 +400,14 @@ class Engine:
                 self.output.fail_unsampled(req, e)
         return sampled
 
-    # -- waiting / background loop ---------------------------------------------------------------
     # -- structured outputs (runtime/llm/structured.py) ------------------------------------------------
     def _start_masks(self, out: SchedulerOutput):
         """The grammar masks of the rows that sample this step: something whose ``result()`` is
-        (rows, mask, ok) (structured.Grammars.masks), or None when no row is constrained.
+        (rows, mask, why) (structured.Grammars.masks), or None when no row is constrained.
         With ``grammar_thread`` they are computed on a worker thread while the backend runs the step
-        (llguidance releases the GIL); else after it, in the step loop. Overlap pays only where the backend
-        leaves a core free: on a 2-core host with 2 ONNX Runtime threads a third busy thread slowed every
-        step more than the masks cost (benchmarks/README.md, bench_structured.py: c8 0.81x overlapped vs
-        0.89x serial of free decoding)."""
+        (llguidance releases the GIL); else after it, in the step loop. Overlap can pay only where the backend
+        leaves a core free: on a 2-core host with 2 ONNX Runtime threads, on and off measured within each
+        other's spread (benchmarks/README.md, bench_structured.py)."""
         rows = [
             i
             for i, (req, n) in enumerate(zip(out.rows, out.num_new))
@@ -424,8 +423,9 @@ class Engine:
         return self._mask_pool.submit(lambda: (rows, *self.grammars.masks(matchers)))
 
     def _masked_rows(self, out: SchedulerOutput, logits: np.ndarray, masks) -> dict:
-        """row -> logits whose draw obeys the grammar, or why the row's grammar failed (a str: it fails alone). A greedy row (no penalties) whose own argmax the grammar allows keeps its logits (most
-        steps inside a string); the others get the grammar's -inf bias, in one vectorized add."""
+        """row -> logits whose draw obeys the grammar, or why the row's grammar failed (a str: it fails alone).
+        A greedy row (no penalties) whose own argmax the grammar allows keeps its logits (most steps inside a
+        string); the others get the grammar's -inf bias, in one vectorized add."""
         rows, mask, why = masks
         masked: dict = {}
         biased = []
@@ -455,11 +455,12 @@ class Engine:
             if not m.consume_token(tok):
                 if not req.finished:
                     self.output.fail_unsampled(
-                        req, LLMRequestError(f"structured output failed: {first_line(m.get_error())}")
+                        req, LLMRequestError(f"{GRAMMAR_FAILED}: {first_line(m.get_error())}")
                     )
             elif m.is_stopped() and req.finish_reason != "stop":
                 self.scheduler.finish(req, "stop")
 
+    # -- waiting / background loop ---------------------------------------------------------------
     def wait_for(self, handle: RequestHandle) -> None:
         """Return once the handle has a new event or has finished: step the engine, or wait for the loop.
         (Each handle's iteration and result() call it: the engine gives it to the handle as ``wait``.)"""

@@ -6,15 +6,17 @@ runtime stays torch-free); it is an optional extra (``pip install 'precast[struc
 
     Engine.submit          Grammars.matcher(constraint)    compile (cached per constraint) + a deep copy per
                                                            request; a bad or unsatisfiable one -> LLMRequestError
-    Engine._step           Grammars.fill(rows)             the next-token masks, on a worker thread while the
-                                                           backend runs the step (overlap)
-                           apply_mask(row, mask)           disallowed tokens -> -inf before sampling
+    Engine._step           Grammars.masks(matchers)        the next-token bitmasks of the constrained rows (on a
+                                                           grammar thread beside the backend's step when a core
+                                                           is spare, else after it), and why any row must fail
+                           mask_bias(mask, vocab)          disallowed tokens -> -inf, added to the logits (a
+                                                           greedy row whose argmax ``allows`` keeps its own)
                            matcher.consume_token(tok)      after sampling; a grammar that is complete ends the
                                                            request ("stop")
 
 Bounded work: the constraint's text is capped (``MAX_SPEC_CHARS``), compiling runs in the submitting thread
-(never in the step loop), and llguidance's fuel limits bound each mask: a grammar that needs more fails its own
-request with a one-line error, the others go on.
+(never in the step loop), and llguidance's per-step limits and a wall-clock limit (``MAX_MASK_SECONDS``) bound
+each mask: a grammar that needs more fails its own request with a one-line error, the others go on.
 """
 
 from __future__ import annotations
@@ -30,11 +32,13 @@ import numpy as np
 from precast.errors import LLMRequestError, first_line
 
 __all__ = [
+    "FAILED",
     "KINDS",
     "MAX_SPEC_CHARS",
     "Constraint",
     "Grammars",
-    "apply_mask",
+    "allows",
+    "mask_bias",
     "structured_available",
 ]
 
@@ -42,6 +46,8 @@ MAX_SPEC_CHARS = 64 * 1024  # a schema / grammar / regex / choice list, as text
 MAX_CHOICES = 256
 CACHE_SIZE = 256  # compiled grammars kept per engine
 KINDS = ("json_schema", "regex", "choice", "grammar")
+# How the error of a request its grammar failed mid-way begins (the server and the CLI recognise it by this)
+FAILED = "structured output failed"
 
 # Per-step work bounds: a grammar that needs more fails its request instead of stalling the batch. llguidance's
 # default of 50k Earley items let one ambiguous grammar (start: e; e: e "+" e | e e | /[a-z]/) take 0.6 s for a
@@ -249,7 +255,7 @@ class Grammars:
             raise LLMRequestError(f"invalid {constraint.label}: {_one_line(m.get_error())}")
         # A grammar whose first step allows nothing matches nothing (e.g. a choice of strings this tokenizer
         # cannot spell); found now, as a 400, not after a token.
-        mask = np.zeros((1, (self.vocab + 31) // 32), dtype=np.int32)
+        mask = self.new_mask(1)
         probe = m.deep_copy()
         llg.numpy.fill_next_token_bitmask(probe, mask, 0)
         if not mask.any() or probe.is_error():
@@ -307,11 +313,6 @@ def mask_bias(mask: np.ndarray, vocab: int) -> np.ndarray:
 
 def allows(mask_row: np.ndarray, token: int) -> bool:
     return bool((int(mask_row[token >> 5]) >> (token & 31)) & 1)
-
-
-def apply_mask(logits: np.ndarray, mask_row: np.ndarray) -> np.ndarray:
-    """A copy of one row of logits with the tokens the bitmask disallows at -inf."""
-    return logits + mask_bias(mask_row.reshape(1, -1), logits.shape[-1])[0]
 
 
 def _one_line(text: str) -> str:

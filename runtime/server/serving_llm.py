@@ -253,7 +253,9 @@ def _grammar_failure(run: _Run, k: int, ev) -> dict | None:
         return None
     handle = run.choices.streams[k].handle
     why = getattr(handle, "error", None) if handle is not None else None
-    if not why or not why.startswith("structured output failed"):
+    from precast.runtime.llm.structured import FAILED
+
+    if not why or not why.startswith(FAILED):
         return None
     key = run.req.constraint_key
     return {
