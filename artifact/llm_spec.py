@@ -59,6 +59,10 @@ class LLMSpec(Record):
     eos_ids: tuple[int, ...] = ()
     model_type: str | None = None
     batched_prefill: bool = True  # False: the graph takes S > 1 only with B == 1 (fused GroupQueryAttention)
+    # True: the graph returns logits for several tokens of a row (last_index [B,Q] -> logits [B*Q,V]; OpenVINO:
+    # logits_indices lists them): speculative decoding verifies its draft tokens in one step. Older artifacts:
+    # one row per request.
+    multi_logits: bool = False
 
     WRITE_NONE: ClassVar[bool] = True
 

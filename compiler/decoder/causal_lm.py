@@ -156,6 +156,8 @@ def llm_block(folder: Path, config: dict, module) -> dict:
         # False: the graph's fused attention (GroupQueryAttention) takes S > 1 only for one request at a
         # time; ModelRunner runs such steps request by request.
         "batched_prefill": not mapped,
+        # True: the graph takes last_index [B,Q] and returns logits [B*Q,V] (speculative verification)
+        "multi_logits": bool(getattr(module, "multi_logits", False)),
     }
 
 
@@ -254,12 +256,20 @@ def _kv_output_names(i: int, mapped: bool) -> tuple[str, str]:
     return (f"present_key.{i}", f"present_value.{i}") if mapped else (f"new_key.{i}", f"new_value.{i}")
 
 
-def _input_names(layers: int, mapped: bool = False) -> list[str]:
+def _input_names(layers: int, mapped: bool = False, multi: bool = False) -> list[str]:
+    """The step graph's inputs in order (``multi``: a paged graph's last_index [B,Q] comes last)."""
     names = ["input_ids", "positions"] + (
         list(MAPPED_STEP_INPUTS) if mapped else ["past_lens", "new_lens", "block_tables"]
     )
     pairs = [_kv_input_names(i, mapped) for i in range(layers)]
-    return names + [k for k, _ in pairs] + [v for _, v in pairs]
+    tail = ["last_index"] if multi and not mapped else []
+    return names + [k for k, _ in pairs] + [v for _, v in pairs] + tail
+
+
+def last_rows(new_lens, q: int) -> np.ndarray:
+    """last_index [B,Q]: each row's last ``q`` real new tokens (earlier ones clipped to its first)."""
+    new = np.asarray(new_lens, dtype=np.int64)
+    return np.maximum(new[:, None] - q + np.arange(q, dtype=np.int64)[None, :], 0)
 
 
 def _output_names(layers: int, mapped: bool = False) -> list[str]:
@@ -285,9 +295,11 @@ def sample_step(
     new: int = 5,
     past: int = 20,
     pasts: tuple[int, ...] | None = None,
+    logit_rows: int = 1,
 ) -> dict[str, np.ndarray]:
     """One step's feeds: request 0 decodes 1 token after ``past`` cached ones, the others prefill ``new``
     tokens; or, with ``pasts``, a batched decode (one new token per request after ``pasts[b]`` cached).
+    ``logit_rows``: Q, the logits rows per request (a graph with ``multi_logits``: each row's last Q tokens).
 
     The KV inputs hold random K/V (as if earlier steps wrote them); block tables point at shuffled blocks.
     """
@@ -308,16 +320,21 @@ def sample_step(
     ids[pad], pos[pad] = spec["pad_id"], 0
     feeds = {"input_ids": ids, "positions": pos}
     mapped = spec["kv_layout"] == "mapped"
+    multi = bool(spec.get("multi_logits"))
     if mapped:  # each request's view [B,KV,C,D]: C a little past the longest request, as a real view would be
         feeds.update(gqa_lengths(past_lens, new_lens, new))
+        if multi:
+            feeds["last_index"] = last_rows(new_lens, logit_rows)
         shape = (batch, kv, past + new + 3, d)
     else:
         feeds.update(past_lens=past_lens, new_lens=new_lens, block_tables=tables)
+        if multi:
+            feeds["last_index"] = last_rows(new_lens, logit_rows)
         shape = (nb, kv, bs, d)
     for i in range(spec["layers"]):
         for name in _kv_input_names(i, mapped):
             feeds[name] = rng.standard_normal(shape).astype(np.float32)
-    order = _input_names(spec["layers"], mapped)
+    order = _input_names(spec["layers"], mapped, multi)
     return dict(sorted(feeds.items(), key=lambda kv_: order.index(kv_[0])))
 
 
@@ -346,7 +363,8 @@ def _module_args(module, t: dict, layers: int) -> tuple:
     if mapped:
         return (t["input_ids"], t["positions"], *(t[n] for n in MAPPED_STEP_INPUTS), keys, values)
     head = (t["input_ids"], t["positions"], t["past_lens"], t["new_lens"])
-    return (*head, t["block_tables"], keys, values)
+    tail = (t["last_index"],) if getattr(module, "multi_logits", False) else ()
+    return (*head, t["block_tables"], keys, values, *tail)
 
 
 def step_reference(module, layers: int):
@@ -365,24 +383,28 @@ def export_step(module, spec: dict, progress: ProgressReporter = SILENT):
     from torch.export import Dim
 
     layers = spec["layers"]
-    feeds = sample_step(spec, batch=3, new=5, past=37)  # distinct sizes: B=3, S=5, C=45 or MAXB=3, NB=12
+    # distinct sizes: B=3, S=5, C=45 or MAXB=3, NB=12, Q=2
+    feeds = sample_step(spec, batch=3, new=5, past=37, logit_rows=2)
     mapped = module.kv_layout == "mapped"
+    multi = bool(spec.get("multi_logits"))
     translations = {}
     if mapped:
         from precast.compiler.decoder.paged_ops import TRANSLATIONS as translations
     args = _module_args(module, {k: torch.from_numpy(v) for k, v in feeds.items()}, layers)
-    b, s = Dim("batch"), Dim("sequence")
-    if mapped:  # seqlens_k [B], total_sequence_length [] (a scalar), last_index [B, 1]
+    b, s, q = Dim("batch"), Dim("sequence"), Dim("logit_rows")
+    last = {0: b, 1: q} if multi else {0: b}
+    if mapped:  # seqlens_k [B], total_sequence_length [] (a scalar), last_index [B, Q]
         view = {0: b, 2: Dim("context")}
-        dynamic = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, None, {0: b}, [view] * layers, [view] * layers)
+        dynamic = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, None, last, [view] * layers, [view] * layers)
     else:
         nb = {0: Dim("num_blocks")}
         head = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b})
-        dynamic = (*head, {0: b, 1: Dim("max_blocks")}, [nb] * layers, [nb] * layers)
+        tail = (last,) if multi else ()
+        dynamic = (*head, {0: b, 1: Dim("max_blocks")}, [nb] * layers, [nb] * layers, *tail)
     return dynamo_export(
         module,
         args,
-        input_names=_input_names(layers, mapped),
+        input_names=_input_names(layers, mapped, multi),
         output_names=_output_names(layers, mapped),
         dynamic_shapes=dynamic,
         custom_translation_table=translations,
@@ -455,6 +477,7 @@ def load_causal_lm(
             "llm": spec,
             **({"kv_valid": kv_rule} if kv_rule else {}),
         },
-        sample_feeds=sample_step(spec) if spec["batched_prefill"] else decode_step(spec),
+        # (Q = 2 on a multi-logits graph: verification compares a speculative row's logits too)
+        sample_feeds=sample_step(spec, logit_rows=2) if spec["batched_prefill"] else decode_step(spec),
         lowerings={"openvino": ov_lowering(folder, _hf, spec, spec["max_context"])},
     )

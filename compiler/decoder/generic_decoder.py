@@ -5,9 +5,9 @@
         per layer: attention_interface(module, q, k, v, ...)  ==>   precast_paged_attention (registered below):
                    past = pool[block_tables]; attend q over cat(past, k) with a length + causal mask
                    (+ the layer's sliding window, + its logit softcap); record k, v as new_key.i/new_value.i
-        base model output [B,S,E] -> [B,1,E] at new_lens-1          (a forward hook: the model's own head,
+        base model output [B,S,E] -> [B,Q,E] at last_index [B,Q]    (a forward hook: the model's own head,
                                                                      final softcap / logit scaling run after)
-      logits [B,V], new_key.i/new_value.i [B,KV,S,D]
+      logits [B*Q,V], new_key.i/new_value.i [B,KV,S,D]
 
 transformers routes attention through ``ALL_ATTENTION_FUNCTIONS`` keyed by ``config._attn_implementation``;
 an implementation that has no mask function registered gets ``attention_mask=None`` (masking_utils skips
@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from precast.compiler.decoder.paged_decoder import gather_past, last_token
+from precast.compiler.decoder.paged_decoder import gather_past
 from precast.errors import ModelLoadError, ParityError
 
 __all__ = [
@@ -402,34 +402,50 @@ class GenericDecoder(DecoderOverHF):
     """Any causal LM whose attention goes through transformers' interface, over the paged pool."""
 
     kv_layout = "paged"
+    multi_logits = True  # a last_index [B,Q] input -> logits [B*Q,V] (speculative verification)
 
     def __init__(self, hf_model: nn.Module, shape: DecoderShape, max_context: int):
         super().__init__(hf_model, shape, max_context)
         self._step: _Step | None = None
-        self._new_lens = None
+        self._last_index = None
 
     def _head_input(self, _module, args):
-        # Only the last real new token's hidden state reaches the model's own head (the softcap / scaling
-        # after it run on [B,1,V]). A hook on the head's input, not the base model's output: some models
+        # Only the rows whose logits the step returns reach the model's own head (the softcap / scaling
+        # after it run on [B,Q,V]). A hook on the head's input, not the base model's output: some models
         # (OPT) call a submodule of the base model directly.
-        if self._step is not None and self._new_lens is not None:
+        if self._step is not None and self._last_index is not None:
             self._step.head_seen = True
-            return (last_token(args[0], self._new_lens)[:, None], *args[1:])
+            hidden, index = args[0], self._last_index
+            b, q = index.shape
+            rows = torch.gather(hidden, 1, index.view(b, q, 1).expand(b, q, hidden.shape[-1]))
+            return (rows, *args[1:])
         return None
 
     def forward(
-        self, input_ids, positions, past_lens, new_lens, block_tables, key_caches: list, value_caches: list
+        self,
+        input_ids,
+        positions,
+        past_lens,
+        new_lens,
+        block_tables,
+        key_caches: list,
+        value_caches: list,
+        last_index=None,
     ):
+        """The paged step (docs/llm-step-contract.md). ``last_index`` [B,Q] int64: the rows whose logits come
+        back, as [B*Q, V] (row b's Q back to back); None: each request's last real new token (Q = 1)."""
+        if last_index is None:
+            last_index = (new_lens - 1)[:, None]
         step = _Step(past_lens, block_tables, list(key_caches), list(value_caches))
-        self._step, self._new_lens = step, new_lens
+        self._step, self._last_index = step, last_index
         try:
             with _active(step):
                 out = self.hf(input_ids=input_ids, position_ids=positions, use_cache=False)
         finally:
-            self._step = self._new_lens = None
+            self._step = self._last_index = None
         if not step.head_seen:
             raise ModelLoadError(f"{type(self.hf).__name__}: its forward does not call its lm head module")
-        logits = out.logits[:, -1]
+        logits = out.logits.reshape(-1, out.logits.shape[-1])
         n = self.shape.layers
         return (logits, *[t for i in range(n) for t in (step.new_keys[i], step.new_values[i])])
 

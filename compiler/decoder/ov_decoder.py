@@ -332,6 +332,7 @@ def ov_lowering(folder, hf: nn.Module, spec: dict, max_context: int):
             "kv_inputs": [[f"key_cache.{i}", f"value_cache.{i}"] for i in range(layers)],
             "kv_outputs": [],
             "batched_prefill": True,
+            "multi_logits": True,  # logits_indices may list several tokens of a row
         }
         tell.step("[openvino] tracing the step with PagedAttention (openvino.convert_model)")
         return export_ov_step(module, llm), llm

@@ -150,6 +150,7 @@ class MappedLlama(_LlamaBody):
     """Llama / Mistral / Qwen2 over per-request KV views [B,KV,C,D] (kv_layout "mapped", see the docstring)."""
 
     kv_layout = "mapped"
+    multi_logits = True  # last_index [B,Q] -> logits [B*Q,V] (speculative verification)
 
     def __init__(self, hf_model: nn.Module, max_context: int | None = None, windows: list[int] | None = None):
         """``windows``: each layer's sliding window (-1: none), masked by GroupQueryAttention's
@@ -183,7 +184,8 @@ class MappedLlama(_LlamaBody):
     ):
         """GroupQueryAttention's own lengths come in as inputs (the runtime computes them: no graph nodes):
         seqlens_k [B] int32 = past_lens + S - 1, total_sequence_length [] int32 = max(past_lens) + S, and
-        last_index [B,1] int64 = new_lens - 1 (the row whose logits the step returns)."""
+        last_index [B,Q] int64: the rows whose logits the step returns, [B*Q, V] (Q = 1: new_lens - 1, each
+        request's last real new token; Q > 1: a speculative verification row's last Q tokens)."""
         from precast.compiler.decoder.paged_ops import last_token, mapped_gqa
 
         x = nn.functional.embedding(input_ids, self.lm_head_t.t()) if self.tied else self.embed(input_ids)

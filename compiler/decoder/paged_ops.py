@@ -202,18 +202,21 @@ def _mapped_gqa_onnx(
 
 @torch.library.custom_op("precast::last_token", mutates_args=())
 def last_token(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """hidden [B,S,E] at row index[b, 0] of each batch row -> [B,E] (each request's last real new token)."""
+    """hidden [B,S,E] at rows index [B,Q] of each batch row -> [B*Q,E], row b's Q rows back to back: each
+    request's last real new token (Q = 1), or the last Q of a speculative verification row."""
     b, _, e = hidden.shape
-    return torch.gather(hidden, 1, index.view(b, 1, 1).expand(b, 1, e)).squeeze(1)
+    q = index.shape[1]
+    return torch.gather(hidden, 1, index.view(b, q, 1).expand(b, q, e)).reshape(b * q, e)
 
 
 @last_token.register_fake
 def _(hidden, index):
-    return hidden.new_empty((hidden.shape[0], hidden.shape[2]))
+    return hidden.new_empty((hidden.shape[0] * index.shape[1], hidden.shape[2]))
 
 
 def _last_token_onnx(hidden, index):
-    return op.GatherND(hidden, index, batch_dims=1)
+    rows = op.GatherND(hidden, op.Unsqueeze(index, [-1]), batch_dims=1)  # [B,Q,E]
+    return op.Reshape(rows, op.Concat(op.Constant(value_ints=[-1]), op.Shape(hidden, start=2), axis=0))
 
 
 TRANSLATIONS = {

@@ -43,6 +43,14 @@ from precast.runtime.llm.scheduler import (
     SchedulerOutput,
     StepKind,
     checked_config,
+    drop_drafts,
+)
+from precast.runtime.llm.speculative import (
+    DraftProposer,
+    NgramProposer,
+    SpecState,
+    SpeculativeConfig,
+    verify,
 )
 from precast.runtime.llm.structured import FAILED as GRAMMAR_FAILED
 from precast.runtime.llm.structured import Grammars, allows, mask_bias
@@ -61,6 +69,8 @@ class Engine:
         config: SchedulerConfig | None = None,
         enable_prefix_caching: bool = True,
         temp_dir: Path | None = None,
+        speculative: SpeculativeConfig | None = None,
+        draft_runner=None,
     ):
         spec = runner.spec
         self.runner = runner  # a runner.StepRunner: execute(SchedulerOutput) -> logits
@@ -93,6 +103,35 @@ class Engine:
         # Other threads about to take the lock, or waiting on it for a token (deque append/pop are atomic):
         # a burst stops at once when one knocks, so a submit, cancel or reader waits one step as before.
         self._knocks: deque = deque()
+        # Speculative decoding (runtime/llm/speculative.py): the proposer, or None
+        self.speculative: SpeculativeConfig | None = None
+        self._proposer = None
+        self._spec_max_batch = 0
+        self._drafting: dict[str, tuple[Request, list[int]]] = {}  # this step's proposals, by request id
+        if speculative is not None:
+            self._start_speculation(speculative, draft_runner)
+
+    def _start_speculation(self, config: SpeculativeConfig, draft_runner) -> None:
+        config = config.validate()
+        if not self.runner.multi_logits:
+            raise UsageError(
+                "speculative decoding needs a step graph that returns several logits rows per request: this "
+                "artifact's does not (compiled before it, a GPT-2 / hand-written paged decoder, or pipeline "
+                "stages); recompile it with this precast"
+            )
+        if config.method == "draft":
+            if draft_runner is None:
+                raise UsageError(
+                    "speculative method 'draft' needs the draft's runner (Engine.load(draft=...))"
+                )
+            self._proposer = DraftProposer(draft_runner, self.vocab)
+        else:
+            self._proposer = NgramProposer(config)
+        self.speculative = config
+        # Verification rows of the mapped layout run one request at a time: beyond one decoding request a
+        # step of them reads the weights once per request, so speculation stops there by default.
+        default = 1 if getattr(self.runner.spec, "kv_layout", "") == "mapped" else 4
+        self._spec_max_batch = default if config.max_batch is None else int(config.max_batch)
 
     @classmethod
     def load(
@@ -108,6 +147,7 @@ class Engine:
         min_version: str | None = None,
         now: datetime | None = None,
         concurrency: int | None = None,
+        speculative: SpeculativeConfig | None = None,
         **runner_kwargs,
     ) -> Engine:
         """Open a causal-lm artifact (a directory, or a file packed by ``precast pack``, as
@@ -120,7 +160,9 @@ class Engine:
         can run in the index's order, which the compile measured (the faster first); ``prefer`` names one
         to put first (runtime/hal.py, as load's). ``concurrency``: the requests it will run at once (default:
         ``config.max_num_seqs`` when a config is given, else unknown): an index's targets are then ranked by the
-        rate each recorded at the compile nearest that load (1, 8, 32 requests), not by its overall order."""
+        rate each recorded at the compile nearest that load (1, 8, 32 requests), not by its overall order.
+        ``speculative``: speculative decoding (speculative.SpeculativeConfig: a draft artifact with the same
+        tokenizer, or prompt lookup), for requests that are not grammar-constrained."""
         from precast.runtime.hal import resolve
         from precast.runtime.llm.runners.factory import RunnerOptions
 
@@ -148,18 +190,33 @@ class Engine:
             concurrency=concurrency,
         )
         runner, tokenizer = found.opened
+        draft = None
         try:
+            if speculative is not None:
+                if not isinstance(speculative, SpeculativeConfig):
+                    raise UsageError(
+                        f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
+                    )
+                speculative.validate()
+                if speculative.method == "draft":
+                    draft = _open_draft(
+                        speculative.draft, runner, tokenizer, num_blocks, options, concurrency
+                    )
             engine = cls(
                 runner,
                 tokenizer,
                 config=config,
                 enable_prefix_caching=enable_prefix_caching,
                 temp_dir=found.temp,
+                speculative=speculative,
+                draft_runner=draft,
             )
             engine.grammar_thread = _spare_core(options.threads)
             engine.target = found.manifest.target.name
             return engine
         except BaseException:
+            if draft is not None:
+                draft.close()
             if found.temp is not None:
                 from precast.artifact.archive import remove_temp
 
@@ -220,6 +277,9 @@ class Engine:
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         cap = min(self.max_context, self.pool.num_blocks * self.block_size)
         req = Request(rid, ids, params, priority=int(priority), max_total_tokens=cap, matcher=matcher)
+        cfg = self.speculative
+        if cfg is not None and matcher is None:  # (a constrained request never speculates)
+            req.spec = SpecState(k=cfg.num_tokens, k_max=cfg.num_tokens, adaptive=cfg.adaptive)
         handle = RequestHandle(req, on_token, wait=self.wait_for)
         self.output.add(handle)
         self.scheduler.add(req)
@@ -285,6 +345,7 @@ class Engine:
         (_burst) unless another thread knocks. (The loops call this; step() stays one step for callers
         that interleave their own work.)"""
         with self._cond:
+            drafting = self._proposer is not None and self._propose()
             out = self.scheduler.schedule()
             c = self.counters
             c.steps += 1
@@ -292,12 +353,22 @@ class Engine:
             if out.kind is not StepKind.STEADY:  # (a steady step has no copies, preemptions or admissions)
                 self._count(out)
             produced = 0
+            if drafting:
+                rows = [1 + r.num_draft for r in out.rows]
+                out.logit_rows = rows if any(q > 1 for q in rows) else None
             if out.rows:
                 masks = None if out is self._plain else self._start_masks(out)
                 logits = self.runner.execute(out)
-                if out.kind is StepKind.STEADY and (out is self._plain or self._all_plain(out)):
+                if out.logit_rows is not None:
+                    produced = self._verified(out, logits, masks)
+                elif out.kind is StepKind.STEADY and (out is self._plain or self._all_plain(out)):
                     produced = self._steady_tail(out, logits)
-                    if burst and not self._knocks and self.scheduler.burst_steps(out) > 0:
+                    if (
+                        burst
+                        and not self._knocks
+                        and self.scheduler.burst_steps(out) > 0
+                        and self._may_burst()
+                    ):
                         produced += self._burst(out.rows[0])
                 else:
                     sampled = self._sample(out, logits, masks)
@@ -305,6 +376,8 @@ class Engine:
                     if masks is not None:
                         self._advance_grammars(out, sampled)
                     produced = self.output.stream(out, sampled, logits)
+            if drafting:
+                self._after_drafts(out)
             self._cond.notify_all()
             return produced
 
@@ -374,14 +447,16 @@ class Engine:
         c.prefix_hit_tokens = self.scheduler.prefix_hit_tokens
         c.prefix_query_tokens = self.scheduler.prefix_query_tokens
 
-    def _sample(self, out: SchedulerOutput, logits: np.ndarray, masks=None) -> list[int | None]:
+    def _sample(
+        self, out: SchedulerOutput, logits: np.ndarray, masks=None, skip: frozenset = frozenset()
+    ) -> list[int | None]:
         """The next token of each row that reached the end of its known tokens (None: a prefill chunk, or a
         request whose logits cannot be sampled: it fails alone, the others go on). ``masks``: the constrained
-        rows' grammar masks, from _start_masks."""
+        rows' grammar masks, from _start_masks. Rows in ``skip`` (verified rows: _verified) are None."""
         sampled: list[int | None] = []
         masked = None if masks is None else self._masked_rows(out, logits, masks.result())
         for i, (req, n, row) in enumerate(zip(out.rows, out.num_new, logits)):
-            if req.num_computed + n < len(req.token_ids):
+            if i in skip or req.num_computed + n < len(req.token_ids):
                 sampled.append(None)  # a prefill chunk: nothing to sample yet
                 continue
             if req.argmax:  # (the common case, without the sampler's dispatch)
@@ -399,6 +474,109 @@ class Engine:
                 sampled.append(None)
                 self.output.fail_unsampled(req, e)
         return sampled
+
+    # -- speculative decoding (runtime/llm/speculative.py) ---------------------------------------------
+    def _propose(self) -> bool:
+        """Before schedule(): append draft tokens to each decoding request that speculates this step
+        (req.num_draft of them). True when any did (the step's rows then return 1 + k logits rows)."""
+        sched = self.scheduler
+        decoding = [r for r in sched.running if r.num_pending == 1]
+        if isinstance(self._proposer, DraftProposer):  # (a request cancelled or finished elsewhere)
+            self._proposer.sweep({r.request_id for r in (*sched.running, *sched.waiting)})
+        if not decoding or len(decoding) > self._spec_max_batch:
+            return False
+        reqs, ks = [], []
+        for r in decoding:
+            st = r.spec
+            if st is None:
+                continue
+            k = min(st.wanted(), r.end_len - len(r.token_ids) - 1)
+            if k > 0:
+                reqs.append(r)
+                ks.append(k)
+        if not reqs:
+            return False
+        proposals = self._proposer.propose(reqs, ks)
+        any_drafts = False
+        for r, d in zip(reqs, proposals):
+            if not d:
+                r.spec.nothing()  # (prompt lookup found no match: a miss)
+            else:
+                self._drafting[r.request_id] = (r, d)
+                r.token_ids.extend(d)
+                r.num_draft = len(d)
+                any_drafts = True
+        if any_drafts:
+            sched.end_run()  # (the rows are no longer the last decode's, one token further)
+        return any_drafts
+
+    def _verified(self, out: SchedulerOutput, logits: np.ndarray, masks) -> int:
+        """A step with verification rows (out.logit_rows): each row's drafts checked against its logits
+        (speculative.verify: greedy exact, sampling by rejection), the kept tokens advanced and streamed one
+        by one as decode steps would (stop ids, length and stop strings end a request mid-row)."""
+        starts = np.cumsum([0, *out.logit_rows]).tolist()
+        last = logits[np.array(starts[1:]) - 1]  # each row's last token's logits: the others' [B, V]
+        spec_rows = [i for i, r in enumerate(out.rows) if r.num_draft]
+        sampled = self._sample(out, last, masks, frozenset(spec_rows))
+        c, sched = self.counters, self.scheduler
+        # the other rows, as a step without speculation would: advance, grammars, stream
+        for req, n, tok in zip(out.rows, out.num_new, sampled):
+            if not req.num_draft:
+                sched.advance_token(req, n, tok)
+        if masks is not None:
+            self._advance_grammars(out, sampled)
+        produced = self.output.stream(out, sampled, last)
+        for i in spec_rows:
+            req = out.rows[i]
+            k = req.num_draft
+            drafts = req.token_ids[-k:]
+            drop_drafts(req)
+            if req.status is not Status.RUNNING:  # (an earlier row's callback cancelled it)
+                continue
+            rows = logits[starts[i] : starts[i + 1]]
+            q = (
+                self._proposer.probs.get(req.request_id)
+                if isinstance(self._proposer, DraftProposer)
+                else None
+            )
+            tokens = verify(req, drafts, rows, q, self.vocab)
+            kept = len(tokens) - 1
+            c.spec_proposed_tokens += k
+            c.spec_accepted_tokens += kept
+            c.observe_acceptance(kept)
+            req.spec.update(k, kept)
+            handle = self._handles.get(req.request_id)
+            for j, tok in enumerate(tokens):  # (the row's token j came from its logits row j)
+                done = sched.advance_token(req, 1, tok)
+                if handle is not None and req.finish_reason not in ("cancelled", "error"):
+                    self.output.emit(handle, req, tok, rows, j)
+                    produced += 1
+                if done:
+                    break
+        sched.end_speculative_step(out)
+        return produced
+
+    def _may_burst(self) -> bool:
+        """A burst skips the steps where a request would speculate: only when none would (no speculation,
+        or every running request's is off for now)."""
+        if self._proposer is None:
+            return True
+        return all(r.spec is None or r.spec.off > 0 for r in self.scheduler.running)
+
+    def _after_drafts(self, out: SchedulerOutput) -> None:
+        """The proposer learns what each proposal kept (a dropped one: nothing); finished requests' draft
+        state is released."""
+        proposer = self._proposer
+        for req, _drafts in self._drafting.values():
+            drop_drafts(req)  # (a request the step did not schedule still holds its drafts)
+            if req.finished:
+                proposer.drop(req)
+            else:
+                proposer.accepted(req, 0)
+        self._drafting.clear()
+        for req in out.rows:
+            if req.finished and req.spec is not None:
+                proposer.drop(req)
 
     # -- structured outputs (runtime/llm/structured.py) ------------------------------------------------
     def _start_masks(self, out: SchedulerOutput):
@@ -589,6 +767,37 @@ def _open_llm_target(root: Path, manifest, num_blocks: int | None, options, wher
             f"{tokenizer.vocab_size} tokens ({tok_file})"
         )
     return runner, tokenizer
+
+
+def _open_draft(path, runner, tokenizer, num_blocks, options, concurrency):
+    """The draft artifact's runner for speculative decoding: a causal LM with the target's tokenizer (the
+    same vocabulary, token for token), else UsageError naming what differs."""
+    from precast.runtime.hal import resolve
+    from precast.runtime.llm.tokenizer import TextTokenizer
+
+    def open_target(root: Path, manifest) -> tuple:
+        return _open_llm_target(root, manifest, num_blocks, options, where=path)
+
+    found = resolve(path, open_target, verify=options.verify, concurrency=concurrency)
+    draft, draft_tok = found.opened
+    try:
+        if tokenizer is None or draft_tok is None:
+            raise UsageError(
+                f"draft {path}: the target and the draft must both ship a tokenizer to be compared"
+            )
+        if not isinstance(tokenizer, TextTokenizer) or tokenizer.vocab() != draft_tok.vocab():
+            raise UsageError(
+                f"draft {path}: its tokenizer differs from the target's (speculative decoding needs the same "
+                "vocabulary, token for token)"
+            )
+        if draft.spec.vocab > runner.spec.vocab:
+            raise UsageError(
+                f"draft {path}: its vocab ({draft.spec.vocab}) is larger than the target's ({runner.spec.vocab})"
+            )
+    except BaseException:
+        draft.close()
+        raise
+    return draft
 
 
 def _check_available(root: Path, block) -> None:

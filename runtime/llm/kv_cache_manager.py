@@ -6,6 +6,7 @@
     allocate_slots(rid, start, n)       blocks for positions [start, start+n); a shared block in that range
         -> [(src, dst)] | None          is copied first (the engine copies the K/V); None = no room, nothing changed
     commit(rid, tokens, n_computed)     hash the blocks that are now full, so later prompts can reuse them
+    trim(rid, n)                        drop the blocks past position n (speculative tokens rejected)
     free(rid)                           drop the request's blocks
 
 Block hashes are chained: hash(block i) covers block i's tokens and the hash of block i-1, so equal
@@ -49,6 +50,9 @@ class KVCacheManager:
 
     def block_table(self, rid: str) -> list[int]:
         return self._tables.get(rid, [])
+
+    def request_ids(self) -> list[str]:
+        return list(self._tables)
 
     def num_blocks_held(self, rid: str) -> int:
         return len(self._tables.get(rid, ()))
@@ -104,6 +108,18 @@ class KVCacheManager:
         for h in block_hashes(tokens[: full * self.block_size], self.block_size, len(hashes), parent):
             self.pool.register(table[len(hashes)], h)
             hashes.append(h)
+
+    def trim(self, rid: str, num_tokens: int) -> None:
+        """Keep only the blocks of positions [0, num_tokens) (speculative decoding's rejected tokens): the
+        blocks past them go back to the pool. Blocks past the computed tokens are never hashed."""
+        table = self._tables.get(rid)
+        if table is None:
+            return
+        keep = -(-num_tokens // self.block_size)
+        if len(table) > keep:
+            self.pool.free(table[keep:])
+            del table[keep:]
+            del self._hashes[rid][keep:]
 
     def free(self, rid: str) -> None:
         table = self._tables.pop(rid, [])

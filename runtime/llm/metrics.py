@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 __all__ = ["EngineCounters", "EngineMetrics"]
 
@@ -25,6 +25,20 @@ class EngineCounters:
     ttft_count: int = 0
     ttft_sum_s: float = 0.0
     ttft_last_s: float = 0.0
+    # speculative decoding: draft tokens proposed / kept, and how many verified rows kept 0, 1, 2, ... of them
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accepted_per_row: list = field(default_factory=list)
+
+    def observe_acceptance(self, kept: int) -> None:
+        hist = self.spec_accepted_per_row
+        if kept >= len(hist):
+            hist.extend([0] * (kept + 1 - len(hist)))
+        hist[kept] += 1
+
+    @property
+    def spec_verify_rows(self) -> int:
+        return sum(self.spec_accepted_per_row)
 
     def observe_ttft(self, handle) -> None:
         import time
@@ -35,7 +49,9 @@ class EngineCounters:
         self.ttft_last_s = ttft
 
     def snapshot(self, **gauges) -> EngineMetrics:
-        return EngineMetrics(**asdict(self), **gauges)
+        counters = asdict(self)
+        counters["spec_accepted_per_row"] = list(self.spec_accepted_per_row)
+        return EngineMetrics(**counters, **gauges)
 
 
 @dataclass

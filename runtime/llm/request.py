@@ -49,6 +49,10 @@ class Request:
     end_len: int = 0
     # Its structured-output matcher (llguidance, fed each output token), when params.constraint is set
     matcher: object = None
+    # Speculative decoding (runtime/llm/speculative.py): its adaptive state (None: it never speculates), and
+    # how many unverified draft tokens end token_ids during a step (0 outside the engine's step)
+    spec: object = None
+    num_draft: int = 0
 
     def __post_init__(self):
         if not self.token_ids:

@@ -63,6 +63,8 @@ class SchedulerOutput:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) block copies before the step
     preempted: list[str] = field(default_factory=list)
     total_tokens: int = 0  # sum(num_new)
+    # Speculative verification (engine): Q_i logits rows per row, its last Q_i new tokens (None: one per row)
+    logit_rows: list[int] | None = None
 
     def add_row(self, req: Request, n: int, table: list[int], copies: list[tuple[int, int]]) -> None:
         """Schedule ``n`` tokens of ``req`` over ``table``, after the block ``copies`` its allocation made."""
@@ -71,6 +73,13 @@ class SchedulerOutput:
         self.block_tables.append(table)
         self.copies.extend(copies)
         self.total_tokens += n
+
+
+def drop_drafts(req: Request) -> None:
+    """Take a request's unverified draft tokens off its token_ids (speculation skipped this step)."""
+    if req.num_draft:
+        del req.token_ids[-req.num_draft :]
+        req.num_draft = 0
 
 
 def checked_config(config: SchedulerConfig | None) -> SchedulerConfig:
@@ -168,11 +177,17 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         """Running requests: decodes first, then prefill chunks; urgent first within each. Returns the budget left."""
-        todo = sorted(self.running, key=lambda r: (r.num_pending > 1, self.priority_key(r)))
+        todo = sorted(self.running, key=lambda r: (r.num_pending - r.num_draft > 1, self.priority_key(r)))
         while todo and budget > 0:
             req = todo.pop(0)
+            if req.num_draft and req.num_pending > budget:
+                drop_drafts(req)  # (a speculative row runs whole or not at all)
             n = min(req.num_pending, budget)
             while (copies := self.kv.allocate_slots(req.request_id, req.num_computed, n)) is None:
+                if req.num_draft:  # speculation never preempts anyone: no room, no drafts
+                    drop_drafts(req)
+                    n = 1
+                    continue
                 victim = max([req, *todo], key=self.priority_key)
                 self._preempt(victim)
                 out.preempted.append(victim.request_id)
@@ -210,6 +225,7 @@ class Scheduler:
             budget -= n
 
     def _preempt(self, req: Request) -> None:
+        drop_drafts(req)
         self.running.remove(req)
         self.kv.free(req.request_id)
         req.num_computed = 0
@@ -258,6 +274,29 @@ class Scheduler:
             return False
         self.finish(req, reason)
         return True
+
+    # -- speculative steps (runtime/llm/speculative.py) -----------------------------------------------
+    # The engine appends a decoding request's draft tokens to its token_ids (req.num_draft) before
+    # schedule(), which runs the row whole (or drops the drafts: budget, pool), and verifies the row's
+    # logits; then each token it keeps goes through advance_token, as one decode step each would.
+    def end_run(self) -> None:
+        """The next schedule() takes the general path (the engine changed rows: draft tokens appended)."""
+        self._end_run()
+
+    def advance_token(self, req: Request, n: int, tok: int | None) -> bool:
+        """A row's next token after ``n`` more computed (update_from_output's per-row advance); True when
+        the request is finished (now or before)."""
+        if req.status is not Status.RUNNING:
+            return True
+        return self._advance(req, n, tok)
+
+    def end_speculative_step(self, out: SchedulerOutput) -> None:
+        """After a verified step: blocks past each row's computed tokens (rejected drafts) go back to the
+        pool, and the decode run (if any) ends."""
+        self._end_run()
+        for req in out.rows:
+            if req.status is Status.RUNNING:
+                self.kv.trim(req.request_id, req.num_computed)
 
     # -- the batch-1 burst (docs/llm-step-contract.md, "The batch-1 burst") ---------------------------
     # The one scheduling path besides schedule() -> update_from_output(): while a one-row decode run stays

@@ -64,6 +64,11 @@ class TextTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id, added tokens included (two tokenizers with equal vocabularies map text to
+        the same ids when their pre-tokenizers and merges agree: speculative decoding compares these)."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def to_json(self) -> str:
         """The tokenizer as tokenizer.json text (what the grammar engine reads its vocabulary from)."""
         return self._tok.to_str()

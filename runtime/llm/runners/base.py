@@ -27,7 +27,7 @@ import numpy as np
 
 from precast.runtime.llm.scheduler import SchedulerOutput, StepKind
 
-__all__ = ["RunnerBase", "SingleDecoder", "StepRunner", "group_by_length"]
+__all__ = ["RunnerBase", "SingleDecoder", "StepRunner", "group_by_length", "last_indices"]
 
 # run(token, position) -> the logits row of the one request a batch-1 burst decodes (runner-owned buffer)
 SingleDecoder = Callable[[int, int], np.ndarray]
@@ -50,8 +50,14 @@ class StepRunner(Protocol):
     @property
     def kv_resident_bytes(self) -> int: ...
 
+    @property
+    def multi_logits(self) -> bool:
+        """Whether ``execute`` takes a step with ``out.logit_rows`` (speculative verification)."""
+        ...
+
     def execute(self, out: SchedulerOutput) -> np.ndarray:
-        """Logits [len(out.rows), V] of each scheduled row's last new token (valid until the next step)."""
+        """Logits [len(out.rows), V] of each scheduled row's last new token (valid until the next step); with
+        ``out.logit_rows`` (Q_i per row): [sum(Q_i), V], each row's last Q_i new tokens, rows back to back."""
         ...
 
     def step(self, input_ids, positions, past_lens, new_lens, block_tables) -> np.ndarray:
@@ -71,7 +77,6 @@ class StepRunner(Protocol):
         ...
 
 
-
 class RunnerBase:
     """Base of the model runners: ``spec`` (block_size, vocab, pad_id), ``key_cache`` / ``value_cache`` pools of
     ``num_blocks`` blocks; ``execute`` dispatches on the step's kind (module doc). Defaults for StepRunner's
@@ -83,9 +88,13 @@ class RunnerBase:
     """
 
     _steady_arrays: tuple | None = None  # (ids, past, tables, new) of the last DECODE step
+    # Whether the runner's _step takes ``last`` (last_index [B,Q]) when its graph does (spec.multi_logits)
+    TAKES_LAST_INDEX = False
     kv_blocks_touched = 0  # 1 + the highest block id a step has written (or copied into)
     kv_bytes = 0  # (a property of the runners that own pools)
-    spin_switch = None  # a SpinSwitch (ONNX Runtime runners with spinning="auto"): the session each step runs on
+    spin_switch = (
+        None  # a SpinSwitch (ONNX Runtime runners with spinning="auto"): the session each step runs on
+    )
 
     def attach_spin_switch(self, switch) -> None:
         """Run each step on the session ``switch`` picks (spinning or not; runners/spin_switch.py)."""
@@ -112,11 +121,17 @@ class RunnerBase:
         LLMSpec.default_num_blocks(); the rest are factory.RunnerOptions' fields (positional as before)."""
         from precast.runtime.llm.runners.factory import RunnerOptions, open_artifact_runner
 
-        options = RunnerOptions(threads=threads, verify=verify, spinning=spinning, micro_batches=micro_batches)
+        options = RunnerOptions(
+            threads=threads, verify=verify, spinning=spinning, micro_batches=micro_batches
+        )
         return open_artifact_runner(path, num_blocks, options)
 
     def single_decoder(self) -> SingleDecoder | None:
         return None
+
+    @property
+    def multi_logits(self) -> bool:
+        return self.TAKES_LAST_INDEX and bool(getattr(self.spec, "multi_logits", False))
 
     def shutdown(self) -> None:
         pass
@@ -151,7 +166,9 @@ class RunnerBase:
             return self._decode_rows(out)
         return self._mixed(out)
 
-    def _step(self, ids, pos, past, new, tables) -> np.ndarray:
+    def _step(self, ids, pos, past, new, tables, last=None) -> np.ndarray:
+        """Logits of the rows [B, S]: [B, V] of each row's last new token, or with ``last`` (int64 [B,Q],
+        runners with TAKES_LAST_INDEX) [B*Q, V] of the tokens it indexes."""
         raise NotImplementedError
 
     def _decode_rows(self, out: SchedulerOutput) -> np.ndarray:
@@ -173,10 +190,31 @@ class RunnerBase:
         past[:] = [r.num_computed for r in out.rows]
         return self._step(ids, past.reshape(-1, 1), past, new, tables)
 
+    def _row_groups(self, out: SchedulerOutput) -> list[list[int]]:
+        """A mixed step's rows split into _step calls (right-padding kept small)."""
+        return group_by_length(out.num_new)
+
     def _mixed(self, out: SchedulerOutput) -> np.ndarray:
+        if out.logit_rows is not None:
+            return self._mixed_rows(out)
         logits = np.empty((len(out.rows), self.spec.vocab), dtype=np.float32)
         for group in group_by_length(out.num_new):
             logits[group] = self._step(*self._arrays(out, group))
+        return logits
+
+    def _mixed_rows(self, out: SchedulerOutput) -> np.ndarray:
+        """A step whose rows return their last Q_i tokens' logits (out.logit_rows): [sum(Q_i), V]."""
+        q = out.logit_rows
+        starts = np.cumsum([0, *q]).tolist()
+        logits = np.empty((starts[-1], self.spec.vocab), dtype=np.float32)
+        for group in self._row_groups(out):
+            arrays = self._arrays(out, group)
+            qs = np.array([q[i] for i in group], dtype=np.int64)
+            width = int(qs.max())
+            got = self._step(*arrays, last_indices(arrays[3], qs, width))
+            got = got.reshape(len(group), width, self.spec.vocab)
+            for j, i in enumerate(group):
+                logits[starts[i] : starts[i + 1]] = got[j, : q[i]]
         return logits
 
     def _arrays(self, out: SchedulerOutput, rows: Sequence[int]) -> tuple[np.ndarray, ...]:
@@ -192,6 +230,13 @@ class RunnerBase:
             pos[j, :k] = np.arange(c, c + k)
         tables = _table_array([out.block_tables[i] for i in rows])
         return ids, pos, past, np.array(n, dtype=np.int64), tables
+
+
+def last_indices(new, q, width: int) -> np.ndarray:
+    """last_index [B, width]: row b's last q[b] new tokens (of new[b]), padded with its last one."""
+    new, q = np.asarray(new, dtype=np.int64), np.asarray(q, dtype=np.int64)
+    idx = (new - q)[:, None] + np.arange(width, dtype=np.int64)[None, :]
+    return np.minimum(idx, (new - 1)[:, None])
 
 
 def _table_array(tables: list[list[int]]) -> np.ndarray:

@@ -112,7 +112,9 @@ class ModelRunner(RunnerBase):
         self._note_written(past, new, tables)
         return self._step(ids, pos, past, new, tables)
 
-    def _step(self, ids, pos, past, new, tables) -> np.ndarray:
+    TAKES_LAST_INDEX = True
+
+    def _step(self, ids, pos, past, new, tables, last=None) -> np.ndarray:
         if ids.shape[1] > 1 and (ids.shape[0] == 1 or not self.spec.batched_prefill):
             # One request at a time (what a fused-attention graph needs for S > 1), without padding.
             rows = [
@@ -122,13 +124,14 @@ class ModelRunner(RunnerBase):
                     past[r : r + 1],
                     new[r : r + 1],
                     tables[r : r + 1],
+                    None if last is None else last[r : r + 1],
                 )
                 for r in range(ids.shape[0])
             ]
             return np.concatenate(rows, axis=0)
-        return self._run(ids, pos, past, new, tables)
+        return self._run(ids, pos, past, new, tables, last)
 
-    def _run(self, ids, pos, past, new, tables) -> np.ndarray:
+    def _run(self, ids, pos, past, new, tables, last=None) -> np.ndarray:
         # The graph gathers every block of the table: hand it only the blocks this step's requests use.
         used = self.spec.blocks_for(int((past + new).max()))
         if tables.shape[1] > used:
@@ -140,6 +143,8 @@ class ModelRunner(RunnerBase):
             "new_lens": new,
             "block_tables": tables,
         }
+        if self.spec.multi_logits:  # (last_index [B,Q]: the rows whose logits come back)
+            feeds["last_index"] = (new - 1)[:, None] if last is None else last
         intact = all(map(operator.is_, self.key_cache, self._views[0])) and all(
             map(operator.is_, self.value_cache, self._views[1])
         )  # the pools are still the views of _k_all/_v_all (a caller may have replaced one)
@@ -191,7 +196,10 @@ def check_graph_matches_spec(session, spec: LLMSpec, path) -> None:
     where = f"{path}/manifest.json: llm block"
     if spec.kv_layout not in _LAYOUT_INPUTS:
         raise ArtifactError(f"{where}: kv_layout {spec.kv_layout!r} needs an OpenVINO artifact")
-    for name in (*_LAYOUT_INPUTS[spec.kv_layout], *(n for pair in spec.kv_inputs for n in pair)):
+    step_inputs = _LAYOUT_INPUTS[spec.kv_layout]
+    if spec.multi_logits and "last_index" not in step_inputs:  # (a paged graph's own last_index, last)
+        step_inputs = (*step_inputs, "last_index")
+    for name in (*step_inputs, *(n for pair in spec.kv_inputs for n in pair)):
         if name not in ins:
             raise ArtifactError(
                 f"{where} does not match the model: {name!r} is not an input of the step graph "
@@ -202,7 +210,7 @@ def check_graph_matches_spec(session, spec: LLMSpec, path) -> None:
             raise ArtifactError(
                 f"{where} does not match the model: {name!r} is not an output of the step graph"
             )
-    fed = {*_LAYOUT_INPUTS[spec.kv_layout], *(n for pair in spec.kv_inputs for n in pair)}
+    fed = {*step_inputs, *(n for pair in spec.kv_inputs for n in pair)}
     extra = sorted(set(ins) - fed)
     if extra:  # (the first step would fail inside ONNX Runtime on the missing feed)
         raise ArtifactError(

@@ -140,7 +140,7 @@ class MappedModelRunner(ModelRunner):
         self._note_written(past, new, tables)
         return self._step(ids, pos, past, new, tables).copy()
 
-    def _step(self, ids, pos, past, new, tables) -> np.ndarray:
+    def _step(self, ids, pos, past, new, tables, last=None) -> np.ndarray:
         self._again = None
         b = ids.shape[0]
         if b > self.kv.slots:
@@ -153,17 +153,25 @@ class MappedModelRunner(ModelRunner):
             rows = self._decode(
                 [slot_of[r] for r in decode], ids[decode, 0].tolist(), [past_l[r] for r in decode]
             )
-            if len(decode) == b:  # the steady state: one batched decode run, no prefill
+            if len(decode) == b and last is None:  # the steady state: one batched decode run, no prefill
                 return rows
-        logits = np.empty((b, self.spec.vocab), dtype=np.float32)
+        q = (
+            1 if last is None else last.shape[1]
+        )  # logits rows per request (a decode row's: its one, repeated)
+        logits = np.empty((b, q, self.spec.vocab), dtype=np.float32)
         if decode:
-            logits[decode] = rows
+            logits[decode] = rows[:, None]
         for r in prefill:
             n = new_l[r]
             logits[r] = self._run(
-                slot_of[r], ids[r : r + 1, :n], pos[r : r + 1, :n], past[r : r + 1], new[r : r + 1]
-            )[0]
-        return logits
+                slot_of[r],
+                ids[r : r + 1, :n],
+                pos[r : r + 1, :n],
+                past[r : r + 1],
+                new[r : r + 1],
+                None if last is None else last[r : r + 1],
+            )
+        return logits.reshape(b * q, self.spec.vocab)
 
     # -- the engine's entry point (StepRunner.execute, by the step's kind) ------------------------------
     def _decode_rows(self, out: SchedulerOutput) -> np.ndarray:
@@ -208,9 +216,14 @@ class MappedModelRunner(ModelRunner):
 
         return run
 
-    def _mixed(self, out: SchedulerOutput) -> np.ndarray:
+    def _row_groups(self, out: SchedulerOutput) -> list[list[int]]:
         # One call for all rows: decode rows batched in slots 0 .. n-1, each prefill row alone past them
         # (split calls would hand prefill rows the decode rows' slots and remap them every step).
+        return [list(range(len(out.rows)))]
+
+    def _mixed(self, out: SchedulerOutput) -> np.ndarray:
+        if out.logit_rows is not None:
+            return self._mixed_rows(out)
         return self._step(*self._arrays(out, range(len(out.rows))))
 
     def _decode(self, slots: list[int], tokens: list[int], positions: list[int]) -> np.ndarray:
@@ -276,23 +289,35 @@ class MappedModelRunner(ModelRunner):
             self._owner[table[-1]] = s
         return slot_of
 
-    def _run(self, slot: int, ids, pos, past, new) -> np.ndarray:
+    def _run(self, slot: int, ids, pos, past, new, last=None) -> np.ndarray:
+        """Rows ``ids`` [rows, S] in slots slot .. slot+rows-1: logits [rows, V] of each one's last new token,
+        or with ``last`` (last_index [rows, Q]) [rows*Q, V] of the tokens it indexes."""
         rows, s = ids.shape
+        lengths = gqa_lengths(past, new, s)
+        if last is not None:
+            lengths["last_index"] = np.ascontiguousarray(last, dtype=np.int64)
         if not self._io:  # a session without IO binding (a stand-in): run, then copy the new rows in
-            feeds = {"input_ids": ids, "positions": pos, **gqa_lengths(past, new, s)}
+            feeds = {"input_ids": ids, "positions": pos, **lengths}
             return self._run_copying(slot, feeds, past, new)
         bound = self._bindings.get((slot, rows)) or self._bind(slot, rows)
         # (a prefill row; decode runs through _decode) ORT's binding does not own a numpy input: keep the
         # arrays alive while they are bound
         bound.bind_inputs(
-            {
-                "input_ids": np.ascontiguousarray(ids),
-                "positions": np.ascontiguousarray(pos),
-                **gqa_lengths(past, new, s),
-            }
+            {"input_ids": np.ascontiguousarray(ids), "positions": np.ascontiguousarray(pos), **lengths}
         )
-        self._run_bound(bound.io)
-        return bound.logits
+        q = lengths["last_index"].shape[1]
+        if q == 1:
+            self._run_bound(bound.io)
+            return bound.logits
+        # several logits rows per request (speculative verification): a buffer of that size for this run
+        logits = np.empty((rows * q, self.spec.vocab), dtype=np.float32)
+        bound.io.bind_output("logits", "cpu", 0, np.float32, list(logits.shape), logits.ctypes.data)
+        try:
+            self._run_bound(bound.io)
+        finally:
+            shape = list(bound.logits.shape)
+            bound.io.bind_output("logits", "cpu", 0, np.float32, shape, bound.logits.ctypes.data)
+        return logits
 
     def _run_bound(self, io) -> None:
         # The binding's C++ session directly (NativeLookup); a wrapper keeps its run_with_iobinding.

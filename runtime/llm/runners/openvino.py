@@ -9,9 +9,9 @@ no padding, and per request its past length and its blocks:
     block_indices [N] i32            each row's blocks (the engine's block tables, trimmed to the tokens)
     block_indices_begins [B+1] i32   where each row's blocks start in N
     max_context_len [] i32           the longest row, past + new
-    logits_indices [B] i64           each row's last token in T
+    logits_indices [N] i64           each row's last token in T (speculative verification: its last Q_b)
     key_cache.i / value_cache.i      the pool, [NB, KV, block, D] as the compiled model lays it out
-  -> logits [B, V]
+  -> logits [N, V]
 
 So a mixed step (prefill chunks among decodes) is one call, and the kernel writes the new tokens' K/V into the
 pool blocks itself: no gather, no scatter, no padding. The pool tensors are allocated once at the compiled
@@ -47,10 +47,20 @@ OV_STEP_INPUTS = (
 
 
 def step_feeds(
-    tokens: list[list[int]], pasts: list[int], tables: list[list[int]], block_size: int
+    tokens: list[list[int]],
+    pasts: list[int],
+    tables: list[list[int]],
+    block_size: int,
+    logit_rows: list[int] | None = None,
 ) -> dict[str, np.ndarray]:
-    """The step arrays of rows computing ``tokens[b]`` after ``pasts[b]`` cached ones over ``tables[b]``."""
+    """The step arrays of rows computing ``tokens[b]`` after ``pasts[b]`` cached ones over ``tables[b]``;
+    ``logit_rows``: the logits of row b's last logit_rows[b] tokens (speculative verification), else its last."""
     new = [len(t) for t in tokens]
+    if logit_rows is None:
+        last = np.cumsum(new, dtype=np.int64) - 1
+    else:
+        ends = np.cumsum(new).tolist()
+        last = np.array([e - q + j for e, q in zip(ends, logit_rows) for j in range(q)], dtype=np.int64)
     ends = [p + n for p, n in zip(pasts, new)]
     blocks = [table[: -(-e // block_size)] for table, e in zip(tables, ends)]
     flat = [tok for row in tokens for tok in row]
@@ -63,12 +73,14 @@ def step_feeds(
         "block_indices": np.array([b for row in blocks for b in row], dtype=np.int32),
         "block_indices_begins": np.cumsum([0, *map(len, blocks)], dtype=np.int32),
         "max_context_len": np.array(max(ends), dtype=np.int32),
-        "logits_indices": np.cumsum(new, dtype=np.int64) - 1,
+        "logits_indices": last,
     }
 
 
 class OVStepRunner(RunnerBase):
     """One OpenVINO infer request over the compiled step; owns the pool tensors (``num_blocks`` blocks)."""
+
+    TAKES_LAST_INDEX = True  # (logits_indices lists any tokens of the step: out.logit_rows)
 
     def __init__(self, compiled, spec: LLMSpec, num_blocks: int, path: Path | None = None):
         import openvino as ov
@@ -143,7 +155,8 @@ class OVStepRunner(RunnerBase):
         self._steady = None
         tokens = [r.token_ids[r.num_computed : r.num_computed + n] for r, n in zip(out.rows, out.num_new)]
         pasts = [r.num_computed for r in out.rows]
-        return self.run_step(step_feeds(tokens, pasts, out.block_tables, self.spec.block_size))
+        feeds = step_feeds(tokens, pasts, out.block_tables, self.spec.block_size, out.logit_rows)
+        return self.run_step(feeds)
 
     def _decode_rows(self, out: SchedulerOutput) -> np.ndarray:
         rows = out.rows

@@ -56,10 +56,12 @@ class ContractStep:
         mapped = "seqlens_k" in feeds
         if mapped:
             past = (np.asarray(feeds["seqlens_k"]).astype(np.int64) - s + 1).tolist()
-            last = np.asarray(feeds["last_index"]).reshape(b).tolist()
         else:
             past = np.asarray(feeds["past_lens"]).tolist()
-            last = (np.asarray(feeds["new_lens"]) - 1).tolist()
+        if "last_index" in feeds:  # [B,Q]: the rows whose logits come back (several: a multi-logits graph)
+            last = np.asarray(feeds["last_index"]).reshape(b, -1).tolist()
+        else:
+            last = (np.asarray(feeds["new_lens"]) - 1)[:, None].tolist()
         names = ("past_key", "past_value") if mapped else ("key_cache", "value_cache")
         bs = spec.block_size
         per_row = [-(-(p + s) // bs) for p in past]
@@ -80,7 +82,7 @@ class ContractStep:
                     _write_rows(pools[kind][i], table, bs, 0, put(pasts[r][:, :p]))
         step = step_feeds([ids[r].tolist() for r in range(b)], past, tables, bs)
         step["positions"] = np.ascontiguousarray(pos.reshape(1, -1), dtype=np.int64)  # pads at 0, as given
-        step["logits_indices"] = np.array([r * s + last[r] for r in range(b)], dtype=np.int64)
+        step["logits_indices"] = np.array([r * s + j for r in range(b) for j in last[r]], dtype=np.int64)
         out = {"logits": runner.run_step(step)}
         for i in range(spec.layers):
             for kind, name in enumerate(("key", "value")):

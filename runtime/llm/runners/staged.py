@@ -198,6 +198,8 @@ class StagedRunner(StageWorkersOwner, MappedModelRunner):
         }
         return arrays
 
+    TAKES_LAST_INDEX = False  # (one logits row per request: no speculative verification)
+
     def _step(self, ids, pos, past, new, tables) -> np.ndarray:
         self._again = None
         b = ids.shape[0]

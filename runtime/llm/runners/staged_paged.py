@@ -117,6 +117,8 @@ class StagedPagedRunner(StageWorkersOwner, ModelRunner):
     def close(self) -> None:
         self.shutdown()
 
+    TAKES_LAST_INDEX = False  # (one logits row per request: no speculative verification)
+
     def _step(self, ids, pos, past, new, tables) -> np.ndarray:
         b, s = ids.shape
         if s > 1 and (b == 1 or not self.spec.batched_prefill):  # one request at a time, unpadded

@@ -1,0 +1,333 @@
+"""Speculative decoding: propose a few tokens cheaply, verify them in one target step, keep the agreeing prefix.
+
+    proposals = speculator.propose(rows)       per decoding request, up to k draft tokens (a draft model's
+                                               greedy or sampled tokens, or the continuation of the longest
+                                               recent n-gram match in its prompt + output: prompt lookup)
+    (the engine appends them to the request and schedules it as a row of 1 + k tokens; the step graph returns
+     the logits of all 1 + k positions: out.logit_rows)
+    tokens = verify(req, drafts, logits, ...)   the accepted drafts plus one token of the target's own
+    speculator.accepted(req, m)                 the proposer forgets what was rejected
+
+Greedy requests accept a draft token while it is the target's argmax, so the output is exactly the
+non-speculative engine's. Sampling requests use the standard rejection rule (Leviathan et al. 2023, Chen et
+al. 2023): draft token d drawn from the draft's distribution q is kept with probability min(1, p(d) / q(d))
+under the target's p; on rejection the token is drawn from normalize(max(0, p - q)); after k kept drafts one
+more token is drawn from p. Both p and q are the request's processed distributions (penalties over the
+history so far, temperature, top-k / top-p / min-p: sampler.filtered_probs), so the output distribution is the
+target's. Prompt lookup's proposals are deterministic (q one-hot on d): keep d with probability p(d).
+
+Adaptive (``SpecState``): each request's k follows its acceptance (all kept: k + 1; fewer than half: k - 1);
+a request whose proposals keep failing stops speculating for a while (k = 0: plain decode steps, the batch-1
+burst included) and retries later with k = 1. The engine also stops speculating while more requests decode
+at once than ``max_batch``: there, one step of the batch already reads each weight once for many tokens,
+and verification rows cost more than they save.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from precast.errors import UsageError
+from precast.runtime.llm.sampler import SamplingParams, filtered_probs, is_int
+
+__all__ = [
+    "DraftProposer",
+    "NgramProposer",
+    "SpecState",
+    "SpeculativeConfig",
+    "verify",
+]
+
+METHODS = ("draft", "ngram")
+MAX_SPEC_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """``method``: "draft" (a second, smaller causal-lm artifact with the same tokenizer: ``draft``) or
+    "ngram" (prompt lookup). ``num_tokens``: the most tokens proposed per step (K). ``adaptive``: each
+    request's k follows its acceptance (SpecState). ``max_batch``: no speculation while more requests
+    decode at once (None: the engine's default for its runner). ``ngram_max`` / ``ngram_min``: the
+    n-gram lengths prompt lookup tries, longest first."""
+
+    method: str = "draft"
+    num_tokens: int = 4
+    draft: str | None = None
+    adaptive: bool = True
+    max_batch: int | None = None
+    ngram_max: int = 4
+    ngram_min: int = 2
+
+    def validate(self) -> SpeculativeConfig:
+        if self.method not in METHODS:
+            raise UsageError(
+                f"unknown speculative method {self.method!r} (choose from: {', '.join(METHODS)})"
+            )
+        if not is_int(self.num_tokens) or not 1 <= self.num_tokens <= MAX_SPEC_TOKENS:
+            raise UsageError(
+                f"num_speculative_tokens must be an integer in [1, {MAX_SPEC_TOKENS}], got {self.num_tokens!r}"
+            )
+        if self.method == "draft" and not self.draft:
+            raise UsageError("speculative method 'draft' needs a draft artifact (--draft DIR)")
+        if self.method == "ngram" and self.draft:
+            raise UsageError(
+                "--draft and --speculative ngram exclude each other (prompt lookup uses no model)"
+            )
+        if self.max_batch is not None and (not is_int(self.max_batch) or self.max_batch < 0):
+            raise UsageError(f"speculative max_batch must be an integer >= 0, got {self.max_batch!r}")
+        if not (is_int(self.ngram_min) and is_int(self.ngram_max) and 1 <= self.ngram_min <= self.ngram_max):
+            raise UsageError(
+                f"ngram lengths must satisfy 1 <= ngram_min <= ngram_max, got {self.ngram_min}, {self.ngram_max}"
+            )
+        return self
+
+
+# -- adaptive k per request -------------------------------------------------------------------------------
+_OFF_STEPS = 16  # steps a request waits before it speculates again after its proposals kept failing
+
+
+@dataclass
+class SpecState:
+    """One request's speculation: its current k, and its own proposer state (the draft's KV position,
+    prompt lookup's n-gram index). Lives on the Request (``req.spec``)."""
+
+    k: int
+    k_max: int
+    adaptive: bool = True
+    off: int = 0  # steps left without speculation (k = 0)
+    misses: int = 0  # consecutive verifications that kept nothing
+    # prompt lookup: n-gram -> the position right after its latest occurrence; indexed up to `indexed`
+    grams: dict = field(default_factory=dict)
+    indexed: int = 0
+    draft_computed: int = 0  # tokens the draft has in its KV (DraftProposer)
+    draft_id: str = ""  # the draft's KV-manager id of this request
+
+    def wanted(self) -> int:
+        """Tokens to propose this step (0: none)."""
+        if self.off > 0:
+            self.off -= 1
+            if self.off == 0:
+                self.k = 1
+            return 0
+        return self.k
+
+    def nothing(self) -> None:
+        """The proposer had nothing to propose (prompt lookup found no match): a miss."""
+        if self.adaptive:
+            self.misses += 1
+            if self.misses >= 3:
+                self.off, self.misses = _OFF_STEPS, 0
+
+    def update(self, proposed: int, kept: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        if kept == proposed:
+            self.k = min(self.k_max, self.k + 1)
+            self.misses = 0
+        elif kept * 2 < proposed:
+            self.k = max(1, self.k - 1)
+            self.misses = self.misses + 1 if kept == 0 else 0
+            if self.misses >= 3:  # its proposals keep failing: plain steps for a while
+                self.off, self.misses = _OFF_STEPS, 0
+        else:
+            self.misses = 0
+
+
+# -- prompt lookup ----------------------------------------------------------------------------------------
+class NgramProposer:
+    """Prompt lookup: the tokens that followed the latest earlier occurrence of the request's last n tokens
+    (n from ngram_max down to ngram_min), in its prompt + output. An index of n-gram -> end position grows
+    with the request (O(1) per step), so a request whose text never repeats costs a few dict lookups."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.n_max, self.n_min = int(config.ngram_max), int(config.ngram_min)
+
+    def propose(self, reqs: list, ks: list[int]) -> list[list[int]]:
+        return [self._one(r, k) for r, k in zip(reqs, ks)]
+
+    def _one(self, req, k: int) -> list[int]:
+        st, toks = req.spec, req.token_ids
+        end = len(toks)
+        # index every n-gram ending before the last token (an occurrence must have a continuation)
+        grams = st.grams
+        for e in range(max(st.indexed, self.n_min), end):
+            for n in range(self.n_min, min(self.n_max, e) + 1):
+                grams[tuple(toks[e - n : e])] = e
+        st.indexed = max(st.indexed, end)
+        for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
+            at = grams.get(tuple(toks[end - n :]))
+            if at is not None and at < end:
+                return toks[at : min(at + k, end)]
+        return []
+
+    def accepted(self, req, kept: int) -> None:
+        pass
+
+    def drop(self, req) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+# -- draft model ------------------------------------------------------------------------------------------
+class _DraftRow:
+    """What a runner reads of a request (token_ids, num_computed): the draft's view of a target request."""
+
+    __slots__ = ("num_computed", "request_id", "token_ids")
+
+    def __init__(self, request_id: str, token_ids: list[int], num_computed: int):
+        self.request_id, self.token_ids, self.num_computed = request_id, token_ids, num_computed
+
+
+class DraftProposer:
+    """A draft model's runner over its own KV pool (a BlockPool and KVCacheManager of its own, no prefix
+    caching): per step, each speculating request's draft catches up with the tokens it has not seen (one
+    batched row each), then decodes k - 1 more tokens in batched decode steps. Greedy requests take the
+    draft's argmax; sampling ones draw from the draft's processed distribution q and keep q for verify."""
+
+    def __init__(self, runner, vocab: int):
+        from precast.runtime.llm.block_pool import BlockPool
+        from precast.runtime.llm.kv_cache_manager import KVCacheManager
+
+        self.runner = runner
+        self.vocab = int(vocab)
+        self.block_size = int(runner.spec.block_size)
+        self.pool = BlockPool(int(runner.num_blocks), self.block_size)
+        self.kv = KVCacheManager(self.pool, enable_prefix_caching=False)
+        self.max_context = int(runner.spec.max_context)
+        self.probs: dict[str, list[np.ndarray]] = {}  # request id -> q of each proposed token (sampling)
+
+    def propose(self, reqs: list, ks: list[int]) -> list[list[int]]:
+        from precast.runtime.llm.scheduler import SchedulerOutput, StepKind
+
+        drafts: list[list[int]] = [[] for _ in reqs]
+        wanted = [0] * len(reqs)
+        live: list[int] = []
+        out = SchedulerOutput()
+        for i, (req, k) in enumerate(zip(reqs, ks)):
+            st = req.spec
+            if not st.draft_id:
+                st.draft_id, st.draft_computed = req.request_id, 0
+            toks = list(req.token_ids)
+            c = min(st.draft_computed, len(toks) - 1)
+            k = min(k, self.max_context - len(toks))
+            if k <= 0:
+                continue
+            n = len(toks) - c
+            if self.kv.allocate_slots(st.draft_id, c, n + k - 1) is None:  # the draft's pool is full
+                continue
+            wanted[i] = k
+            out.add_row(_DraftRow(st.draft_id, toks, c), n, self.kv.block_table(st.draft_id), [])
+            live.append(i)
+        self.probs = {}
+        while out.rows:  # the catch-up rows (MIXED), then one batched decode step per further draft token
+            out.kind = StepKind.DECODE if all(n == 1 for n in out.num_new) else StepKind.MIXED
+            logits = self.runner.execute(out)
+            nxt, still = SchedulerOutput(), []
+            for j, (row, n) in enumerate(zip(out.rows, out.num_new)):
+                i = live[j]
+                tok = self._pick(reqs[i], logits[j], row.token_ids)
+                row.num_computed += n
+                row.token_ids.append(tok)
+                drafts[i].append(tok)
+                if len(drafts[i]) < wanted[i]:
+                    nxt.add_row(row, 1, out.block_tables[j], [])
+                    still.append(i)
+            out, live = nxt, still
+        for req, d in zip(reqs, drafts):
+            if d:  # (its KV holds the request's tokens and every draft but the last)
+                req.spec.draft_computed = len(req.token_ids) + len(d) - 1
+        return drafts
+
+    def _pick(self, req, logits: np.ndarray, history: list[int]) -> int:
+        row = logits[: self.vocab]
+        if req.params.greedy:
+            return int(row.argmax())
+        q = filtered_probs(row, req.params, history, len(req.prompt_ids))
+        c = np.cumsum(q)
+        tok = int(np.searchsorted(c, req.rng.random() * c[-1], side="right"))
+        tok = min(tok, len(q) - 1)
+        self.probs.setdefault(req.request_id, []).append(q)
+        return tok
+
+    def accepted(self, req, kept: int) -> None:
+        """After verification kept ``kept`` of its drafts: the draft's KV holds the request's tokens up to
+        the last kept draft (what followed was rejected); blocks past them go back to the pool."""
+        st = req.spec
+        st.draft_computed = min(st.draft_computed, len(req.token_ids) - 1)
+        self.kv.trim(st.draft_id, st.draft_computed)
+
+    def sweep(self, alive: set) -> None:
+        """Release the draft KV of requests no longer queued or running (cancelled between steps)."""
+        for rid in [r for r in self.kv.request_ids() if r not in alive]:
+            self.kv.free(rid)
+
+    def drop(self, req) -> None:
+        st = req.spec
+        if st is not None and st.draft_id:
+            self.kv.free(st.draft_id)
+            st.draft_id, st.draft_computed = "", 0
+
+    def close(self) -> None:
+        self.runner.shutdown()
+
+
+# -- verification -----------------------------------------------------------------------------------------
+def verify(
+    req,
+    drafts: list[int],
+    logits: np.ndarray,
+    q: list[np.ndarray] | None,
+    vocab: int,
+) -> list[int]:
+    """The tokens a verified row yields: its kept drafts and one token of the target's own.
+    ``logits`` [len(drafts) + 1, V]: the target's at the row's last token and at each draft. ``q``: the draft's
+    distribution of each draft token (sampling with a draft model), None: deterministic proposals."""
+    p_params: SamplingParams = req.params
+    history = req.token_ids  # prompt + output so far (drafts not included)
+    if req.argmax:  # greedy without penalties: keep while the draft is the target's argmax
+        targets = logits[: len(drafts) + 1, :vocab].argmax(axis=1).tolist()
+        out = []
+        for d, t in zip(drafts, targets):
+            out.append(t)
+            if t != d:
+                return out
+        out.append(targets[len(drafts)])
+        return out
+    from precast.runtime.llm.sampler import sample
+
+    out: list[int] = []
+    hist = list(history)
+    num_prompt = len(req.prompt_ids)
+    for j, d in enumerate(drafts):
+        row = logits[j, :vocab]
+        if p_params.greedy:  # greedy with penalties: the penalized argmax
+            t = sample(row, p_params, hist, req.rng, num_prompt)
+            out.append(t)
+            if t != d:
+                return out
+            hist.append(t)
+            continue
+        p = filtered_probs(row, p_params, hist, num_prompt)
+        qd = 1.0 if q is None else float(q[j][d])
+        if req.rng.random() * qd < p[d]:  # accept with probability min(1, p(d) / q(d))
+            out.append(d)
+            hist.append(d)
+            continue
+        if q is None:
+            resid = p.copy()
+            resid[d] = 0.0
+        else:
+            resid = np.maximum(p - q[j], 0.0)
+        total = resid.sum()
+        if total <= 0:  # (p == q: no residual mass; any draw from p is exact)
+            resid, total = p, p.sum()
+        c = np.cumsum(resid)
+        t = int(np.searchsorted(c, req.rng.random() * c[-1], side="right"))
+        out.append(min(t, len(resid) - 1))
+        return out
+    out.append(sample(logits[len(drafts), :vocab], p_params, hist, req.rng, num_prompt))
+    return out
