@@ -376,7 +376,7 @@ class Engine:
                     if masks is not None:
                         self._advance_grammars(out, sampled)
                     produced = self.output.stream(out, sampled, logits)
-            if drafting:
+            if self._proposer is not None:
                 self._after_drafts(out)
             self._cond.notify_all()
             return produced
@@ -577,6 +577,8 @@ class Engine:
         for req in out.rows:
             if req.finished and req.spec is not None:
                 proposer.drop(req)
+        if not self.scheduler.has_work() and isinstance(proposer, DraftProposer):
+            proposer.sweep(set())  # (requests finished in a burst or cancelled between steps)
 
     # -- structured outputs (runtime/llm/structured.py) ------------------------------------------------
     def _start_masks(self, out: SchedulerOutput):

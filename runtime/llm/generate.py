@@ -6,6 +6,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from precast.runtime.llm.metrics import SpecStats
+
 __all__ = ["Generation", "generate"]
 
 
@@ -19,6 +21,7 @@ class Generation:
     metrics: dict  # the engine's counters after the request
     note: str | None = None  # why fewer tokens than asked can come (the context or the KV pool caps them)
     target: str | None = None  # the artifact's target that ran (a multi-target index: the one opened)
+    speculative: dict | None = None  # speculative decoding: its method and counters (None: not speculating)
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -33,6 +36,7 @@ class Generation:
             "ttft_s": self.ttft_s,
             "target": self.target,
             "metrics": self.metrics,
+            **({"speculative": self.speculative} if self.speculative is not None else {}),
         }
 
 
@@ -45,15 +49,19 @@ def generate(
     threads: int | None = None,
     on_text: Callable[[str], None] | None = None,
     on_note: Callable[[str], None] | None = None,
+    speculative=None,
 ) -> Generation:
     """Generate a continuation of ``prompt`` with ``params`` (SamplingParams, checked before the model loads);
-    ``on_text`` gets each piece of text as it comes, ``on_note`` the cap note before the first token."""
+    ``on_text`` gets each piece of text as it comes, ``on_note`` the cap note before the first token.
+    ``speculative``: speculative decoding (speculative.SpeculativeConfig), or None."""
     from precast.runtime.llm import Engine
 
     params.validate()
     runner_kwargs = {"threads": threads} if threads is not None else {}
     # one request: a multi-target artifact opens the target measured fastest alone (runtime/hal.py)
-    engine = Engine.load(artifact, num_blocks=num_blocks, concurrency=1, **runner_kwargs)
+    engine = Engine.load(
+        artifact, num_blocks=num_blocks, concurrency=1, speculative=speculative, **runner_kwargs
+    )
     handle = engine.submit(prompt, params)
     req, cap = handle.request, handle.request.max_total_tokens
     note = None
@@ -72,7 +80,24 @@ def generate(
             on_text(ev.text)
     out = handle.result()
     seconds = time.perf_counter() - handle.t_submit
-    metrics = engine.metrics().as_dict()
+    snapshot = engine.metrics()
+    spec = None
+    if speculative is not None:
+        cfg = engine.speculative
+        spec = {
+            "method": cfg.method,
+            "num_tokens": cfg.num_tokens,
+            "draft": cfg.draft,
+            **SpecStats.of(snapshot).as_dict(),
+        }
     return Generation(
-        out.text, out.token_ids, out.finish_reason, out.ttft_s, seconds, metrics, note, engine.target
+        out.text,
+        out.token_ids,
+        out.finish_reason,
+        out.ttft_s,
+        seconds,
+        snapshot.as_dict(),
+        note,
+        engine.target,
+        spec,
     )

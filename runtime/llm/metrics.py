@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-__all__ = ["EngineCounters", "EngineMetrics"]
+__all__ = ["EngineCounters", "EngineMetrics", "SpecStats"]
 
 
 @dataclass
@@ -72,3 +72,48 @@ class EngineMetrics(EngineCounters):
 
     def as_dict(self) -> dict:
         return {**asdict(self), "kv_usage": self.kv_usage}
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """Speculative decoding's counters over a span (``of(now, since)``: between two snapshots; without
+    ``since``: since the engine started), and what follows from them. A verified row is one request's step
+    of 1 + k tokens; it yields its kept drafts plus one token of the target's own."""
+
+    proposed: int  # draft tokens proposed
+    accepted: int  # ... and kept
+    verified_rows: int
+    accepted_per_row: tuple[int, ...]  # [j]: verified rows that kept exactly j drafts
+
+    @classmethod
+    def of(cls, now: EngineCounters, since: EngineCounters | None = None) -> SpecStats:
+        hist = list(now.spec_accepted_per_row)
+        if since is not None:
+            for j, n in enumerate(since.spec_accepted_per_row):
+                hist[j] -= n
+        return cls(
+            now.spec_proposed_tokens - (since.spec_proposed_tokens if since is not None else 0),
+            now.spec_accepted_tokens - (since.spec_accepted_tokens if since is not None else 0),
+            sum(hist),
+            tuple(hist),
+        )
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Kept / proposed draft tokens (None: nothing was proposed)."""
+        return self.accepted / self.proposed if self.proposed else None
+
+    @property
+    def tokens_per_step(self) -> float | None:
+        """Tokens a verified row yielded on average: 1 + kept drafts per row (None: no row was verified)."""
+        return 1 + self.accepted / self.verified_rows if self.verified_rows else None
+
+    def as_dict(self) -> dict:
+        return {
+            "proposed_tokens": self.proposed,
+            "accepted_tokens": self.accepted,
+            "verified_rows": self.verified_rows,
+            "acceptance_rate": self.acceptance_rate,
+            "tokens_per_step": self.tokens_per_step,
+            "accepted_per_row": list(self.accepted_per_row),
+        }
