@@ -78,6 +78,12 @@ class LLMSpec(Record):
             raise ArtifactError(f"{where}: manifest has no 'llm' block (compile with --task causal-lm)")
         return manifest.llm
 
+    def to_json(self) -> dict:
+        out = super().to_json()
+        if not self.multi_logits:  # (left out: a manifest written before it reads and writes back the same)
+            out.pop("multi_logits")
+        return out
+
     def validate(self, where: str) -> None:
         for name in _SIZES:  # (a 0 block_size would divide by zero later)
             if getattr(self, name) < 1:

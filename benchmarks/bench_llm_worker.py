@@ -32,28 +32,49 @@ class Precast:
 
     def __init__(self, path: str, a: argparse.Namespace):
         from precast.runtime.llm import Engine, SamplingParams, SchedulerConfig
+        from precast.runtime.llm.speculative import SpeculativeConfig
 
         block = json.loads((Path(path) / "manifest.json").read_text())["llm"]["block_size"]
         blocks = a.max_requests * -(-a.max_len // block) + 16
+        spec = None
+        if a.spec:  # speculative decoding (bench_speculative.py): a draft artifact or prompt lookup
+            spec = SpeculativeConfig(method=a.spec, num_tokens=a.spec_k, draft=a.draft, max_batch=a.spec_max_batch)
         self.engine = Engine.load(
             path,
             num_blocks=blocks,
             threads=a.threads,
-            config=SchedulerConfig(max_num_batched_tokens=512),
+            config=SchedulerConfig(max_num_batched_tokens=512, max_num_seqs=max(64, a.max_requests)),
             enable_prefix_caching=False,
             spinning={"auto": "auto", "on": True, "off": False}[a.spinning],
+            speculative=spec,
         )
         self.params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False)
-        self.info = f"{blocks} KV blocks of {block}"
+        self.info = f"{blocks} KV blocks of {block}" + (f", speculative {a.spec} k={a.spec_k}" if spec else "")
 
-    def b1(self, prompt: list[int], new: int) -> dict:
+    def _spec(self, before) -> dict:
+        """The speculation counters of the last request(s): drafts proposed / kept, verified rows."""
+        m = self.engine.metrics()
+        rows = sum(m.spec_accepted_per_row) - before[2]
+        return {
+            "proposed": m.spec_proposed_tokens - before[0],
+            "accepted": m.spec_accepted_tokens - before[1],
+            "rows": rows,
+            "steps": m.steps - before[3],
+        }
+
+    def _counters(self) -> tuple:
+        m = self.engine.metrics()
+        return (m.spec_proposed_tokens, m.spec_accepted_tokens, sum(m.spec_accepted_per_row), m.steps)
+
+    def b1(self, prompt: list[int], new: int, all_ids: bool = False) -> dict:
+        before = self._counters()
         t0 = time.perf_counter()
         h = self.engine.submit(prompt, self.params(new))
         self.engine.run_until_done()
         wall = time.perf_counter() - t0
         ids = list(h.result().token_ids)
         self._log_spin("b1")
-        return {"ttft": h.ttft_s, "wall": wall, "n": len(ids), "ids": ids[:32]}
+        return {"ttft": h.ttft_s, "wall": wall, "n": len(ids), "ids": ids if all_ids else ids[:32], **self._spec(before)}
 
     def _log_spin(self, what: str) -> None:
         sw = getattr(self.engine.runner, "spin_switch", None)
@@ -66,12 +87,16 @@ class Precast:
         print(f"{what}: spinning {sw.spinning_now}, switches {sw.switches}, readings {shown}", file=sys.stderr, flush=True)
         self._readings.clear()
 
-    def batch(self, prompts: list[list[int]], new: int) -> dict:
+    def batch(self, prompts: list[list[int]], new: int, all_ids: bool = False) -> dict:
+        before = self._counters()
         t0 = time.perf_counter()
         handles = [self.engine.submit(p, self.params(new)) for p in prompts]
         self.engine.run_until_done()
         wall = time.perf_counter() - t0
-        return {"wall": wall, "n": sum(len(h.result().token_ids) for h in handles)}
+        out = {"wall": wall, "n": sum(len(h.result().token_ids) for h in handles), **self._spec(before)}
+        if all_ids:
+            out["ids"] = [list(h.result().token_ids) for h in handles]
+        return out
 
 
 class Genai:
@@ -122,26 +147,40 @@ class OpenVINO:
             self.props.update(INFERENCE_PRECISION_HINT="f32", KV_CACHE_PRECISION="f32")
         sc = ovg.SchedulerConfig()
         sc.enable_prefix_caching = False
-        self.pipe = ovg.LLMPipeline(path, "CPU", scheduler_config=sc, **self.props)
+        extra: dict = {}
+        self.spec_k = 0
+        if a.spec == "draft":  # speculative decoding with a draft model (its own optimum export)
+            extra["draft_model"] = ovg.draft_model(a.draft, "CPU", **self.props)
+            self.spec_k = a.spec_k
+        elif a.spec == "ngram":
+            extra["prompt_lookup"] = True
+            self.spec_k = a.spec_k
+        self._ngram = a.spec == "ngram"
+        self.pipe = ovg.LLMPipeline(path, "CPU", scheduler_config=sc, **extra, **self.props)
         self._cb = None
-        self.info = f"openvino-genai {ovg.__version__}, properties {self.props}"
+        spec = f", speculative {a.spec} k={a.spec_k}" if a.spec else ""
+        self.info = f"openvino-genai {ovg.__version__}, properties {self.props}{spec}"
 
     def _config(self, new: int):
         cfg = self.ovg.GenerationConfig()
         cfg.max_new_tokens = cfg.min_new_tokens = new
         cfg.ignore_eos, cfg.do_sample = True, False
+        if self.spec_k:
+            cfg.num_assistant_tokens = self.spec_k
+            if self._ngram:
+                cfg.max_ngram_size = 3
         return cfg
 
     def _ids(self, prompt: list[int]):
         return self.ov.Tensor(np.array([prompt], dtype=np.int64))
 
-    def b1(self, prompt: list[int], new: int) -> dict:
+    def b1(self, prompt: list[int], new: int, all_ids: bool = False) -> dict:
         t0 = time.perf_counter()
         res = self.pipe.generate(self._ids(prompt), self._config(new))
         wall = time.perf_counter() - t0
         ttft = res.perf_metrics.get_ttft().mean / 1e3
         ids = [int(t) for t in res.tokens[0]]
-        return {"ttft": ttft, "wall": wall, "n": len(ids), "ids": ids[:32]}
+        return {"ttft": ttft, "wall": wall, "n": len(ids), "ids": ids if all_ids else ids[:32]}
 
     def batch(self, prompts: list[list[int]], new: int) -> dict:
         if self._cb is None:
@@ -211,6 +250,10 @@ def main() -> None:
     ap.add_argument(
         "--force-f32", action="store_true", help="f32 compute and KV cache (OpenVINO, llama.cpp: f32 KV)"
     )
+    ap.add_argument("--spec", choices=("draft", "ngram"), help="speculative decoding (precast, ov)")
+    ap.add_argument("--draft", help="the draft model (a precast artifact, or an optimum export for ov)")
+    ap.add_argument("--spec-k", type=int, default=4, help="draft tokens per step (K)")
+    ap.add_argument("--spec-max-batch", type=int, default=None, help="precast: no speculation above this batch")
     ap.add_argument(
         "--spinning",
         choices=("auto", "on", "off"),

@@ -547,12 +547,12 @@ class Engine:
             req.spec.update(k, kept)
             handle = self._handles.get(req.request_id)
             for j, tok in enumerate(tokens):  # (the row's token j came from its logits row j)
-                done = sched.advance_token(req, 1, tok)
-                if handle is not None and req.finish_reason not in ("cancelled", "error"):
+                if req.status is not Status.RUNNING:  # (EOS, a stop id or string, the length, a callback)
+                    break
+                sched.advance_token(req, 1, tok)
+                if handle is not None:
                     self.output.emit(handle, req, tok, rows, j)
                     produced += 1
-                if done:
-                    break
         sched.end_speculative_step(out)
         return produced
 

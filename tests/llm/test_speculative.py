@@ -278,3 +278,30 @@ def test_greedy_equals_plain_on_the_generic_and_openvino_graphs(generic, target,
     assert [c.token_ids for c in eng.generate(_prompts(), params)] == want
     assert eng.metrics().spec_accepted_tokens > 0
     eng.close()
+
+
+def test_stop_strings_and_logprobs_match_plain(models):
+    """Text requests: a stop string inside a kept run cuts the text where the plain engine cuts it, and each
+    kept token's logprobs are the target's (from its verify row) as without speculation."""
+    target = models[0]
+    plain = Engine.load(target, threads=1)
+    prompt = "def wrap(text, width=70):\n    return"
+    free = plain.generate([prompt], SamplingParams(max_tokens=NEW, ignore_eos=True))[0]
+    stop = free.text[12:15]
+    params = SamplingParams(max_tokens=NEW, ignore_eos=True, stop=[stop], logprobs=2)
+    want_h = plain.submit(prompt, params)
+    want_ev = list(want_h)  # (iterating steps the engine to the end)
+    eng = _spec(models, "draft", 5, "self")
+    got_h = eng.submit(prompt, params)
+    got_ev = list(got_h)
+    want, got = want_h.result(), got_h.result()
+    assert got.text == want.text and got.finish_reason == want.finish_reason == "stop"
+    assert got.token_ids == want.token_ids
+    assert eng.metrics().spec_accepted_tokens > 0
+    wl = [e.logprobs for e in want_ev]
+    gl = [e.logprobs for e in got_ev]
+    assert len(wl) == len(gl) == len(want.token_ids)
+    for (lw, top_w), (lg, top_g) in zip(wl, gl):
+        assert lg == pytest.approx(lw, abs=1e-4)
+        assert [t for t, _ in top_g] == [t for t, _ in top_w]
+    eng.close()
