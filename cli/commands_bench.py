@@ -18,6 +18,8 @@ from precast.cli.output import (
     out_console,
 )
 from precast.errors import UsageError
+from precast.options import click_options
+from precast.runtime.llm.speculative_options import SpeculativeOptions
 
 PLOT_SUFFIXES = (".png", ".svg", ".pdf")
 
@@ -52,6 +54,7 @@ def _dims(values: tuple[str, ...]) -> dict[str, int]:
 @click.option(
     "--num-blocks", type=int, default=None, help="LLM: KV blocks (default: room for every request)."
 )
+@click_options(SpeculativeOptions, prefix="LLM: ")
 @click.option(
     "--url", default=None, help="Drive a running `precast serve` on this host, e.g. http://127.0.0.1:8000."
 )
@@ -85,6 +88,9 @@ def bench_cmd(
     output_len,
     shared_prefix,
     num_blocks,
+    draft,
+    speculative,
+    num_speculative_tokens,
     url,
     model_name,
     endpoint,
@@ -98,7 +104,8 @@ def bench_cmd(
     \b
     N clients send requests back to back for --duration (or --requests) after --warmup, with inputs
     generated from the IO signature. Causal-lm artifacts: time to first token, inter-token latency and
-    tokens/s. --url sends the same requests to `precast serve` (loopback only).
+    tokens/s (with --draft or --speculative ngram: the draft acceptance rate and tokens per verified
+    step too). --url sends the same requests to `precast serve` (loopback only).
     """
     from precast.runtime.bench import (
         BenchOptions,
@@ -137,6 +144,7 @@ def bench_cmd(
         output_len=output_len,
         shared_prefix=shared_prefix,
         num_blocks=num_blocks,
+        speculative=SpeculativeOptions(draft, speculative, num_speculative_tokens).config(),
         url=url,
         model_name=model_name,
         endpoint=endpoint,
@@ -199,11 +207,18 @@ def print_report(report) -> None:
         out_console.print(escape(n), style="dim", soft_wrap=True)
 
 
+_SPEC_COLUMNS = ["accepted %", "tokens/step"]
+
+
+def _speculating(report) -> bool:
+    return report.llm is not None and report.llm.speculative is not None
+
+
 def _columns(report) -> list[str]:
-    """An LLM's columns are token rates and TTFT / ITL; a model's request rates (and items/s when a request
-    carries a batch) and latency percentiles."""
+    """An LLM's columns are token rates and TTFT / ITL (and speculative decoding's acceptance); a model's
+    request rates (and items/s when a request carries a batch) and latency percentiles."""
     if report.kind == "llm":
-        return list(_LLM_COLUMNS)
+        return _LLM_COLUMNS + (_SPEC_COLUMNS if _speculating(report) else [])
     cols = ["concurrency", "requests", "errors", "req/s"]
     cols += ["items/s"] if report.items_per_request > 1 else []
     return cols + ["p50 ms", "p90 ms", "p99 ms", "mean ms"]
@@ -216,7 +231,14 @@ def _row(report, lv) -> list:
         ttft, itl = lv.ttft, lv.itl
         rates = [_rate(lv.tokens_per_s), _rate(lv.request_tokens_per_s)]
         times = [ttft and ttft.p50_ms, ttft and ttft.p99_ms, itl and itl.p50_ms, itl and itl.p99_ms]
-        return head + rates + [_ms(t) for t in times] + [_ms(lat and lat.p50_ms)]
+        cells = head + rates + [_ms(t) for t in times] + [_ms(lat and lat.p50_ms)]
+        if _speculating(report):
+            rate, per_step = lv.spec_acceptance_rate, lv.spec_tokens_per_step
+            cells += [
+                "-" if rate is None else f"{100 * rate:.1f}",
+                "-" if per_step is None else f"{per_step:.2f}",
+            ]
+        return cells
     rates = [_rate(lv.requests_per_s)] + ([_rate(lv.items_per_s)] if report.items_per_request > 1 else [])
     times = [lat and lat.p50_ms, lat and lat.p90_ms, lat and lat.p99_ms, lat and lat.mean_ms]
     return head + rates + [_ms(t) for t in times]
@@ -231,6 +253,13 @@ def _notes(report) -> list[str]:
             f"prompt {s.prompt_len} tokens ({'one shared prompt' if s.shared_prefix else 'fresh random ids each'}) "
             f"+ {s.output_len} generated (EOS ignored); tokens/s = all output tokens / wall, prefill included"
         )
+        if s.speculative is not None:
+            how = f"draft {s.draft}" if s.speculative == "draft" else "ngram (prompt lookup)"
+            notes.append(
+                f"speculative decoding: {how}, up to {s.num_speculative_tokens} tokens per step; accepted % = "
+                "draft tokens kept / proposed, tokens/step = 1 + kept drafts per verified row ('-': no request "
+                "speculated at that level: the engine stops speculating while many requests decode at once)"
+            )
     else:
         sig = "; ".join(f"{i.name} {i.dtype}{i.shape}: {i.values}" for i in report.inputs)
         notes.append(f"inputs: {sig}")

@@ -8,6 +8,8 @@ import click
 
 from precast.cli.main import cli
 from precast.cli.output import THREADS, emit_json, err_console
+from precast.options import click_options
+from precast.runtime.llm.speculative_options import SpeculativeOptions
 
 
 @cli.command("generate")
@@ -49,6 +51,7 @@ from precast.cli.output import THREADS, emit_json, err_console
 @click.option("--stream", is_flag=True, help="Print tokens as they come.")
 @click.option("--num-blocks", default=None, type=int, help="KV blocks in the pool (default: runner's).")
 @THREADS
+@click_options(SpeculativeOptions)
 @click.option("--json", "as_json", is_flag=True, help="Print the completion and metrics as JSON.")
 def generate_cmd(
     artifact,
@@ -68,9 +71,16 @@ def generate_cmd(
     stream,
     num_blocks,
     threads,
+    draft,
+    speculative,
+    num_speculative_tokens,
     as_json,
 ):
-    """Generate a continuation of PROMPT with the compiled model in ARTIFACT."""
+    """Generate a continuation of PROMPT with the compiled model in ARTIFACT.
+
+    \b
+    --draft DIR (or --speculative ngram) decodes speculatively: the output is the same for greedy
+    requests, and follows the same distribution when sampling; --json adds its counters."""
     from precast.errors import LLMRequestError
     from precast.runtime.llm import SamplingParams
     from precast.runtime.llm.generate import generate
@@ -87,6 +97,7 @@ def generate_cmd(
         stop=tuple(stop),
         constraint=_constraint(json_schema, regex, choices, grammar),
     )
+    spec = SpeculativeOptions(draft, speculative, num_speculative_tokens).config()
     streaming = stream and not as_json
     try:
         out = generate(
@@ -97,6 +108,7 @@ def generate_cmd(
             threads=threads,
             on_text=_write if streaming else None,
             on_note=lambda note: err_console.print(f"note: {note}", markup=False),
+            speculative=spec,
         )
     except LLMRequestError as e:  # a constraint the engine refused (or failed on): name the flag it came from
         source = next((shown for _, shown in _constraint_flags(json_schema, regex, choices, grammar)), None)
@@ -109,7 +121,21 @@ def generate_cmd(
     click.echo("" if streaming else out.text)  # a stream ends its line here
     err_console.print(
         f"[dim]{len(out.token_ids)} tokens, finish: {out.finish_reason}, target {out.target}, time to first token "
-        f"{1000 * (out.ttft_s or 0):.1f} ms, decode {out.decode_tokens_per_s:.1f} tokens/s[/dim]"
+        f"{1000 * (out.ttft_s or 0):.1f} ms, decode {out.decode_tokens_per_s:.1f} tokens/s{_spec_words(out)}[/dim]"
+    )
+
+
+def _spec_words(out) -> str:
+    """The summary's speculation part: ', speculative ngram: 5 of 12 drafts accepted (42%), 1.8 tokens/step'."""
+    s = out.speculative
+    if s is None:
+        return ""
+    head = f", speculative {s['method']}"
+    if not s["proposed_tokens"]:
+        return f"{head}: nothing proposed"
+    return (
+        f"{head}: {s['accepted_tokens']} of {s['proposed_tokens']} drafts accepted "
+        f"({100 * s['acceptance_rate']:.0f}%), {s['tokens_per_step']:.2f} tokens per verified step"
     )
 
 

@@ -15,6 +15,7 @@ from precast.cli.main import cli
 from precast.cli.output import THREADS
 from precast.options import click_options
 from precast.runtime.llm.scheduler import SchedulerConfig
+from precast.runtime.llm.speculative_options import SpeculativeOptions
 from precast.runtime.server.config import SCHEDULER_OPTIONS, KVPoolOptions, ServerConfig
 
 # The ServerConfig fields that are flags, in --help's order (--threads and --no-verify are declared apart).
@@ -50,6 +51,7 @@ def _name(ctx, param, value):
 @signature_options("serve (at start and on every reload)")
 @click_options(KVPoolOptions, prefix="LLM: ")
 @click_options(SchedulerConfig, SCHEDULER_OPTIONS, unset=True, prefix="LLM: ")
+@click_options(SpeculativeOptions, prefix="LLM: ")
 @click_options(ServerConfig, ("api_key", "log_level"))
 @config_option()
 def serve_cmd(artifact, no_verify, config, **options):

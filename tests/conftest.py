@@ -89,6 +89,17 @@ def llm_artifact(compiled, tiny_llama_dir):
     return compiled(tiny_llama_dir, targets=("ort-cpu",), task="causal-lm").output
 
 
+@pytest.fixture(scope="session")
+def llm_draft_artifact(compiled, tmp_path_factory):
+    """A draft for llm_artifact (speculative decoding): the same tiny Llama and tokenizer, other weights
+    (seed 1), so it proposes tokens the target mostly rejects."""
+    pytest.importorskip("transformers")
+    from tests.llm.fixtures import build_llama
+
+    folder = build_llama(tmp_path_factory.mktemp("llm-draft") / "tiny-llama-draft", seed=1)
+    return compiled(folder, targets=("ort-cpu",), task="causal-lm").output
+
+
 @pytest.fixture
 def cli(capsys):
     """Run the precast CLI in-process; returns .code, .out, .err."""

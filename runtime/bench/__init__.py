@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -51,6 +52,9 @@ from precast.runtime.bench.report import (
     Sample,
     level_from_samples,
 )
+
+if TYPE_CHECKING:
+    from precast.runtime.llm.speculative import SpeculativeConfig
 
 __all__ = [
     "BenchOptions",
@@ -85,6 +89,7 @@ class BenchOptions:
     output_len: int = 128
     shared_prefix: bool = False  # every request the same prompt (prefix cache on); default: fresh prompts
     num_blocks: int | None = None  # KV pool (default: room for every request of the largest level)
+    speculative: SpeculativeConfig | None = None  # speculative decoding of the in-process engine
     # a running `precast serve`
     url: str | None = None
     model_name: str | None = None  # default: the one the server lists
@@ -123,6 +128,11 @@ class BenchOptions:
         if self.url is not None and self.num_blocks is not None:
             raise UsageError(
                 "--num-blocks sizes the in-process KV pool; with --url it is the server's (serve --num-blocks)"
+            )
+        if self.url is not None and self.speculative is not None:
+            raise UsageError(
+                "--draft / --speculative set up the in-process engine; with --url the server's own flags decide "
+                "(serve --draft ...)"
             )
         if self.url is None and (self.model_name is not None or self.endpoint != "auto"):
             raise UsageError("--model-name and --endpoint choose what a server is sent; they need --url")
@@ -312,6 +322,10 @@ def bench(path: str | os.PathLike, options: BenchOptions, progress: Progress | N
 
             report = bench_llm(root, top, options, url, say)
         else:
+            if options.speculative is not None:
+                raise UsageError(
+                    f"{path} is not a causal-lm artifact: --draft / --speculative apply to LLMs only"
+                )
             report = _bench_model(root, top, options, url, say)
     host = replace(report.host, load_end=Host.now().load_start)
     return replace(report, artifact=str(path), host=host)

@@ -28,6 +28,7 @@ from precast.runtime.bench.report import (
     Sample,
     level_from_samples,
 )
+from precast.runtime.llm.metrics import SpecStats
 
 __all__ = ["PromptSource", "bench_llm", "drive_engine"]
 
@@ -180,7 +181,11 @@ def _engine_levels(
     p, o = options.prompt_len, options.output_len
     num_blocks = options.num_blocks or max(options.concurrency) * spec.blocks_for(p + o) + 1
     engine = Engine.load(
-        root, num_blocks=num_blocks, threads=options.threads, enable_prefix_caching=options.shared_prefix
+        root,
+        num_blocks=num_blocks,
+        threads=options.threads,
+        enable_prefix_caching=options.shared_prefix,
+        speculative=options.speculative,
     )
     params = SamplingParams(max_tokens=o, ignore_eos=True, detokenize=False)
     threads = _threads_words(manifest, options.threads)
@@ -193,10 +198,14 @@ def _engine_levels(
             if options.warmup_s > 0:
                 drive_engine(engine, c, prompts, params, duration_s=options.warmup_s, requests=None)
             say(f"concurrency {c}: {_window(options)}")
+            before = engine.metrics()
             samples, errors, first, t0 = drive_engine(
                 engine, c, prompts, params, duration_s=options.duration_s, requests=options.requests
             )
-            levels.append(_checked_level(level_from_samples(c, samples, errors, first, t0)))
+            level = _checked_level(level_from_samples(c, samples, errors, first, t0))
+            if options.speculative is not None:
+                level = _with_speculation(level, SpecStats.of(engine.metrics(), since=before))
+            levels.append(level)
         m = engine.metrics()
     finally:
         engine.close()
@@ -207,4 +216,18 @@ def _engine_levels(
         prefix_hit_tokens=m.prefix_hit_tokens,
         preemptions=m.preemptions,
     )
+    if options.speculative is not None:
+        s = options.speculative
+        settings = replace(settings, speculative=s.method, num_speculative_tokens=s.num_tokens, draft=s.draft)
     return levels, threads, settings
+
+
+def _with_speculation(level: Level, stats: SpecStats) -> Level:
+    """``level`` with what speculative decoding did in its measured window (warm-up excluded)."""
+    return replace(
+        level,
+        spec_proposed_tokens=stats.proposed,
+        spec_accepted_tokens=stats.accepted,
+        spec_acceptance_rate=stats.acceptance_rate,
+        spec_tokens_per_step=stats.tokens_per_step,
+    )

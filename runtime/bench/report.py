@@ -72,6 +72,11 @@ class Level:
     request_tokens_per_s: float | None = None  # median per request: (tokens - 1) / (last token - first token)
     ttft: Latency | None = None  # time to first token
     itl: Latency | None = None  # inter-token latency: gaps between a request's consecutive tokens
+    # speculative decoding (in-process LLM bench with --draft / --speculative), over the measured window
+    spec_proposed_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
+    spec_acceptance_rate: float | None = None  # accepted / proposed (None: nothing proposed)
+    spec_tokens_per_step: float | None = None  # 1 + accepted drafts per verified row (None: none verified)
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,9 @@ class LLMSettings:
     block_size: int | None = None
     prefix_hit_tokens: int | None = None  # prompt tokens the prefix cache served (in-process)
     preemptions: int | None = None
+    speculative: str | None = None  # speculative decoding's method ("draft" | "ngram"), None: off
+    num_speculative_tokens: int | None = None
+    draft: str | None = None
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from precast.errors import UsageError
-from precast.runtime.llm.sampler import SamplingParams, filtered_probs, is_int
+from precast.runtime.llm.sampler import SamplingParams, filtered_probs, is_int, sample
 
 __all__ = [
     "DraftProposer",
@@ -194,6 +194,7 @@ class DraftProposer:
 
         self.runner = runner
         self.vocab = int(vocab)
+        self.draft_vocab = int(runner.spec.vocab)
         self.block_size = int(runner.spec.block_size)
         self.pool = BlockPool(int(runner.num_blocks), self.block_size)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=False)
@@ -217,6 +218,8 @@ class DraftProposer:
             if k <= 0:
                 continue
             n = len(toks) - c
+            if max(toks[c:]) >= self.draft_vocab:  # (a target token the draft has no embedding for)
+                continue
             if self.kv.allocate_slots(st.draft_id, c, n + k - 1) is None:  # the draft's pool is full
                 continue
             wanted[i] = k
@@ -243,13 +246,19 @@ class DraftProposer:
         return drafts
 
     def _pick(self, req, logits: np.ndarray, history: list[int]) -> int:
+        """The draft's token: its argmax for a plain greedy request, the penalized argmax for a greedy one
+        with penalties (what verify's target picks), else a draw from its processed distribution q (kept,
+        padded to the target's vocabulary, for the rejection rule)."""
         row = logits[: self.vocab]
-        if req.params.greedy:
+        if req.argmax:
             return int(row.argmax())
+        if req.params.greedy:
+            return sample(row, req.params, history, req.rng, len(req.prompt_ids))
         q = filtered_probs(row, req.params, history, len(req.prompt_ids))
+        if len(q) < self.vocab:  # (a draft with fewer tokens: none of the rest is ever proposed)
+            q = np.concatenate([q, np.zeros(self.vocab - len(q))])
         c = np.cumsum(q)
-        tok = int(np.searchsorted(c, req.rng.random() * c[-1], side="right"))
-        tok = min(tok, len(q) - 1)
+        tok = min(int(np.searchsorted(c, req.rng.random() * c[-1], side="right")), len(q) - 1)
         self.probs.setdefault(req.request_id, []).append(q)
         return tok
 
@@ -297,8 +306,6 @@ def verify(
                 return out
         out.append(targets[len(drafts)])
         return out
-    from precast.runtime.llm.sampler import sample
-
     out: list[int] = []
     hist = list(history)
     num_prompt = len(req.prompt_ids)

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
 from precast.options import opt
+from precast.runtime.llm.speculative_options import SPECULATIVE_OPTIONS, SpeculativeOptions
 from precast.runtime.server.kv_memory import parse_size
 
 if TYPE_CHECKING:
@@ -76,7 +77,7 @@ class KVPoolOptions:
 # The scheduler's options `precast serve` hands the LLM engine (runtime.llm.scheduler.SchedulerConfig fields).
 SCHEDULER_OPTIONS = ("max_num_seqs", "max_num_batched_tokens")
 # `precast serve` flags that go to the LLM engine (ServerConfig.llm) rather than to the server itself.
-LLM_OPTIONS = tuple(f.name for f in fields(KVPoolOptions)) + SCHEDULER_OPTIONS
+LLM_OPTIONS = tuple(f.name for f in fields(KVPoolOptions)) + SCHEDULER_OPTIONS + SPECULATIVE_OPTIONS
 
 # Fields that must be positive integers (checked in __post_init__, so a library caller gets one line too).
 _COUNTS = (
@@ -223,6 +224,8 @@ class ServerConfig:
         llm = {k: v for k in LLM_OPTIONS if (v := options.pop(k, None)) is not None}
         if "num_blocks" in llm and "kv_cache_memory" in llm:
             raise UsageError("--kv-cache-memory and --num-blocks both size the KV pool: give one of them")
+        # (a bad combination, or a draft that is not there, fails before the target loads)
+        SpeculativeOptions(**{k: llm[k] for k in SPECULATIVE_OPTIONS if k in llm}).config()
         return cls(artifact, llm=llm, **options)
 
     @property

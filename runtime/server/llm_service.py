@@ -142,7 +142,9 @@ class LLMService:
     ) -> LLMService:
         """``engine_options``: the serve flags that go to the engine (config.LLM_OPTIONS, by name):
         ``num_blocks`` or ``kv_cache_memory`` (bytes) sizes the KV pool; ``max_num_seqs`` and
-        ``max_num_batched_tokens`` override SchedulerConfig's defaults (`precast serve --max-num-seqs ...`)."""
+        ``max_num_batched_tokens`` override SchedulerConfig's defaults (`precast serve --max-num-seqs ...`);
+        ``draft``, ``speculative`` and ``num_speculative_tokens`` turn on speculative decoding
+        (speculative_options.SpeculativeOptions: `precast serve --draft DIR ...`)."""
         from precast.runtime.llm.engine import Engine
 
         engine = Engine.load(path, **_engine_options(path, **engine_options))
@@ -192,6 +194,26 @@ class LLMService:
             if now > seen.get(key, 0):
                 counter.inc(now - seen.get(key, 0))
             seen[key] = now
+        self._export_speculation(metrics, m)
+
+    def _export_speculation(self, metrics, m) -> None:
+        """Speculative decoding's counters, and the engine's per-row acceptance counts (index j: verified rows
+        that kept j drafts) as observations of the histogram, for what grew since the last scrape."""
+        if not m.spec_proposed_tokens:  # (not speculating, or nothing proposed yet)
+            return
+        seen = self._exported
+        for counter, now, key in (
+            (metrics.spec_proposed, m.spec_proposed_tokens, "spec_proposed"),
+            (metrics.spec_accepted, m.spec_accepted_tokens, "spec_accepted"),
+        ):
+            if now > seen.get(key, 0):
+                counter.inc(now - seen.get(key, 0))
+            seen[key] = now
+        for kept, rows in enumerate(m.spec_accepted_per_row):
+            key = f"spec_rows_{kept}"
+            for _ in range(rows - seen.get(key, 0)):
+                metrics.spec_kept_per_step.observe(kept)
+            seen[key] = rows
 
     def retire(self) -> None:
         """Take no new requests; close once the running ones are done (in a thread)."""
@@ -420,11 +442,20 @@ def text_chars(messages: list[dict], tools: list | None = None) -> int:
 
 
 def _engine_options(
-    path, num_blocks=None, kv_cache_memory=None, max_num_seqs=None, max_num_batched_tokens=None, **_ignored
+    path,
+    num_blocks=None,
+    kv_cache_memory=None,
+    max_num_seqs=None,
+    max_num_batched_tokens=None,
+    draft=None,
+    speculative=None,
+    num_speculative_tokens=None,
+    **_ignored,
 ) -> dict:
-    """Engine.load's num_blocks and config from the serve options (UsageError naming a bad one)."""
+    """Engine.load's num_blocks, config and speculative from the serve options (UsageError naming a bad one)."""
     from precast.errors import UsageError
     from precast.runtime.llm.scheduler import SchedulerConfig, checked_config
+    from precast.runtime.llm.speculative_options import SpeculativeOptions
     from precast.runtime.server.kv_memory import blocks_for_memory
 
     spec = LLMSpec.from_manifest(read_manifest(path), str(path))
@@ -439,7 +470,8 @@ def _engine_options(
             f"--max-num-seqs {config.max_num_seqs}: this artifact's mapped KV pool runs at most "
             f"{_MAPPED_SLOTS} requests at once"
         )
-    return {"num_blocks": num_blocks, "config": config}
+    spec = SpeculativeOptions(draft, speculative, num_speculative_tokens).config()
+    return {"num_blocks": num_blocks, "config": config, "speculative": spec}
 
 
 _MAPPED_SLOTS = 64  # MappedModelRunner's request slots (its default; Engine.load does not change it)

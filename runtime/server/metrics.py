@@ -8,6 +8,7 @@ _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _BATCH = (1, 2, 4, 8, 16, 32, 64, 128)
 _E2E = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0)
 _TOKENS = (1, 4, 16, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_KEPT = tuple(range(17))  # draft tokens one verified row keeps: 0 .. runtime.llm.speculative.MAX_SPEC_TOKENS
 
 # Every metric this server exports (a test checks it against the registry below). deploy/monitoring's dashboard
 # shows each of them and names no other, and each of its queries returns data from a live server
@@ -39,6 +40,9 @@ METRIC_NAMES = [
     "precast_llm_request_queue_time_seconds",
     "precast_llm_request_prompt_tokens",
     "precast_llm_request_generation_tokens",
+    "precast_llm_spec_proposed_tokens_total",
+    "precast_llm_spec_accepted_tokens_total",
+    "precast_llm_spec_accepted_tokens_per_step",
 ]
 
 # Registered only by a server of a seq2seq (encoder-decoder) artifact (``ServerMetrics.seq2seq_gauges``), so not
@@ -140,6 +144,19 @@ class ServerMetrics:
         )
         self.llm_generation_tokens = m.histogram(
             "precast_llm_request_generation_tokens", "Generated tokens per LLM request", _TOKENS
+        )
+        # speculative decoding (serve --draft / --speculative): nothing moves without it
+        self.spec_proposed = m.counter(
+            "precast_llm_spec_proposed_tokens",
+            "Draft tokens proposed for verification (speculative decoding)",
+        )
+        self.spec_accepted = m.counter(
+            "precast_llm_spec_accepted_tokens", "Draft tokens the target kept (speculative decoding)"
+        )
+        self.spec_kept_per_step = m.histogram(
+            "precast_llm_spec_accepted_tokens_per_step",
+            "Draft tokens each verified step of a request kept (it also yields one token of the target's own)",
+            _KEPT,
         )
 
     def seq2seq_gauges(self):

@@ -121,6 +121,8 @@ def test_dashboard_and_the_server_name_the_same_metrics():
         "preemptions",
         "prefix-cache",
         "reloads",
+        "speculative decoding acceptance",
+        "tokens per step",
     ):
         assert want in titles, want
 
@@ -190,7 +192,8 @@ def test_every_dashboard_query_returns_data_from_a_live_server(tmp_path, llm_art
     from precast.runtime.server import ServerConfig
     from tests.server.conftest import live_server
 
-    llm_cfg = ServerConfig(llm_artifact, model_name="tiny", llm={"num_blocks": 6})
+    # prompt lookup (no draft model): the speculative-decoding panels need a server that speculates
+    llm_cfg = ServerConfig(llm_artifact, model_name="tiny", llm={"num_blocks": 6, "speculative": "ngram"})
     with (
         live_server(ServerConfig(mlp_artifact, model_name="mlp")) as (mlp_url, _),
         live_server(llm_cfg) as (
@@ -244,6 +247,8 @@ def test_every_dashboard_query_returns_data_from_a_live_server(tmp_path, llm_art
                 'sum(precast_requests_total{status="400"})',
                 'sum(precast_reloads_total{result="failed"})',
                 "sum(precast_llm_request_queue_time_seconds_count)",
+                "sum(precast_llm_spec_proposed_tokens_total)",
+                "sum(precast_llm_spec_accepted_tokens_per_step_count)",
             ):
                 (sample,) = _query(base, expr)
                 assert float(sample["value"][1]) > 0, expr

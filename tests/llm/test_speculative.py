@@ -305,3 +305,26 @@ def test_stop_strings_and_logprobs_match_plain(models):
         assert lg == pytest.approx(lw, abs=1e-4)
         assert [t for t, _ in top_g] == [t for t, _ in top_w]
     eng.close()
+
+
+def test_a_draft_with_a_smaller_vocabulary_samples_and_penalized_greedy_keeps(models, tmp_path):
+    """A target whose vocabulary is padded past its tokenizer's (640 vs the draft's 512) samples with the
+    draft (q padded to the target's size); and greedy with a repetition penalty keeps the self-draft's
+    tokens (the draft picks the penalized argmax, as verify does)."""
+    from tests.llm.fixtures import build_llama
+    from tests.llm.test_causal_lm import compile_llm
+
+    padded = compile_llm(build_llama(tmp_path / "padded", vocab_size=640), tmp_path / "padded-art").output
+    cfg = SpeculativeConfig(method="draft", draft=str(models[1]), num_tokens=3, adaptive=False)
+    eng = Engine.load(padded, threads=1, speculative=cfg)
+    p = SamplingParams(max_tokens=16, temperature=1.0, seed=3, ignore_eos=True)
+    assert len(eng.generate("def wrap(text, width=70):", p)[0].token_ids) == 16
+    assert eng.metrics().spec_proposed_tokens > 0
+    eng.close()
+    penalized = SamplingParams(max_tokens=NEW, repetition_penalty=1.3, ignore_eos=True)
+    want = Engine.load(models[0], threads=1).generate(_prompts()[:2], penalized)
+    eng = _spec(models, "draft", 4, "self")
+    assert [c.token_ids for c in eng.generate(_prompts()[:2], penalized)] == [c.token_ids for c in want]
+    m = eng.metrics()
+    assert m.spec_accepted_tokens == m.spec_proposed_tokens > 0
+    eng.close()
