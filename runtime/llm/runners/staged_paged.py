@@ -57,8 +57,9 @@ class _PagedStage:
         names = [i.name for i in session.get_inputs()]
         self.layers = list(entry.kv_layers or [])
         kv_names = {n for i in self.layers for n in (*spec.kv_inputs[i], *spec.kv_outputs[i])}
-        self.step_inputs = [n for n in names if n in PAGED_STEP_INPUTS]
-        self.boundary_in = [n for n in names if n not in PAGED_STEP_INPUTS and n not in kv_names]
+        step = (*PAGED_STEP_INPUTS, "last_index")  # (a generic graph's last_index reaches its last stage)
+        self.step_inputs = [n for n in names if n in step]
+        self.boundary_in = [n for n in names if n not in step and n not in kv_names]
         outs = [o.name for o in session.get_outputs()]
         self.boundary_out = [n for n in outs if n not in kv_names and n != "logits"]
         self.pools = {}
@@ -155,6 +156,7 @@ class StagedPagedRunner(StageWorkersOwner, ModelRunner):
             "past_lens": np.ascontiguousarray(p),
             "new_lens": np.ascontiguousarray(n),
             "block_tables": np.ascontiguousarray(t),
+            "last_index": (n - 1)[:, None],  # (each request's last real token: one logits row per request)
             "_b_idx": b_idx,
             "_s_idx": s_idx,
             "_blocks": t[b_idx, slot // self.spec.block_size],
