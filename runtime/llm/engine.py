@@ -108,6 +108,7 @@ class Engine:
         self._proposer = None
         self._spec_max_batch = 0
         self._drafting: dict[str, tuple[Request, list[int]]] = {}  # this step's proposals, by request id
+        self._draft_cleanup: weakref.finalize | None = None  # removes a packed draft's unpacked copy
         if speculative is not None:
             self._start_speculation(speculative, draft_runner)
 
@@ -115,9 +116,10 @@ class Engine:
         config = config.validate()
         if not self.runner.multi_logits:
             raise UsageError(
-                "speculative decoding needs a step graph that returns several logits rows per request: this "
-                "artifact's does not (compiled before it, a GPT-2 / hand-written paged decoder, or pipeline "
-                "stages); recompile it with this precast"
+                "speculative decoding needs a step graph that returns several logits rows per request; this "
+                "target's does not: an artifact compiled before precast had speculative decoding (recompile "
+                "it), GPT-2's paged graph, or pipeline stages (these cannot be speculative targets; any of them "
+                "can be a draft)"
             )
         if config.method == "draft":
             if draft_runner is None:
@@ -190,7 +192,7 @@ class Engine:
             concurrency=concurrency,
         )
         runner, tokenizer = found.opened
-        draft = None
+        draft = draft_temp = None
         try:
             if speculative is not None:
                 if not isinstance(speculative, SpeculativeConfig):
@@ -198,9 +200,9 @@ class Engine:
                         f"speculative must be a SpeculativeConfig, got {type(speculative).__name__}"
                     )
                 speculative.validate()
-                if speculative.method == "draft":
-                    draft = _open_draft(
-                        speculative.draft, runner, tokenizer, num_blocks, options, concurrency
+                if speculative.method == "draft":  # (under the target's signature key, when one is given)
+                    draft, draft_temp = _open_draft(
+                        speculative.draft, runner, tokenizer, num_blocks, options, concurrency, pubkey, now
                     )
             engine = cls(
                 runner,
@@ -213,10 +215,18 @@ class Engine:
             )
             engine.grammar_thread = _spare_core(options.threads)
             engine.target = found.manifest.target.name
+            if draft_temp is not None:  # (a packed draft's unpacked copy goes with the engine)
+                from precast.artifact.archive import remove_temp
+
+                engine._draft_cleanup = weakref.finalize(engine, remove_temp, draft_temp)
             return engine
         except BaseException:
             if draft is not None:
                 draft.close()
+            if draft_temp is not None:
+                from precast.artifact.archive import remove_temp
+
+                remove_temp(draft_temp)
             if found.temp is not None:
                 from precast.artifact.archive import remove_temp
 
@@ -228,6 +238,10 @@ class Engine:
         artifact was unpacked into. Idempotent."""
         self.stop()
         self.runner.shutdown()  # (a runner that owns threads joins them; its pools stay)
+        if self._proposer is not None:
+            self._proposer.close()
+        if self._draft_cleanup is not None:
+            self._draft_cleanup()
         if self._mask_pool is not None:
             self._mask_pool.shutdown(wait=True)
         if self._cleanup is not None:
@@ -771,16 +785,28 @@ def _open_llm_target(root: Path, manifest, num_blocks: int | None, options, wher
     return runner, tokenizer
 
 
-def _open_draft(path, runner, tokenizer, num_blocks, options, concurrency):
-    """The draft artifact's runner for speculative decoding: a causal LM with the target's tokenizer (the
-    same vocabulary, token for token), else UsageError naming what differs."""
+def _open_draft(path, runner, tokenizer, num_blocks, options, concurrency, pubkey=None, now=None):
+    """(runner, temp dir or None) of the draft artifact for speculative decoding: a causal LM with the
+    target's tokenizer (the same vocabulary, token for token) and no larger vocabulary, opened under the same
+    signature key as the target (``pubkey``: a signed pack, as the target must be), else an error naming the
+    draft."""
+    from precast.errors import PrecastError
     from precast.runtime.hal import resolve
     from precast.runtime.llm.tokenizer import TextTokenizer
 
     def open_target(root: Path, manifest) -> tuple:
         return _open_llm_target(root, manifest, num_blocks, options, where=path)
 
-    found = resolve(path, open_target, verify=options.verify, concurrency=concurrency)
+    try:
+        found = resolve(
+            path, open_target, pubkey=pubkey, now=now, verify=options.verify, concurrency=concurrency
+        )
+    except PrecastError as e:  # (say which of the two artifacts is at fault)
+        try:
+            named = type(e)(f"draft: {first_line(str(e))}")
+        except TypeError:  # (an error class with more to it than a message)
+            raise e from None
+        raise named from e
     draft, draft_tok = found.opened
     try:
         if tokenizer is None or draft_tok is None:
@@ -798,8 +824,12 @@ def _open_draft(path, runner, tokenizer, num_blocks, options, concurrency):
             )
     except BaseException:
         draft.close()
+        if found.temp is not None:
+            from precast.artifact.archive import remove_temp
+
+            remove_temp(found.temp)
         raise
-    return draft
+    return draft, found.temp
 
 
 def _check_available(root: Path, block) -> None:

@@ -159,7 +159,9 @@ class NgramProposer:
         for n in range(min(self.n_max, end - 1), self.n_min - 1, -1):
             at = grams.get(tuple(toks[end - n :]))
             if at is not None and at < end:
-                return toks[at : min(at + k, end)]
+                # the continuation, extended periodically past the end (a loop of period end - at repeats)
+                period = end - at
+                return [toks[at + j % period] for j in range(k)]
         return []
 
     def accepted(self, req, kept: int) -> None:

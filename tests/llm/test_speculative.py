@@ -5,6 +5,8 @@ adaptive off-switch, and the refusals."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -328,3 +330,39 @@ def test_a_draft_with_a_smaller_vocabulary_samples_and_penalized_greedy_keeps(mo
     m = eng.metrics()
     assert m.spec_accepted_tokens == m.spec_proposed_tokens > 0
     eng.close()
+
+
+def test_a_signed_target_needs_a_signed_draft_and_a_packed_draft_is_cleaned_up(models, tmp_path):
+    """Under a signature key the draft is held to the target's rule (a signed pack): a directory or an unsigned
+    pack is refused naming the draft; a packed draft's unpacked copy goes when the engine closes."""
+    from precast.artifact.signing import generate_keypair
+    from precast.compiler.pack import pack_artifact
+    from precast.errors import PrecastError
+
+    target, draft = models
+    generate_keypair(tmp_path / "k.pem", tmp_path / "k.pub")
+    signed_t, signed_d, unsigned_d = (tmp_path / f"{n}.precast" for n in ("t", "d", "u"))
+    pack_artifact(target, signed_t, sign_key=tmp_path / "k.pem", name="t", version="1")
+    pack_artifact(draft, signed_d, sign_key=tmp_path / "k.pem", name="d", version="1")
+    pack_artifact(draft, unsigned_d)
+    key = tmp_path / "k.pub"
+    for bad in (draft, unsigned_d):
+        with pytest.raises(PrecastError, match="^draft: "):
+            Engine.load(signed_t, pubkey=key, speculative=SpeculativeConfig(draft=str(bad)))
+    eng = Engine.load(signed_t, pubkey=key, speculative=SpeculativeConfig(draft=str(signed_d), num_tokens=3))
+    assert len(eng.generate([_prompts()[0]], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids) == 8
+    temps = [Path(f.peek()[2][0]) for f in (eng._cleanup, eng._draft_cleanup)]  # (the finalizers' temp dirs)
+    assert all(t.is_dir() for t in temps)
+    eng.close()
+    assert not any(t.exists() for t in temps)
+
+
+def test_prompt_lookup_proposes_a_loop_periodically():
+    """A loop shorter than k: the proposal repeats it (a period-2 loop with k = 5 proposes 5 tokens)."""
+    from precast.runtime.llm.speculative import NgramProposer
+
+    class R:
+        token_ids = [9, 8, 7, 1, 2, 1, 2, 1, 2]
+        spec = SpecState(k=5, k_max=5)
+
+    assert NgramProposer(SpeculativeConfig(method="ngram")).propose([R()], [5]) == [[1, 2, 1, 2, 1]]
