@@ -8,6 +8,9 @@ Models: benchmarks/spec_pair.py trains a target (Llama, hidden 512, 8 layers) an
 cached under --work with every build below (precast artifacts: ort-cpu fp32, the target INT4 too; optimum's
 OpenVINO exports for OpenVINO GenAI; GGUF files for llama.cpp where its build is found).
 
+The draft is distilled towards the target (spec_distill.py: its next-token distribution trained to the
+target's on the same training text, from the text-trained draft's weights; --no-distil: the text-trained draft).
+
 1. Exactness (in this process): the greedy tokens of --check-prompts held-out prompts, --new each, with draft
    speculation at K = 2, 4, 6, 8 and prompt lookup at K = 4, alone and 8 batched, against the engine without
    speculation ("identical" or the first prompt that differs).
@@ -46,6 +49,7 @@ sys.path[:0] = [str(REPO), str(HERE)]
 from bench_llm_requests import summary  # noqa: E402
 
 OV_PY = "/work/venvs/ovgenai/bin/python"
+GGUF_PY = "/work/venvs/gguf/bin/python"
 LLAMACPP = Path("/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
 # name: (worker kind, target build, draft build, worker flags, rows, ratio base)
 ENGINES = {
@@ -77,7 +81,9 @@ def build_precast(folder: Path, out: Path, prec: str) -> Path:
     if not (out / "manifest.json").is_file():
         print(f"compiling {out.name}", flush=True)
         passes = "default,quantize-int4{accuracy_level=4}" if prec == "int4" else None
-        compile_model(str(folder), out, CompileOptions(targets=("ort-cpu",), task="causal-lm", passes=passes))
+        budget = "cosine>=0.95" if prec == "int4" else None  # (bench_llm.py's INT4 budget)
+        opts = CompileOptions(targets=("ort-cpu",), task="causal-lm", passes=passes, accuracy_budget=budget)
+        compile_model(str(folder), out, opts)
     return out
 
 
@@ -99,9 +105,13 @@ def build_gguf(folder: Path, out: Path) -> Path | str:
         if not (LLAMACPP / "convert_hf_to_gguf.py").is_file():
             return f"no llama.cpp sources at {LLAMACPP}"
         print(f"converting {out.name} with llama.cpp's converter", flush=True)
-        env = {"LLAMACPP_CONVERT_DIR": str(LLAMACPP), "PATH": "/usr/bin:/bin"}
-        cmd = [sys.executable, str(HERE / "bench_llm_llamacpp.py"), "convert", str(folder), str(out), "f32"]
-        p = subprocess.run(cmd, capture_output=True, text=True, env={**env, **_env()})
+        # (llama.cpp's converter imports sentencepiece: an interpreter with it, e.g. a venv over this one's
+        # site-packages plus `pip install sentencepiece`)
+        py = GGUF_PY if Path(GGUF_PY).is_file() else sys.executable
+        cmd = [py, str(HERE / "bench_llm_llamacpp.py"), "convert", str(folder), str(out), "f32"]
+        p = subprocess.run(
+            cmd, capture_output=True, text=True, env={**_env(), "LLAMACPP_CONVERT_DIR": str(LLAMACPP)}
+        )
         if p.returncode:
             return f"GGUF conversion failed: {(p.stderr or p.stdout).strip().splitlines()[-1][:200]}"
     return out
@@ -194,14 +204,16 @@ class LlamaCppSpec:
 def worker_cmd(kind: str, path: Path, draft: Path | None, flags: list[str], a) -> list[str]:
     py = sys.executable if kind == "precast" else OV_PY
     cmd = [py, str(HERE / "bench_llm_worker.py"), kind, str(path), "--threads", str(a.threads)]
-    cmd += ["--max-requests", "32", "--max-len", str(a.prompt + a.new + 64), "--spec-k", str(a.k), *flags]
+    k = a.ngram_k if "ngram" in flags else a.k
+    cmd += ["--max-requests", "32", "--max-len", str(2 * a.prompt + a.new + 64), "--spec-k", str(k), *flags]
     return cmd + (["--draft", str(draft)] if draft is not None else [])
 
 
 # -- prompts ---------------------------------------------------------------------------------------------
 def quote_prompts(held: list[list[int]], n: int) -> list[list[int]]:
-    """A passage, then its first 24 tokens again: the likely continuation repeats the passage."""
-    return [p + p[:24] for p in held[:n]]
+    """A passage (two consecutive held-out prompts), then its first 24 tokens again: the likely continuation
+    repeats the passage (as a summary or an edit quotes its source)."""
+    return [p + q + p[:24] for p, q in zip(held[: 2 * n : 2], held[1 : 2 * n : 2])]
 
 
 # -- exactness -------------------------------------------------------------------------------------------
@@ -272,12 +284,18 @@ def main(argv=None) -> None:
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench-spec")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--k", type=int, default=4, help="draft tokens per step (every speculating engine)")
+    ap.add_argument("--k", type=int, default=4, help="draft tokens per step (draft-model engines)")
+    ap.add_argument(
+        "--ngram-k", type=int, default=8, help="tokens per step of prompt lookup (cheap proposals)"
+    )
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--prompt", type=int, default=64, help="tokens per held-out prompt")
     ap.add_argument("--prompts", type=int, default=8, help="b1 prompts per round (each round its own)")
     ap.add_argument("--check-prompts", type=int, default=16)
     ap.add_argument("--skip-check", action="store_true")
+    ap.add_argument(
+        "--no-distil", action="store_true", help="the draft as trained on the text, not distilled"
+    )
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--rows", default=",".join(ROWS))
     ap.add_argument("--llamacpp-bin", default=str(LLAMACPP / "build" / "bin" / "llama-speculative-simple"))
@@ -290,22 +308,27 @@ def main(argv=None) -> None:
             ap.error(f"unknown engine {e!r} (known: {', '.join(ENGINES)})")
     a.work.mkdir(parents=True, exist_ok=True)
 
+    from spec_distill import distilled
     from spec_pair import heldout_prompts, spec_pair
+    from tokenizers import Tokenizer
 
     from precast.runtime.llm.tokenizer import TextTokenizer
 
-    target_dir, draft_dir = spec_pair(a.work)
+    target_dir, trained_draft = spec_pair(a.work)
+    draft_dir = trained_draft if a.no_distil else distilled(a.work, target_dir, trained_draft)
     tok = TextTokenizer.from_file(target_dir / "tokenizer.json")
     need = a.check_prompts + a.rounds * a.prompts + 32 + 8
-    held = heldout_prompts(need, a.prompt, tok)
+    held = heldout_prompts(need, a.prompt, Tokenizer.from_file(str(target_dir / "tokenizer.json")))
     builds = {
         ("precast", "fp32", "t"): lambda: build_precast(target_dir, a.work / "precast-target-fp32", "fp32"),
         ("precast", "int4", "t"): lambda: build_precast(target_dir, a.work / "precast-target-int4", "int4"),
-        ("precast", "fp32", "d"): lambda: build_precast(draft_dir, a.work / "precast-draft-fp32", "fp32"),
+        ("precast", "fp32", "d"): lambda: build_precast(
+            draft_dir, a.work / f"precast-{draft_dir.name}", "fp32"
+        ),
         ("ov", "ov", "t"): lambda: build_ov(target_dir, a.work / "ov-target-fp32"),
-        ("ov", "ov", "d"): lambda: build_ov(draft_dir, a.work / "ov-draft-fp32"),
+        ("ov", "ov", "d"): lambda: build_ov(draft_dir, a.work / f"ov-{draft_dir.name}"),
         ("llamacpp", "gguf", "t"): lambda: build_gguf(target_dir, a.work / "target-f32.gguf"),
-        ("llamacpp", "gguf", "d"): lambda: build_gguf(draft_dir, a.work / "draft-f32.gguf"),
+        ("llamacpp", "gguf", "d"): lambda: build_gguf(draft_dir, a.work / f"{draft_dir.name}-f32.gguf"),
     }
     report: dict = {"host": _host(), "k": a.k, "new": a.new, "threads": a.threads}
     if not a.skip_check:

@@ -4,10 +4,15 @@
 
 Writes config.json, model.safetensors, tokenizer.json (byte-level BPE trained on the same text) and
 generation_config.json. The last ``--holdout`` fraction of the text is never trained on: it is the
-held-out split for perplexity (``holdout_text()``). Deterministic for a given seed, torch version and
+held-out split for perplexity (``split_text()``). Deterministic for a given seed, torch version and
 thread count. Random weights cannot show whether a quantizer (GPTQ vs RTN) keeps what a model learned;
 this model has learned something (held-out perplexity far below its vocabulary size) in a few minutes
 of CPU.
+
+``--tokenizer FILE`` reuses a tokenizer.json instead of training one, so that two models (a speculative
+decoding target and its draft) share a tokenizer byte for byte: it is copied as is, and its vocabulary
+size must equal ``--vocab``. It should itself have been trained on the training split only (a
+tokenizer.json this script wrote from the same text and ``--holdout`` is).
 """
 
 from __future__ import annotations
@@ -15,11 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-__all__ = ["TinyLMConfig", "bpe_tokenizer", "split_text", "train", "train_tokenizer"]
+__all__ = ["TinyLMConfig", "bpe_tokenizer", "load_tokenizer", "split_text", "train", "train_tokenizer"]
 
 SPECIALS = ["<|endoftext|>", "<s>", "</s>"]
 
@@ -72,8 +78,23 @@ def train_tokenizer(text: str, vocab: int):
     return bpe_tokenizer([p for p in text.split("\n\n") if p.strip()], vocab)
 
 
-def train(text: str, out: Path, cfg: TinyLMConfig = TinyLMConfig(), log=print) -> dict:
-    """Train and save; returns a summary (final train loss, held-out perplexity, seconds)."""
+def load_tokenizer(path: Path, vocab: int):
+    """A saved tokenizer.json, checked against the vocabulary size the model is configured for."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path))
+    if tok.get_vocab_size() != vocab:
+        raise ValueError(f"tokenizer {path}: vocabulary of {tok.get_vocab_size()} tokens, --vocab is {vocab}")
+    return tok
+
+
+def train(
+    text: str, out: Path, cfg: TinyLMConfig = TinyLMConfig(), log=print, tokenizer: Path | None = None
+) -> dict:
+    """Train and save; returns a summary (final train loss, held-out perplexity, seconds).
+
+    ``tokenizer``: a tokenizer.json to reuse (copied byte for byte) instead of training one.
+    """
     import numpy as np
     import torch
     import transformers
@@ -81,7 +102,10 @@ def train(text: str, out: Path, cfg: TinyLMConfig = TinyLMConfig(), log=print) -
     torch.set_num_threads(cfg.threads)
     torch.manual_seed(cfg.seed)
     train_text, held = split_text(text, cfg.holdout)
-    tok = train_tokenizer(train_text, cfg.vocab)
+    if tokenizer is None:
+        tok = train_tokenizer(train_text, cfg.vocab)
+    else:
+        tok = load_tokenizer(tokenizer, cfg.vocab)
     ids = np.array(tok.encode(train_text).ids, dtype=np.int64)
     held_ids = np.array(tok.encode(held).ids, dtype=np.int64)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
@@ -130,7 +154,10 @@ def train(text: str, out: Path, cfg: TinyLMConfig = TinyLMConfig(), log=print) -
     held_ppl = _heldout_ppl(model, held_ids, cfg.seq)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(out), safe_serialization=True)
-    tok.save(str(out / "tokenizer.json"))
+    if tokenizer is None:
+        tok.save(str(out / "tokenizer.json"))
+    else:
+        shutil.copyfile(tokenizer, out / "tokenizer.json")
     summary = {
         "config": asdict(cfg),
         "train_loss": round(loss_val, 4),
@@ -139,6 +166,8 @@ def train(text: str, out: Path, cfg: TinyLMConfig = TinyLMConfig(), log=print) -
         "seconds": round(time.perf_counter() - t0, 1),
         "torch": torch.__version__,
     }
+    if tokenizer is not None:
+        summary["tokenizer"] = str(tokenizer)
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
     log(f"held-out perplexity {held_ppl:.2f} over {len(held_ids)} tokens")
     return summary
@@ -164,11 +193,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--text", required=True, type=Path)
     ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--tokenizer", type=Path, help="reuse this tokenizer.json instead of training one")
     for f in TinyLMConfig.__dataclass_fields__.values():
         ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default)
     a = ap.parse_args()
     cfg = TinyLMConfig(**{k: getattr(a, k) for k in TinyLMConfig.__dataclass_fields__})
-    print(json.dumps(train(a.text.read_text(encoding="utf-8"), a.out, cfg)))
+    print(json.dumps(train(a.text.read_text(encoding="utf-8"), a.out, cfg, tokenizer=a.tokenizer)))
 
 
 if __name__ == "__main__":

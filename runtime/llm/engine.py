@@ -16,6 +16,7 @@ step loop, sampling, the lock and the metrics. Besides the step, one scheduling 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import os
 import threading
@@ -504,7 +505,7 @@ class Engine:
             st = r.spec
             if st is None:
                 continue
-            k = min(st.wanted(), r.end_len - len(r.token_ids) - 1)
+            k = min(st.wanted(len(r.token_ids)), r.end_len - len(r.token_ids) - 1)
             if k > 0:
                 reqs.append(r)
                 ks.append(k)
@@ -794,8 +795,12 @@ def _open_draft(path, runner, tokenizer, num_blocks, options, concurrency, pubke
     from precast.runtime.hal import resolve
     from precast.runtime.llm.tokenizer import TextTokenizer
 
+    # One intra-op thread, no spinning: a draft's step is a fraction of a millisecond, which a thread pool's
+    # wake-ups would dominate, and spinning threads of its own would compete with the target's for the cores.
+    draft_options = dataclasses.replace(options, threads=1, spinning=False)
+
     def open_target(root: Path, manifest) -> tuple:
-        return _open_llm_target(root, manifest, num_blocks, options, where=path)
+        return _open_llm_target(root, manifest, num_blocks, draft_options, where=path)
 
     try:
         found = resolve(

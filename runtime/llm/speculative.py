@@ -85,7 +85,10 @@ class SpeculativeConfig:
 
 
 # -- adaptive k per request -------------------------------------------------------------------------------
-_OFF_STEPS = 16  # steps a request waits before it speculates again after its proposals kept failing
+_OFF_TOKENS = (
+    16  # tokens a request decodes plainly before it speculates again after its proposals kept failing
+)
+_EMPTY_RUN = 8  # empty proposals in a row (no n-gram match) that pause prompt lookup, for as many tokens
 
 
 @dataclass
@@ -96,33 +99,40 @@ class SpecState:
     k: int
     k_max: int
     adaptive: bool = True
-    off: int = 0  # steps left without speculation (k = 0)
+    off: int = 0  # tokens left to decode without speculation (k = 0; the batch-1 burst may run them)
+    seen: int = 0  # the request's length when wanted() last looked (off counts down by the tokens since)
     misses: int = 0  # consecutive verifications that kept nothing
+    empty: int = 0  # consecutive steps the proposer found nothing to propose
     # prompt lookup: n-gram -> the position right after its latest occurrence; indexed up to `indexed`
     grams: dict = field(default_factory=dict)
     indexed: int = 0
     draft_computed: int = 0  # tokens the draft has in its KV (DraftProposer)
     draft_id: str = ""  # the draft's KV-manager id of this request
 
-    def wanted(self) -> int:
-        """Tokens to propose this step (0: none)."""
+    def wanted(self, length: int) -> int:
+        """Tokens to propose this step for a request of ``length`` tokens (0: none)."""
         if self.off > 0:
-            self.off -= 1
+            if self.seen >= 0:  # (-1: it just turned off; count from here)
+                self.off = max(0, self.off - max(1, length - self.seen))
+            self.seen = length
             if self.off == 0:
                 self.k = 1
             return 0
+        self.seen = length
         return self.k
 
     def nothing(self) -> None:
-        """The proposer had nothing to propose (prompt lookup found no match): a miss."""
+        """The proposer had nothing to propose (prompt lookup found no match). A lookup costs microseconds,
+        so only a long run of them pauses it (for _EMPTY_RUN tokens: the batch-1 burst may run them)."""
         if self.adaptive:
-            self.misses += 1
-            if self.misses >= 3:
-                self.off, self.misses = _OFF_STEPS, 0
+            self.empty += 1
+            if self.empty >= _EMPTY_RUN:
+                self.off, self.empty, self.seen = _EMPTY_RUN, 0, -1
 
     def update(self, proposed: int, kept: int) -> None:
         if not self.adaptive or proposed == 0:
             return
+        self.empty = 0
         if kept == proposed:
             self.k = min(self.k_max, self.k + 1)
             self.misses = 0
@@ -130,7 +140,7 @@ class SpecState:
             self.k = max(1, self.k - 1)
             self.misses = self.misses + 1 if kept == 0 else 0
             if self.misses >= 3:  # its proposals keep failing: plain steps for a while
-                self.off, self.misses = _OFF_STEPS, 0
+                self.off, self.misses, self.seen = _OFF_TOKENS, 0, -1
         else:
             self.misses = 0
 
@@ -228,9 +238,19 @@ class DraftProposer:
             out.add_row(_DraftRow(st.draft_id, toks, c), n, self.kv.block_table(st.draft_id), [])
             live.append(i)
         self.probs = {}
+        fast, fast_block, bs = None, -1, self.block_size
         while out.rows:  # the catch-up rows (MIXED), then one batched decode step per further draft token
-            out.kind = StepKind.DECODE if all(n == 1 for n in out.num_new) else StepKind.MIXED
-            logits = self.runner.execute(out)
+            row0 = out.rows[0]
+            if fast is not None and len(out.rows) == 1 and row0.num_computed // bs == fast_block:
+                # one row decoding inside the block its last decode mapped: the runner's single-row decoder
+                # (bound buffers, no step around it), as the engine's batch-1 burst
+                logits = fast(row0.token_ids[row0.num_computed], row0.num_computed)[None]
+            else:
+                out.kind = StepKind.DECODE if all(n == 1 for n in out.num_new) else StepKind.MIXED
+                logits = self.runner.execute(out)
+                fast = None
+                if out.kind is StepKind.DECODE and len(out.rows) == 1:
+                    fast, fast_block = self.runner.single_decoder(), row0.num_computed // bs
             nxt, still = SchedulerOutput(), []
             for j, (row, n) in enumerate(zip(out.rows, out.num_new)):
                 i = live[j]
