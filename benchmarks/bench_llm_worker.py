@@ -38,7 +38,9 @@ class Precast:
         blocks = a.max_requests * -(-a.max_len // block) + 16
         spec = None
         if a.spec:  # speculative decoding (bench_speculative.py): a draft artifact or prompt lookup
-            spec = SpeculativeConfig(method=a.spec, num_tokens=a.spec_k, draft=a.draft, max_batch=a.spec_max_batch)
+            spec = SpeculativeConfig(
+                method=a.spec, num_tokens=a.spec_k, draft=a.draft, max_batch=a.spec_max_batch
+            )
         self.engine = Engine.load(
             path,
             num_blocks=blocks,
@@ -49,7 +51,9 @@ class Precast:
             speculative=spec,
         )
         self.params = lambda n: SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False)
-        self.info = f"{blocks} KV blocks of {block}" + (f", speculative {a.spec} k={a.spec_k}" if spec else "")
+        self.info = f"{blocks} KV blocks of {block}" + (
+            f", speculative {a.spec} k={a.spec_k}" if spec else ""
+        )
 
     def _spec(self, before) -> dict:
         """The speculation counters of the last request(s): drafts proposed / kept, verified rows."""
@@ -66,15 +70,28 @@ class Precast:
         m = self.engine.metrics()
         return (m.spec_proposed_tokens, m.spec_accepted_tokens, sum(m.spec_accepted_per_row), m.steps)
 
-    def b1(self, prompt: list[int], new: int, all_ids: bool = False) -> dict:
+    def b1(
+        self, prompt: list[int], new: int, all_ids: bool = False, temperature: float = 0.0, seed=None
+    ) -> dict:
         before = self._counters()
+        params = self.params(new)
+        if temperature:  # (a sampled request: bench_speculative.py's non-repeating workload)
+            import dataclasses
+
+            params = dataclasses.replace(params, temperature=temperature, seed=seed)
         t0 = time.perf_counter()
-        h = self.engine.submit(prompt, self.params(new))
+        h = self.engine.submit(prompt, params)
         self.engine.run_until_done()
         wall = time.perf_counter() - t0
         ids = list(h.result().token_ids)
         self._log_spin("b1")
-        return {"ttft": h.ttft_s, "wall": wall, "n": len(ids), "ids": ids if all_ids else ids[:32], **self._spec(before)}
+        return {
+            "ttft": h.ttft_s,
+            "wall": wall,
+            "n": len(ids),
+            "ids": ids if all_ids else ids[:32],
+            **self._spec(before),
+        }
 
     def _log_spin(self, what: str) -> None:
         sw = getattr(self.engine.runner, "spin_switch", None)
@@ -83,8 +100,14 @@ class Precast:
         if not hasattr(self, "_readings"):  # (into the worker's log: the switch's readings of each request)
             self._readings, decide = [], sw._decide
             sw._decide = lambda w, *now: (decide(w, *now), self._readings.append((w, sw.spinning_now)))
-        shown = ", ".join(f"{'-' if w is None else f'{w:.3f}'}{'s' if on else 'c'}" for w, on in self._readings)
-        print(f"{what}: spinning {sw.spinning_now}, switches {sw.switches}, readings {shown}", file=sys.stderr, flush=True)
+        shown = ", ".join(
+            f"{'-' if w is None else f'{w:.3f}'}{'s' if on else 'c'}" for w, on in self._readings
+        )
+        print(
+            f"{what}: spinning {sw.spinning_now}, switches {sw.switches}, readings {shown}",
+            file=sys.stderr,
+            flush=True,
+        )
         self._readings.clear()
 
     def batch(self, prompts: list[list[int]], new: int, all_ids: bool = False) -> dict:
@@ -253,7 +276,9 @@ def main() -> None:
     ap.add_argument("--spec", choices=("draft", "ngram"), help="speculative decoding (precast, ov)")
     ap.add_argument("--draft", help="the draft model (a precast artifact, or an optimum export for ov)")
     ap.add_argument("--spec-k", type=int, default=4, help="draft tokens per step (K)")
-    ap.add_argument("--spec-max-batch", type=int, default=None, help="precast: no speculation above this batch")
+    ap.add_argument(
+        "--spec-max-batch", type=int, default=None, help="precast: no speculation above this batch"
+    )
     ap.add_argument(
         "--spinning",
         choices=("auto", "on", "off"),

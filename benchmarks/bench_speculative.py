@@ -19,15 +19,19 @@ target's on the same training text, from the text-trained draft's weights; --no-
      b1       one request at a time over --prompts held-out prompts: decode tok/s after the first token
               (tokens / time, summed over the prompts), TTFT median; acceptance (kept / proposed drafts) and
               tokens per verify step from precast's counters
-     quote    prompt lookup's workload: a held-out passage, then its first 24 tokens again (the continuation
-              repeats the passage); and `b1` itself is its non-repeating workload
-     c8, c32  8 / 32 held-out prompts at once, --new each: aggregate tok/s (precast's off-switch: speculation
-              only up to its max batch)
+     quote    prompt lookup's workload: a passage (two held-out prompts), then its first 24 tokens again
+              (the continuation repeats the passage)
+     sampled  b1's prompts sampled at temperature 0.8 (seeded): an output that does not repeat itself, where
+              prompt lookup finds little and must cost nothing (the small greedy model loops, so b1 repeats)
+     c8, c32  8 / 32 held-out prompts at once, --new each: aggregate tok/s (precast's off-switches: no
+              speculation past its max batch, nor where its measured tokens/s fall below plain steps')
    Engines: precast-fp32 (and precast-fp32-aa, the same engine twice: the A/A spread), precast-fp32-draft,
-   precast-int4, precast-int4-draft, precast-fp32-ngram, ov-fp32 / ov-fp32-draft / ov-fp32-ngram (OpenVINO
+   precast-ov-fp32 / -ov-fp32-draft (precast's engine on its OpenVINO backend, which a multi-target artifact
+   runs at 8+ requests; the same draft artifact), precast-int4, precast-int4-draft, precast-fp32-ngram, ov-fp32 / ov-fp32-draft / ov-fp32-ngram (OpenVINO
    GenAI's LLMPipeline, f32 forced, with the same draft and K; ContinuousBatchingPipeline for c8/c32),
    llamacpp-draft (llama.cpp's llama-speculative-simple on GGUFs of the same pair, f32; --llamacpp-bin).
-   Ratios: engine / precast-fp32 (INT4 rows / precast-int4) in the same round, median (min-max).
+   Ratios: engine / its base in the same round, median (min-max): precast-fp32 (INT4 rows: precast-int4;
+   precast's OpenVINO rows: precast-ov-fp32).
 """
 
 from __future__ import annotations
@@ -53,8 +57,8 @@ GGUF_PY = "/work/venvs/gguf/bin/python"
 LLAMACPP = Path("/work/llamacpp/llama_cpp_python-0.3.36/vendor/llama.cpp")
 # name: (worker kind, target build, draft build, worker flags, rows, ratio base)
 ENGINES = {
-    "precast-fp32": ("precast", "fp32", None, [], ("b1", "quote", "c8", "c32"), "precast-fp32"),
-    "precast-fp32-aa": ("precast", "fp32", None, [], ("b1", "quote", "c8", "c32"), "precast-fp32"),
+    "precast-fp32": ("precast", "fp32", None, [], ("b1", "quote", "sampled", "c8", "c32"), "precast-fp32"),
+    "precast-fp32-aa": ("precast", "fp32", None, [], ("b1", "quote", "sampled", "c8", "c32"), "precast-fp32"),
     "precast-fp32-draft": (
         "precast",
         "fp32",
@@ -63,7 +67,23 @@ ENGINES = {
         ("b1", "c8", "c32"),
         "precast-fp32",
     ),
-    "precast-fp32-ngram": ("precast", "fp32", None, ["--spec", "ngram"], ("b1", "quote"), "precast-fp32"),
+    "precast-fp32-ngram": (
+        "precast",
+        "fp32",
+        None,
+        ["--spec", "ngram"],
+        ("b1", "quote", "sampled"),
+        "precast-fp32",
+    ),
+    "precast-ov-fp32": ("precast", "ov-fp32", None, [], ("b1", "c8", "c32"), "precast-ov-fp32"),
+    "precast-ov-fp32-draft": (
+        "precast",
+        "ov-fp32",
+        "fp32",
+        ["--spec", "draft"],
+        ("b1", "c8", "c32"),
+        "precast-ov-fp32",
+    ),
     "precast-int4": ("precast", "int4", None, [], ("b1",), "precast-int4"),
     "precast-int4-draft": ("precast", "int4", "fp32", ["--spec", "draft"], ("b1",), "precast-int4"),
     "ov-fp32": ("ov", "ov", None, ["--force-f32"], ("b1", "quote", "c8", "c32"), "precast-fp32"),
@@ -71,13 +91,18 @@ ENGINES = {
     "ov-fp32-ngram": ("ov", "ov", None, ["--force-f32", "--spec", "ngram"], ("b1", "quote"), "precast-fp32"),
     "llamacpp-draft": ("llamacpp", "gguf", "gguf", [], ("b1",), "precast-fp32"),
 }
-ROWS = {"b1": 1, "quote": 1, "c8": 8, "c32": 32}
+ROWS = {"b1": 1, "quote": 1, "sampled": 1, "c8": 8, "c32": 32}
 
 
 # -- builds ----------------------------------------------------------------------------------------------
 def build_precast(folder: Path, out: Path, prec: str) -> Path:
     from precast.compiler.driver import CompileOptions, compile_model
 
+    if prec == "ov-fp32":  # precast's OpenVINO backend (PagedAttention step; f32 compute and KV)
+        if not (out / "manifest.json").is_file():
+            print(f"compiling {out.name}", flush=True)
+            compile_model(str(folder), out, CompileOptions(targets=("openvino",), task="causal-lm"))
+        return out
     if not (out / "manifest.json").is_file():
         print(f"compiling {out.name}", flush=True)
         passes = "default,quantize-int4{accuracy_level=4}" if prec == "int4" else None
@@ -161,7 +186,7 @@ class Worker:
 
 class LlamaCppSpec:
     """llama.cpp's own speculative example (llama-speculative-simple): one process per request, greedy,
-    --draft-max K, f32 weights; its printed decode speed and acceptance are the measurement."""
+    --spec-draft-n-max K, f32 weights; its printed decode speed and acceptance are the measurement."""
 
     def __init__(self, name: str, target: Path, draft: Path, a, tok):
         self.name, self.target, self.draft, self.a, self.tok = name, target, draft, a, tok
@@ -173,16 +198,17 @@ class LlamaCppSpec:
         text = self.tok.decode(prompt)
         cmd = [str(self.bin), "-m", str(self.target), "-md", str(self.draft), "-p", text, "-n", str(new)]
         cmd += [
-            "--draft-max",
+            "--spec-draft-n-max",
             str(self.a.k),
-            "--draft-min",
+            "--spec-draft-n-min",
             "0",
-            "--draft-p-min",
+            "--spec-draft-p-min",
             "0",
             "-t",
             str(self.a.threads),
         ]
-        cmd += ["-td", str(self.a.threads), "--temp", "0", "-c", "1024", "--ignore-eos", "--no-warmup"]
+        cmd += ["-td", str(self.a.threads), "--temp", "0", "-c", "512", "--ignore-eos"]
+        cmd += ["--spec-type", "draft-simple"]
         p = subprocess.run(cmd, capture_output=True, text=True)
         out = p.stdout + p.stderr
         import re
@@ -249,12 +275,13 @@ def check_exact(target: Path, draft: Path, prompts: list[list[int]], new: int, t
 
 
 # -- timing ----------------------------------------------------------------------------------------------
-def b1_row(w, prompts: list[list[int]], new: int) -> dict:
+def b1_row(w, prompts: list[list[int]], new: int, temperature: float = 0.0) -> dict:
     """Decode tok/s (first token excluded) summed over the prompts, TTFT median, speculation counters."""
     toks = secs = 0.0
     ttft, prop, acc, rows = [], 0, 0, 0
-    for p in prompts:
-        r = w.ask(op="b1", prompt=p, new=new)
+    for i, p in enumerate(prompts):
+        extra = {"temperature": temperature, "seed": i} if temperature else {}
+        r = w.ask(op="b1", prompt=p, new=new, **extra)
         if "error" in r:
             return {"error": r["error"]}
         toks += r["n"] - 1
@@ -284,7 +311,7 @@ def main(argv=None) -> None:
     ap.add_argument("--work", type=Path, default=REPO / ".cache" / "bench-spec")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--k", type=int, default=4, help="draft tokens per step (draft-model engines)")
+    ap.add_argument("--k", type=int, default=6, help="draft tokens per step (draft-model engines)")
     ap.add_argument(
         "--ngram-k", type=int, default=8, help="tokens per step of prompt lookup (cheap proposals)"
     )
@@ -322,6 +349,9 @@ def main(argv=None) -> None:
     builds = {
         ("precast", "fp32", "t"): lambda: build_precast(target_dir, a.work / "precast-target-fp32", "fp32"),
         ("precast", "int4", "t"): lambda: build_precast(target_dir, a.work / "precast-target-int4", "int4"),
+        ("precast", "ov-fp32", "t"): lambda: build_precast(
+            target_dir, a.work / "precast-target-ov", "ov-fp32"
+        ),
         ("precast", "fp32", "d"): lambda: build_precast(
             draft_dir, a.work / f"precast-{draft_dir.name}", "fp32"
         ),
@@ -382,6 +412,8 @@ def main(argv=None) -> None:
                     r = b1_row(w, b1p, a.new)
                 elif row == "quote":
                     r = b1_row(w, quote, a.new)
+                elif row == "sampled":  # temperature 0.8: an output that does not repeat itself
+                    r = b1_row(w, b1p, a.new, temperature=0.8)
                 else:
                     r = batch_row(w, conc[ROWS[row]], a.new)
                 if "error" in r:

@@ -20,6 +20,7 @@ import dataclasses
 import itertools
 import os
 import threading
+import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -49,6 +50,7 @@ from precast.runtime.llm.scheduler import (
 from precast.runtime.llm.speculative import (
     DraftProposer,
     NgramProposer,
+    SpecGovernor,
     SpecState,
     SpeculativeConfig,
     verify,
@@ -72,6 +74,7 @@ class Engine:
         temp_dir: Path | None = None,
         speculative: SpeculativeConfig | None = None,
         draft_runner=None,
+        clock: Callable[[], float] | None = None,
     ):
         spec = runner.spec
         self.runner = runner  # a runner.StepRunner: execute(SchedulerOutput) -> logits
@@ -110,6 +113,9 @@ class Engine:
         self._spec_max_batch = 0
         self._drafting: dict[str, tuple[Request, list[int]]] = {}  # this step's proposals, by request id
         self._draft_cleanup: weakref.finalize | None = None  # removes a packed draft's unpacked copy
+        # measures whether speculating pays (speculative.SpecGovernor); the clock is injectable (tests)
+        self._governor = SpecGovernor(clock or time.perf_counter)
+        self._decoding = 0  # requests decoding at this step's proposal (the governor's batch size)
         if speculative is not None:
             self._start_speculation(speculative, draft_runner)
 
@@ -360,6 +366,7 @@ class Engine:
         (_burst) unless another thread knocks. (The loops call this; step() stays one step for callers
         that interleave their own work.)"""
         with self._cond:
+            t0 = self._governor.clock() if self._proposer is not None else 0.0
             drafting = self._proposer is not None and self._propose()
             out = self.scheduler.schedule()
             c = self.counters
@@ -393,6 +400,10 @@ class Engine:
                     produced = self.output.stream(out, sampled, logits)
             if self._proposer is not None:
                 self._after_drafts(out)
+                rows = out.logit_rows or [1] * len(out.num_new)
+                if out.rows and out.num_new == rows:  # (a pure decode step: no prefill chunk's cost in it)
+                    seconds = self._governor.clock() - t0
+                    self._governor.observe(out.logit_rows is not None, self._decoding, seconds, produced)
             self._cond.notify_all()
             return produced
 
@@ -496,10 +507,13 @@ class Engine:
         (req.num_draft of them). True when any did (the step's rows then return 1 + k logits rows)."""
         sched = self.scheduler
         decoding = [r for r in sched.running if r.num_pending == 1]
+        self._decoding = len(decoding)
         if isinstance(self._proposer, DraftProposer):  # (a request cancelled or finished elsewhere)
             self._proposer.sweep({r.request_id for r in (*sched.running, *sched.waiting)})
         if not decoding or len(decoding) > self._spec_max_batch:
             return False
+        if self.speculative.adaptive and not self._governor.speculate(len(decoding)):
+            return False  # (measured: plain steps produce tokens faster at this batch size)
         reqs, ks = [], []
         for r in decoding:
             st = r.spec
@@ -573,9 +587,16 @@ class Engine:
 
     def _may_burst(self) -> bool:
         """A burst skips the steps where a request would speculate: only when none would (no speculation,
-        or every running request's is off for now)."""
+        every running request's is off for now, or it does not pay at this batch size)."""
         if self._proposer is None:
             return True
+        gov = self._governor
+        if self.speculative.adaptive and gov.samples.get((True, 1), 0) >= gov.MIN_SAMPLES:
+            if (
+                gov.samples.get((False, 1), 0) >= gov.MIN_SAMPLES
+                and gov.rate[(True, 1)] > gov.rate[(False, 1)]
+            ):
+                return True  # (plain is faster at batch 1: the burst is the plain step at its best)
         return all(r.spec is None or r.spec.off > 0 for r in self.scheduler.running)
 
     def _after_drafts(self, out: SchedulerOutput) -> None:

@@ -35,6 +35,7 @@ from precast.runtime.llm.sampler import SamplingParams, filtered_probs, is_int, 
 __all__ = [
     "DraftProposer",
     "NgramProposer",
+    "SpecGovernor",
     "SpecState",
     "SpeculativeConfig",
     "verify",
@@ -143,6 +144,52 @@ class SpecState:
                 self.off, self.misses, self.seen = _OFF_TOKENS, 0, -1
         else:
             self.misses = 0
+
+
+# -- does it pay? -----------------------------------------------------------------------------------------
+class SpecGovernor:
+    """Whether speculating pays at the current batch size, measured: the engine reports each pure decode step
+    (speculative or plain: its seconds and tokens, batch-1 bursts included) and speculates while the seconds
+    per token of its speculative steps stay below its plain steps'. Where verification and drafting cost
+    more than they save (a target small enough to run from cache, a batch whose rows the graph cannot
+    batch), speculation turns itself off; it re-measures the other mode now and then (PROBE of every
+    PERIOD steps). ``clock`` is injectable (tests)."""
+
+    MIN_SAMPLES = 3
+    PERIOD = 96
+    PROBE = 3
+    ALPHA = 0.25  # EMA weight of a new step
+
+    def __init__(self, clock):
+        self.clock = clock
+        self.rate: dict[tuple[bool, int], float] = {}  # (speculative, batch) -> EMA seconds per token
+        self.samples: dict[tuple[bool, int], int] = {}
+        self._since: dict[int, int] = {}  # batch -> steps since the other mode was measured
+
+    def speculate(self, batch: int) -> bool:
+        """Speculate in the next step of ``batch`` decoding requests?"""
+        spec, plain = (True, batch), (False, batch)
+        if self.samples.get(spec, 0) < self.MIN_SAMPLES:
+            return True  # (measure speculation first: it is what was asked for)
+        if self.samples.get(plain, 0) < self.MIN_SAMPLES:
+            return False
+        better = self.rate[spec] <= self.rate[plain]
+        n = self._since.get(batch, 0) + 1
+        self._since[batch] = n
+        if n > self.PERIOD:  # re-measure the mode not taken
+            if n >= self.PERIOD + self.PROBE:
+                self._since[batch] = 0
+            return not better
+        return better
+
+    def observe(self, speculative: bool, batch: int, seconds: float, tokens: int) -> None:
+        if tokens <= 0 or seconds < 0:
+            return
+        key = (speculative, batch)
+        per = seconds / tokens
+        old = self.rate.get(key)
+        self.rate[key] = per if old is None else old + self.ALPHA * (per - old)
+        self.samples[key] = self.samples.get(key, 0) + 1
 
 
 # -- prompt lookup ----------------------------------------------------------------------------------------

@@ -243,10 +243,10 @@ def test_spec_state_adapts():
     st.update(3, 0)
     st.update(2, 0)
     st.update(1, 0)
-    assert st.k == 1 and st.off > 0  # three misses: off for a while
-    while st.off:
-        assert st.wanted() == 0
-    assert st.k == 1 and st.wanted() == 1
+    assert st.k == 1 and st.off > 0  # three misses: off for a while (counted in tokens)
+    assert st.wanted(100) == 0 and st.off > 0
+    assert st.wanted(100 + st.off) == 0 and st.off == 0  # (a burst decoded those tokens)
+    assert st.k == 1 and st.wanted(117) == 1
 
 
 @pytest.fixture(scope="module")
@@ -366,3 +366,42 @@ def test_prompt_lookup_proposes_a_loop_periodically():
         spec = SpecState(k=5, k_max=5)
 
     assert NgramProposer(SpeculativeConfig(method="ngram")).propose([R()], [5]) == [[1, 2, 1, 2, 1]]
+
+
+class _FakeClock:
+    """Time that passes only in the target's steps: ``spec`` / ``plain`` seconds per step of each kind."""
+
+    def __init__(self, engine, spec: float, plain: float):
+        self.now = 0.0
+        run = engine.runner.execute
+
+        def execute(out):
+            self.now += spec if out.logit_rows is not None else plain
+            return run(out)
+
+        engine.runner.execute = execute
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("spec_cost,pays", [(1.5, True), (9.0, False)])
+def test_speculation_stays_on_only_while_it_pays(models, plain, spec_cost, pays):
+    """The governor compares the measured seconds per token of speculative and plain decode steps (a clock
+    the test controls: a verify step costs spec_cost, a plain one 1.0): the self-draft keeps ~4 tokens per
+    verify step, so 1.5 pays and 9.0 does not; then speculation stops (bar a rare re-probe) and the batch-1
+    burst runs the plain steps. Tokens are the plain engine's either way."""
+    target = models[0]
+    cfg = SpeculativeConfig(method="draft", draft=str(target), num_tokens=4)
+    eng = Engine.load(target, threads=1, speculative=cfg)
+    eng._governor.clock = _FakeClock(eng, spec_cost, 1.0)
+    params = SamplingParams(max_tokens=120, ignore_eos=True)
+    got = eng.generate([_prompts()[0]], params)[0].token_ids
+    m = eng.metrics()
+    rows = sum(m.spec_accepted_per_row)
+    assert got[:NEW] == plain[0]
+    if pays:
+        assert rows > 20  # speculating all along (~4-5 tokens a verify row)
+    else:
+        assert rows <= 6  # the first measurements (and no re-probe within 120 tokens), then plain
+    eng.close()
