@@ -116,6 +116,7 @@ class Engine:
         # measures whether speculating pays (speculative.SpecGovernor); the clock is injectable (tests)
         self._governor = SpecGovernor(clock or time.perf_counter)
         self._decoding = 0  # requests decoding at this step's proposal (the governor's batch size)
+        self._unmeasured = False  # this step's draft read a prompt (a prefill): the governor skips it
         if speculative is not None:
             self._start_speculation(speculative, draft_runner)
 
@@ -401,7 +402,7 @@ class Engine:
             if self._proposer is not None:
                 self._after_drafts(out)
                 rows = out.logit_rows or [1] * len(out.num_new)
-                if out.rows and out.num_new == rows:  # (a pure decode step: no prefill chunk's cost in it)
+                if out.rows and out.num_new == rows and not self._unmeasured:  # (a pure decode step)
                     seconds = self._governor.clock() - t0
                     self._governor.observe(out.logit_rows is not None, self._decoding, seconds, produced)
             self._cond.notify_all()
@@ -507,7 +508,7 @@ class Engine:
         (req.num_draft of them). True when any did (the step's rows then return 1 + k logits rows)."""
         sched = self.scheduler
         decoding = [r for r in sched.running if r.num_pending == 1]
-        self._decoding = len(decoding)
+        self._decoding, self._unmeasured = len(decoding), False
         if isinstance(self._proposer, DraftProposer):  # (a request cancelled or finished elsewhere)
             self._proposer.sweep({r.request_id for r in (*sched.running, *sched.waiting)})
         if not decoding or len(decoding) > self._spec_max_batch:
@@ -525,6 +526,10 @@ class Engine:
                 ks.append(k)
         if not reqs:
             return False
+        # (a draft that first reads a request's prompt runs a prefill: no step to judge speculation by)
+        self._unmeasured = isinstance(self._proposer, DraftProposer) and any(
+            len(r.token_ids) - r.spec.draft_computed > 1 + k for r, k in zip(reqs, ks)
+        )
         proposals = self._proposer.propose(reqs, ks)
         any_drafts = False
         for r, d in zip(reqs, proposals):
@@ -590,13 +595,8 @@ class Engine:
         every running request's is off for now, or it does not pay at this batch size)."""
         if self._proposer is None:
             return True
-        gov = self._governor
-        if self.speculative.adaptive and gov.samples.get((True, 1), 0) >= gov.MIN_SAMPLES:
-            if (
-                gov.samples.get((False, 1), 0) >= gov.MIN_SAMPLES
-                and gov.rate[(True, 1)] > gov.rate[(False, 1)]
-            ):
-                return True  # (plain is faster at batch 1: the burst is the plain step at its best)
+        if self.speculative.adaptive and self._governor.plain_wins(1):
+            return True  # (plain is faster at batch 1: the burst is the plain step at its best)
         return all(r.spec is None or r.spec.off > 0 for r in self.scheduler.running)
 
     def _after_drafts(self, out: SchedulerOutput) -> None:

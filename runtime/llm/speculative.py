@@ -149,31 +149,40 @@ class SpecState:
 # -- does it pay? -----------------------------------------------------------------------------------------
 class SpecGovernor:
     """Whether speculating pays at the current batch size, measured: the engine reports each pure decode step
-    (speculative or plain: its seconds and tokens, batch-1 bursts included) and speculates while the seconds
-    per token of its speculative steps stay below its plain steps'. Where verification and drafting cost
-    more than they save (a target small enough to run from cache, a batch whose rows the graph cannot
-    batch), speculation turns itself off; it re-measures the other mode now and then (PROBE of every
-    PERIOD steps). ``clock`` is injectable (tests)."""
+    (speculative or plain: its seconds and tokens, batch-1 bursts included) and speculates while its
+    speculative steps' seconds per token stay below its plain steps'. Each mode's rate is decayed sums of
+    seconds over tokens (a step that kept 6 drafts weighs 7 tokens, one that kept none 1). Where verification
+    and drafting cost more than they save (a target small enough to run from cache, a batch whose rows the
+    graph cannot batch), speculation turns itself off; it re-measures the other mode now and then (PROBE of
+    every PERIOD steps). ``clock`` is injectable (tests)."""
 
-    MIN_SAMPLES = 3
-    PERIOD = 96
-    PROBE = 3
-    ALPHA = 0.25  # EMA weight of a new step
+    MIN_STEPS = {True: 8, False: 4}  # steps of a mode before its rate is trusted (speculation varies more)
+    PERIOD = 64
+    PROBE = 6
+    DECAY = 0.05  # each step weighs the older ones down by this
 
     def __init__(self, clock):
         self.clock = clock
-        self.rate: dict[tuple[bool, int], float] = {}  # (speculative, batch) -> EMA seconds per token
+        self.sums: dict[tuple[bool, int], list[float]] = {}  # (speculative, batch) -> [seconds, tokens]
         self.samples: dict[tuple[bool, int], int] = {}
         self._since: dict[int, int] = {}  # batch -> steps since the other mode was measured
 
+    def rate(self, speculative: bool, batch: int) -> float | None:
+        """Seconds per token of that mode at that batch size (None: not measured enough)."""
+        key = (speculative, batch)
+        if self.samples.get(key, 0) < self.MIN_STEPS[speculative]:
+            return None
+        seconds, tokens = self.sums[key]
+        return seconds / tokens
+
     def speculate(self, batch: int) -> bool:
         """Speculate in the next step of ``batch`` decoding requests?"""
-        spec, plain = (True, batch), (False, batch)
-        if self.samples.get(spec, 0) < self.MIN_SAMPLES:
+        spec, plain = self.rate(True, batch), self.rate(False, batch)
+        if spec is None:
             return True  # (measure speculation first: it is what was asked for)
-        if self.samples.get(plain, 0) < self.MIN_SAMPLES:
+        if plain is None:
             return False
-        better = self.rate[spec] <= self.rate[plain]
+        better = spec <= plain
         n = self._since.get(batch, 0) + 1
         self._since[batch] = n
         if n > self.PERIOD:  # re-measure the mode not taken
@@ -182,13 +191,19 @@ class SpecGovernor:
             return not better
         return better
 
+    def plain_wins(self, batch: int) -> bool:
+        """Measured: plain steps are faster at this batch size."""
+        spec, plain = self.rate(True, batch), self.rate(False, batch)
+        return spec is not None and plain is not None and spec > plain
+
     def observe(self, speculative: bool, batch: int, seconds: float, tokens: int) -> None:
         if tokens <= 0 or seconds < 0:
             return
         key = (speculative, batch)
-        per = seconds / tokens
-        old = self.rate.get(key)
-        self.rate[key] = per if old is None else old + self.ALPHA * (per - old)
+        sums = self.sums.setdefault(key, [0.0, 0.0])
+        keep = 1.0 - self.DECAY
+        sums[0] = sums[0] * keep + seconds
+        sums[1] = sums[1] * keep + tokens
         self.samples[key] = self.samples.get(key, 0) + 1
 
 

@@ -400,8 +400,10 @@ def test_speculation_stays_on_only_while_it_pays(models, plain, spec_cost, pays)
     m = eng.metrics()
     rows = sum(m.spec_accepted_per_row)
     assert got[:NEW] == plain[0]
+    gov = eng._governor
     if pays:
         assert rows > 20  # speculating all along (~4-5 tokens a verify row)
-    else:
-        assert rows <= 6  # the first measurements (and no re-probe within 120 tokens), then plain
+        assert not gov.plain_wins(1)
+    else:  # the first measurements (8 steps) and at most one re-probe, then plain
+        assert rows <= gov.MIN_STEPS[True] + gov.PROBE and gov.plain_wins(1)
     eng.close()
