@@ -54,7 +54,15 @@ def _spec(models, method: str, k: int, draft: str = "draft", **kw) -> Engine:
     target, other = models
     path = {"draft": other, "self": target}[draft] if method == "draft" else None
     cfg = SpeculativeConfig(method=method, num_tokens=k, draft=path, max_batch=8)
-    return Engine.load(target, threads=1, speculative=cfg, **kw)
+    return _pinned(Engine.load(target, threads=1, speculative=cfg, **kw))
+
+
+def _pinned(engine: Engine) -> Engine:
+    """Its governor pinned on: whether speculating pays on this host (the real clock) must not decide what a
+    test about tokens sees (the governor's own test drives it with a clock of its own)."""
+    engine._governor.speculate = lambda batch: True
+    engine._governor.plain_wins = lambda batch: False
+    return engine
 
 
 @pytest.mark.parametrize(
@@ -275,7 +283,7 @@ def test_greedy_equals_plain_on_the_generic_and_openvino_graphs(generic, target,
     cfg = SpeculativeConfig(
         method=method, num_tokens=4, draft=str(art) if method == "draft" else None, max_batch=8
     )
-    eng = Engine.load(art, threads=1, speculative=cfg)
+    eng = _pinned(Engine.load(art, threads=1, speculative=cfg))
     assert [eng.generate([p], params)[0].token_ids for p in _prompts()] == want
     assert [c.token_ids for c in eng.generate(_prompts(), params)] == want
     assert eng.metrics().spec_accepted_tokens > 0

@@ -167,7 +167,7 @@ def test_the_default_kv_pool_is_capped_not_sized_by_max_context(llm_artifact, tm
 
 def _inflated_vocab(art: Path) -> tuple:
     edit_manifest(art, _set_llm(vocab=1 << 20))
-    return EVERY, "'logits' is [batch,512], the block says vocab=1048576"
+    return EVERY, "'logits' is [batch*logit_rows,512], the block says vocab=1048576"
 
 
 def _inflated_vocab_and_io(art: Path) -> tuple:
@@ -176,7 +176,7 @@ def _inflated_vocab_and_io(art: Path) -> tuple:
         next(o for o in m["io"]["outputs"] if o["name"] == "logits")["shape"][-1] = 600
 
     edit_manifest(art, change)
-    return LOADING, "vocab=600, but the step graph's logits are [batch, 512]"
+    return LOADING, "vocab=600, but the step graph's logits are [batch*logit_rows, 512]"
 
 
 def _tokenizer_past_vocab(art: Path) -> tuple:

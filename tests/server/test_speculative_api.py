@@ -39,6 +39,7 @@ def servers(llm_artifact, llm_draft_artifact):
             ctx = live_server(config)
             out[name] = ctx.__enter__()
             contexts.append(ctx)
+            _pinned(out[name][1])  # (see _engine)
         yield out
     finally:
         for ctx in reversed(contexts):
@@ -50,7 +51,16 @@ def _client(servers, name):
 
 
 def _engine(servers, name):
-    return servers[name][1].host.current.llm.engine
+    """The server's engine, its speculation governor pinned on: these tests are about the API, and whether
+    speculating pays on this host (measured with the real clock) must not decide what they see."""
+    return _pinned(servers[name][1])
+
+
+def _pinned(state):
+    engine = state.host.current.llm.engine
+    engine._governor.speculate = lambda batch: True
+    engine._governor.plain_wins = lambda batch: False
+    return engine
 
 
 def test_the_flags_reach_the_engine(servers, llm_artifact, llm_draft_artifact):
@@ -200,7 +210,7 @@ def test_a_reload_keeps_speculating(servers):
     url, state = servers["ngram"]
     r = httpx.post(f"{url}/admin/reload", json={}, timeout=120)
     assert r.status_code == 200, r.text
-    engine = state.host.current.llm.engine
+    engine = _pinned(state)
     assert engine.speculative is not None and engine.speculative.method == "ngram"
     want = _client(servers, "plain").completions.create(model="tiny", prompt=PROMPT, max_tokens=12, **GREEDY)
     r = _client(servers, "ngram").completions.create(model="tiny", prompt=PROMPT, max_tokens=12, **GREEDY)
