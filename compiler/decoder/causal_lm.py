@@ -26,6 +26,7 @@ from precast.compiler.decoder.context import (
 from precast.compiler.frontends.source import Source
 from precast.compiler.frontends.torch_export import dynamo_export
 from precast.errors import ExportError, ModelLoadError, UsageError
+from precast.runtime.llm.runners.base import last_indices
 from precast.runtime.llm.runners.mapped import MAPPED_STEP_INPUTS, gqa_lengths
 from precast.runtime.llm.runners.mapped_kv import page_block_size
 from precast.runtime.progress import SILENT, ProgressReporter
@@ -266,12 +267,6 @@ def _input_names(layers: int, mapped: bool = False, multi: bool = False) -> list
     return names + [k for k, _ in pairs] + [v for _, v in pairs] + tail
 
 
-def last_rows(new_lens, q: int) -> np.ndarray:
-    """last_index [B,Q]: each row's last ``q`` real new tokens (earlier ones clipped to its first)."""
-    new = np.asarray(new_lens, dtype=np.int64)
-    return np.maximum(new[:, None] - q + np.arange(q, dtype=np.int64)[None, :], 0)
-
-
 def _output_names(layers: int, mapped: bool = False) -> list[str]:
     return ["logits"] + [n for i in range(layers) for n in _kv_output_names(i, mapped)]
 
@@ -323,14 +318,12 @@ def sample_step(
     multi = bool(spec.get("multi_logits"))
     if mapped:  # each request's view [B,KV,C,D]: C a little past the longest request, as a real view would be
         feeds.update(gqa_lengths(past_lens, new_lens, new))
-        if multi:
-            feeds["last_index"] = last_rows(new_lens, logit_rows)
         shape = (batch, kv, past + new + 3, d)
     else:
         feeds.update(past_lens=past_lens, new_lens=new_lens, block_tables=tables)
-        if multi:
-            feeds["last_index"] = last_rows(new_lens, logit_rows)
         shape = (nb, kv, bs, d)
+    if multi:  # each row's last logit_rows tokens (a row with fewer new tokens: its last one, repeated)
+        feeds["last_index"] = last_indices(new_lens, np.minimum(new_lens, logit_rows), logit_rows)
     for i in range(spec["layers"]):
         for name in _kv_input_names(i, mapped):
             feeds[name] = rng.standard_normal(shape).astype(np.float32)

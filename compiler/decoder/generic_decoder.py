@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from precast.compiler.decoder.paged_decoder import gather_past
+from precast.compiler.decoder.paged_decoder import gather_past, rows_at
 from precast.errors import ModelLoadError, ParityError
 
 __all__ = [
@@ -415,10 +415,7 @@ class GenericDecoder(DecoderOverHF):
         # (OPT) call a submodule of the base model directly.
         if self._step is not None and self._last_index is not None:
             self._step.head_seen = True
-            hidden, index = args[0], self._last_index
-            b, q = index.shape
-            rows = torch.gather(hidden, 1, index.view(b, q, 1).expand(b, q, hidden.shape[-1]))
-            return (rows, *args[1:])
+            return (rows_at(args[0], self._last_index), *args[1:])
         return None
 
     def forward(

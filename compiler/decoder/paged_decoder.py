@@ -64,10 +64,15 @@ def paged_attention(q, k, v, key_cache, value_cache, block_tables, mask, scaling
     return out.transpose(1, 2).reshape(b, s, h * d)
 
 
+def rows_at(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[B,S,E] -> [B,Q,E]: row b's tokens index[b, :] (int64 [B,Q])."""
+    b, q = index.shape
+    return torch.gather(hidden, 1, index.view(b, q, 1).expand(b, q, hidden.shape[-1]))
+
+
 def last_token(hidden: torch.Tensor, new_lens: torch.Tensor) -> torch.Tensor:
     """[B,S,E] -> [B,E] at index new_lens-1 of each row."""
-    idx = (new_lens - 1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
-    return torch.gather(hidden, 1, idx).squeeze(1)
+    return rows_at(hidden, (new_lens - 1)[:, None]).squeeze(1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:

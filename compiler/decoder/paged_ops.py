@@ -204,9 +204,9 @@ def _mapped_gqa_onnx(
 def last_token(hidden: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """hidden [B,S,E] at rows index [B,Q] of each batch row -> [B*Q,E], row b's Q rows back to back: each
     request's last real new token (Q = 1), or the last Q of a speculative verification row."""
-    b, _, e = hidden.shape
-    q = index.shape[1]
-    return torch.gather(hidden, 1, index.view(b, q, 1).expand(b, q, e)).reshape(b * q, e)
+    from precast.compiler.decoder.paged_decoder import rows_at
+
+    return rows_at(hidden, index).reshape(-1, hidden.shape[2])
 
 
 @last_token.register_fake

@@ -111,7 +111,7 @@ class Engine:
         self.speculative: SpeculativeConfig | None = None
         self._proposer = None
         self._spec_max_batch = 0
-        self._drafting: dict[str, tuple[Request, list[int]]] = {}  # this step's proposals, by request id
+        self._drafting: list[Request] = []  # the requests this step proposed drafts for
         self._draft_cleanup: weakref.finalize | None = None  # removes a packed draft's unpacked copy
         # measures whether speculating pays (speculative.SpecGovernor); the clock is injectable (tests)
         self._governor = SpecGovernor(clock or time.perf_counter)
@@ -509,8 +509,8 @@ class Engine:
         sched = self.scheduler
         decoding = [r for r in sched.running if r.num_pending == 1]
         self._decoding, self._unmeasured = len(decoding), False
-        if isinstance(self._proposer, DraftProposer):  # (a request cancelled or finished elsewhere)
-            self._proposer.sweep({r.request_id for r in (*sched.running, *sched.waiting)})
+        # (a request cancelled or finished elsewhere)
+        self._proposer.sweep({r.request_id for r in (*sched.running, *sched.waiting)})
         if not decoding or len(decoding) > self._spec_max_batch:
             return False
         if self.speculative.adaptive and not self._governor.speculate(len(decoding)):
@@ -527,16 +527,14 @@ class Engine:
         if not reqs:
             return False
         # (a draft that first reads a request's prompt runs a prefill: no step to judge speculation by)
-        self._unmeasured = isinstance(self._proposer, DraftProposer) and any(
-            len(r.token_ids) - r.spec.draft_computed > 1 + k for r, k in zip(reqs, ks)
-        )
+        self._unmeasured = self._proposer.reads_prompt(reqs, ks)
         proposals = self._proposer.propose(reqs, ks)
         any_drafts = False
         for r, d in zip(reqs, proposals):
             if not d:
                 r.spec.nothing()  # (prompt lookup found no match: a miss)
             else:
-                self._drafting[r.request_id] = (r, d)
+                self._drafting.append(r)
                 r.token_ids.extend(d)
                 r.num_draft = len(d)
                 any_drafts = True
@@ -568,11 +566,7 @@ class Engine:
             if req.status is not Status.RUNNING:  # (an earlier row's callback cancelled it)
                 continue
             rows = logits[starts[i] : starts[i + 1]]
-            q = (
-                self._proposer.probs.get(req.request_id)
-                if isinstance(self._proposer, DraftProposer)
-                else None
-            )
+            q = self._proposer.probs.get(req.request_id)  # (None: prompt lookup's deterministic drafts)
             tokens = verify(req, drafts, rows, q, self.vocab)
             kept = len(tokens) - 1
             c.spec_proposed_tokens += k
@@ -603,17 +597,17 @@ class Engine:
         """The proposer learns what each proposal kept (a dropped one: nothing); finished requests' draft
         state is released."""
         proposer = self._proposer
-        for req, _drafts in self._drafting.values():
+        for req in self._drafting:
             drop_drafts(req)  # (a request the step did not schedule still holds its drafts)
             if req.finished:
                 proposer.drop(req)
             else:
-                proposer.accepted(req, 0)
+                proposer.accepted(req)
         self._drafting.clear()
         for req in out.rows:
             if req.finished and req.spec is not None:
                 proposer.drop(req)
-        if not self.scheduler.has_work() and isinstance(proposer, DraftProposer):
+        if not self.scheduler.has_work():
             proposer.sweep(set())  # (requests finished in a burst or cancelled between steps)
 
     # -- structured outputs (runtime/llm/structured.py) ------------------------------------------------

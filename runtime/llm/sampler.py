@@ -19,7 +19,7 @@ import numpy as np
 
 from precast.errors import LLMRequestError
 
-__all__ = ["SamplingParams", "filtered_probs", "is_int", "sample", "token_logprobs"]
+__all__ = ["SamplingParams", "draw", "filtered_probs", "is_int", "sample", "token_logprobs"]
 
 MAX_LOGPROBS = 20  # top alternatives one token may report (OpenAI's top_logprobs cap)
 MAX_TEMPERATURE = 2.0  # OpenAI's range: above it the draw is close to uniform noise
@@ -209,7 +209,12 @@ def sample(
     p = filtered_probs(logits, params, history, num_prompt)
     if not np.isfinite(p).all():  # NaN logits from the model: no distribution to draw from
         raise LLMRequestError(f"cannot sample: the logits are not finite (temperature {params.temperature})")
-    # inverse-CDF draw: one uniform per token, so the stream of draws is reproducible from the seed
+    return draw(p, rng)
+
+
+def draw(p: np.ndarray, rng: np.random.Generator) -> int:
+    """A token from the (not necessarily normalized) weights ``p``: an inverse-CDF draw, one uniform per token,
+    so the stream of draws is reproducible from the seed."""
     c = np.cumsum(p)
     idx = int(np.searchsorted(c, rng.random() * c[-1], side="right"))
     return idx if idx < p.shape[-1] else int(np.flatnonzero(p)[-1])

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from precast.errors import UsageError
-from precast.runtime.llm.sampler import SamplingParams, filtered_probs, is_int, sample
+from precast.runtime.llm.sampler import SamplingParams, draw, filtered_probs, is_int, sample
 
 __all__ = [
     "DraftProposer",
@@ -213,8 +213,13 @@ class NgramProposer:
     (n from ngram_max down to ngram_min), in its prompt + output. An index of n-gram -> end position grows
     with the request (O(1) per step), so a request whose text never repeats costs a few dict lookups."""
 
+    probs: dict = {}  # (deterministic proposals: no draft distribution q; see DraftProposer.probs)
+
     def __init__(self, config: SpeculativeConfig):
         self.n_max, self.n_min = int(config.ngram_max), int(config.ngram_min)
+
+    def reads_prompt(self, reqs: list, ks: list[int]) -> bool:
+        return False
 
     def propose(self, reqs: list, ks: list[int]) -> list[list[int]]:
         return [self._one(r, k) for r, k in zip(reqs, ks)]
@@ -236,7 +241,10 @@ class NgramProposer:
                 return [toks[at + j % period] for j in range(k)]
         return []
 
-    def accepted(self, req, kept: int) -> None:
+    def accepted(self, req) -> None:
+        pass
+
+    def sweep(self, alive: set) -> None:
         pass
 
     def drop(self, req) -> None:
@@ -274,6 +282,11 @@ class DraftProposer:
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=False)
         self.max_context = int(runner.spec.max_context)
         self.probs: dict[str, list[np.ndarray]] = {}  # request id -> q of each proposed token (sampling)
+
+    def reads_prompt(self, reqs: list, ks: list[int]) -> bool:
+        """Whether proposing for these requests first runs the draft over more than a verify row's tokens
+        (a prompt it has not read: a prefill, no step to judge speculation's speed by)."""
+        return any(len(r.token_ids) - r.spec.draft_computed > 1 + k for r, k in zip(reqs, ks))
 
     def propose(self, reqs: list, ks: list[int]) -> list[list[int]]:
         from precast.runtime.llm.scheduler import SchedulerOutput, StepKind
@@ -341,14 +354,12 @@ class DraftProposer:
         q = filtered_probs(row, req.params, history, len(req.prompt_ids))
         if len(q) < self.vocab:  # (a draft with fewer tokens: none of the rest is ever proposed)
             q = np.concatenate([q, np.zeros(self.vocab - len(q))])
-        c = np.cumsum(q)
-        tok = min(int(np.searchsorted(c, req.rng.random() * c[-1], side="right")), len(q) - 1)
         self.probs.setdefault(req.request_id, []).append(q)
-        return tok
+        return draw(q, req.rng)
 
-    def accepted(self, req, kept: int) -> None:
-        """After verification kept ``kept`` of its drafts: the draft's KV holds the request's tokens up to
-        the last kept draft (what followed was rejected); blocks past them go back to the pool."""
+    def accepted(self, req) -> None:
+        """After its step (drafts verified, or dropped unverified): the draft's KV holds the request's tokens
+        up to the last kept draft (what followed was rejected); blocks past them go back to the pool."""
         st = req.spec
         st.draft_computed = min(st.draft_computed, len(req.token_ids) - 1)
         self.kv.trim(st.draft_id, st.draft_computed)
@@ -416,9 +427,7 @@ def verify(
         total = resid.sum()
         if total <= 0:  # (p == q: no residual mass; any draw from p is exact)
             resid, total = p, p.sum()
-        c = np.cumsum(resid)
-        t = int(np.searchsorted(c, req.rng.random() * c[-1], side="right"))
-        out.append(min(t, len(resid) - 1))
+        out.append(draw(resid, req.rng))
         return out
     out.append(sample(logits[len(drafts), :vocab], p_params, hist, req.rng, num_prompt))
     return out
