@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import json
 import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +15,16 @@ import numpy as np
 
 Engine = Callable[[dict[str, np.ndarray]], np.ndarray]  # feeds -> the output being compared
 
-__all__ = ["Engine", "fmt_ops", "interleave", "load_line", "ms_ops", "ort_engine", "precast_engine"]
+__all__ = [
+    "Engine",
+    "JsonWorker",
+    "fmt_ops",
+    "interleave",
+    "load_line",
+    "ms_ops",
+    "ort_engine",
+    "precast_engine",
+]
 
 
 def ort_engine(path: Path, threads: int, output: str | None = None) -> Engine:
@@ -104,3 +115,40 @@ def serve_timed(run: Callable[[int], int], warm_up: int) -> None:
         t0 = time.perf_counter()
         tokens = run(int(line))
         print(json.dumps({"s": time.perf_counter() - t0, "tokens": tokens}), flush=True)
+
+
+class JsonWorker:
+    """A benchmark worker process speaking JSON lines (stdin in, stdout out; its stderr into ``log``): its first
+    line ({"ready": ...} or {"error": ...}) is ``first``; ``ask`` sends one request and reads its answer, an
+    {"error": ...} once the process has died (the caller's rows then fail, the others go on)."""
+
+    def __init__(self, cmd: list[str], log: Path, close_timeout: float = 60):
+        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
+        self.close_timeout = close_timeout
+        self.p = subprocess.Popen(
+            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
+        )
+        self.first = self._read()
+        self.error = self.first.get("error")
+
+    def _read(self) -> dict:
+        line = self.p.stdout.readline()
+        return (
+            json.loads(line)
+            if line
+            else {"error": f"worker exited (rc {self.p.poll()}; see {self.log.name})"}
+        )
+
+    def ask(self, **req) -> dict:
+        try:
+            self.p.stdin.write(json.dumps(req) + "\n")
+            self.p.stdin.flush()
+        except (BrokenPipeError, ValueError, OSError):
+            return {"error": f"worker exited (rc {self.p.poll()}; see {self.log.name})"}
+        return self._read()
+
+    def close(self) -> None:
+        if self.p.poll() is None:
+            self.ask(op="quit")
+            self.p.wait(timeout=self.close_timeout)
+        self.log.close()

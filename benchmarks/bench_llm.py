@@ -57,6 +57,7 @@ sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
 import bench_llm_models as models  # noqa: E402
+from _common import JsonWorker  # noqa: E402
 from bench_llm_requests import TOKENS, mixed_prompts, round_ratios, summary  # noqa: E402
 
 # bench_llm_decode.py and bench_llm_overhead.py take these from here (issue 5's table, now bench_llm_vs_genai.py)
@@ -159,43 +160,16 @@ def build_for(name: str, a: argparse.Namespace) -> Path | str:
     )
 
 
-class Worker:
-    """One engine's process; ask() sends a request line and reads the answer line."""
+class Worker(JsonWorker):
+    """One engine's process (_common.JsonWorker): ask() sends a request line and reads the answer line."""
 
     def __init__(self, name: str, path: Path, a: argparse.Namespace, log: Path):
         kind, flag, _, _, flags, self.rows = ENGINES[name]
         py = getattr(a, f"{flag}_python")
         cmd = [py, str(HERE / "bench_llm_worker.py"), kind, str(path), "--threads", str(a.threads)]
         cmd += ["--max-requests", str(max(ROWS[r] for r in a.rows)), "--max-len", str(512 + a.new), *flags]
-        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
-        )
-        first = self._read()
-        self.info, self.error = first.get("ready"), first.get("error")
-
-    def _read(self) -> dict:
-        line = self.p.stdout.readline()
-        return (
-            json.loads(line)
-            if line
-            else {"error": f"worker exited (rc {self.p.poll()}; see {self.log.name})"}
-        )
-
-    def ask(self, **req) -> dict:
-        """The answer, or {"error": ...} when the worker has died (its rows then fail, the others go on)."""
-        try:
-            self.p.stdin.write(json.dumps(req) + "\n")
-            self.p.stdin.flush()
-        except (BrokenPipeError, ValueError, OSError):
-            return {"error": f"worker exited (rc {self.p.poll()}; see {self.log.name})"}
-        return self._read()
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            self.ask(op="quit")
-            self.p.wait(timeout=30)
-        self.log.close()
+        super().__init__(cmd, log, close_timeout=30)
+        self.info = self.first.get("ready")
 
 
 BURN = {

@@ -50,6 +50,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(REPO), str(HERE)]
 
+from _common import JsonWorker  # noqa: E402
 from bench_llm_requests import summary  # noqa: E402
 
 OV_PY = "/work/venvs/ovgenai/bin/python"
@@ -149,39 +150,12 @@ def _env() -> dict:
 
 
 # -- workers ---------------------------------------------------------------------------------------------
-class Worker:
-    """One engine's bench_llm_worker.py process: ask() sends a request line and reads the answer."""
+class Worker(JsonWorker):
+    """One engine's bench_llm_worker.py process (_common.JsonWorker): ask() sends a request, reads the answer."""
 
     def __init__(self, name: str, cmd: list[str], log: Path):
-        self.name = name
-        self.log = open(log, "w")  # noqa: SIM115 - closed in close()
-        self.p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
-        )
-        first = self._read()
-        self.info, self.error = first.get("ready"), first.get("error")
-
-    def _read(self) -> dict:
-        line = self.p.stdout.readline()
-        return (
-            json.loads(line)
-            if line
-            else {"error": f"worker exited (rc {self.p.poll()}; see {self.log.name})"}
-        )
-
-    def ask(self, **req) -> dict:
-        try:
-            self.p.stdin.write(json.dumps(req) + "\n")
-            self.p.stdin.flush()
-        except (BrokenPipeError, ValueError, OSError):
-            return {"error": f"worker exited (rc {self.p.poll()}; see {self.log.name})"}
-        return self._read()
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            self.ask(op="quit")
-            self.p.wait(timeout=60)
-        self.log.close()
+        super().__init__(cmd, log)
+        self.name, self.info = name, self.first.get("ready")
 
 
 class LlamaCppSpec:

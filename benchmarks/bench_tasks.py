@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from _common import JsonWorker  # (benchmarks/: this script's folder, first on sys.path)
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -247,41 +248,20 @@ def worker(
         print(json.dumps({"s": statistics.median(times)}), file=proto, flush=True)
 
 
-class Worker:
+class Worker(JsonWorker):
     def __init__(self, name: str, kind: str, path: Path, inputs: Path, work: Path, a: argparse.Namespace):
         self.name, self.out = name, work / "outputs" / name
         self.out.mkdir(parents=True, exist_ok=True)
-        self.log = open(work / "logs" / f"{name}.log", "w")  # noqa: SIM115 - closed in close()
         cmd = [sys.executable, __file__, "_worker", kind, str(path), str(inputs), str(self.out),
                ",".join(map(str, a.batches_now)), str(a.threads), str(a.warmup)]  # fmt: skip
-        self.p = subprocess.Popen(
-            cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True
-        )
-        first = self._read()
-        self.label, self.error, self.load_s = first.get("ready"), first.get("error"), first.get("load_s")
-
-    def _read(self) -> dict:
-        line = self.p.stdout.readline()
-        return (
-            json.loads(line)
-            if line
-            else {"error": f"worker exited (rc {self.p.poll()}; see {self.log.name})"}
-        )
+        super().__init__(cmd, work / "logs" / f"{name}.log")
+        self.label, self.load_s = self.first.get("ready"), self.first.get("load_s")
 
     def time(self, batch: int, reps: int) -> float:
-        self.p.stdin.write(json.dumps({"op": "time", "batch": batch, "reps": reps}) + "\n")
-        self.p.stdin.flush()
-        r = self._read()
+        r = self.ask(op="time", batch=batch, reps=reps)
         if "error" in r:
             raise RuntimeError(f"{self.name}: {r['error']}")
         return r["s"]
-
-    def close(self) -> None:
-        if self.p.poll() is None:
-            self.p.stdin.write(json.dumps({"op": "quit"}) + "\n")
-            self.p.stdin.flush()
-            self.p.wait(timeout=60)
-        self.log.close()
 
 
 # ---------------------------------------------------------------- driver
