@@ -27,11 +27,15 @@ target's on the same training text, from the text-trained draft's weights; --no-
               speculation past its max batch, nor where its measured tokens/s fall below plain steps')
    Engines: precast-fp32 (and precast-fp32-aa, the same engine twice: the A/A spread), precast-fp32-draft,
    precast-ov-fp32 / -ov-fp32-draft (precast's engine on its OpenVINO backend, which a multi-target artifact
-   runs at 8+ requests; the same draft artifact), precast-int4, precast-int4-draft, precast-fp32-ngram, ov-fp32 / ov-fp32-draft / ov-fp32-ngram (OpenVINO
+   runs at 8+ requests; the same draft artifact), precast-int4, precast-int4-draft (the trained target in
+   INT4: 14 MB, decoded from the CPU's cache), precast-int4w / -int4w-aa / -int4w-draft and precast-ov-int4w /
+   -ov-int4w-aa / -ov-int4w-draft (spec_widen.py's function-preserving widening of the trained target, 243M
+   parameters, 150 MB in INT4: a target whose weight read dominates its step, as a served LLM's does; ort-cpu
+   MatMulNBits and OpenVINO NNCF INT4, group 32), precast-fp32-ngram, ov-fp32 / ov-fp32-draft / ov-fp32-ngram (OpenVINO
    GenAI's LLMPipeline, f32 forced, with the same draft and K; ContinuousBatchingPipeline for c8/c32),
    llamacpp-draft (llama.cpp's llama-speculative-simple on GGUFs of the same pair, f32; --llamacpp-bin).
-   Ratios: engine / its base in the same round, median (min-max): precast-fp32 (INT4 rows: precast-int4;
-   precast's OpenVINO rows: precast-ov-fp32).
+   Ratios: engine / its base in the same round, median (min-max): precast-fp32 (INT4 rows: precast-int4,
+   precast-int4w, precast-ov-int4w; precast's OpenVINO rows: precast-ov-fp32).
 """
 
 from __future__ import annotations
@@ -87,6 +91,19 @@ ENGINES = {
     ),
     "precast-int4": ("precast", "int4", None, [], ("b1",), "precast-int4"),
     "precast-int4-draft": ("precast", "int4", "fp32", ["--spec", "draft"], ("b1",), "precast-int4"),
+    "precast-int4w": ("precast", "int4w", None, [], ("b1",), "precast-int4w"),
+    "precast-int4w-aa": ("precast", "int4w", None, [], ("b1",), "precast-int4w"),
+    "precast-int4w-draft": ("precast", "int4w", "fp32", ["--spec", "draft"], ("b1",), "precast-int4w"),
+    "precast-ov-int4w": ("precast", "ov-int4w", None, [], ("b1",), "precast-ov-int4w"),
+    "precast-ov-int4w-aa": ("precast", "ov-int4w", None, [], ("b1",), "precast-ov-int4w"),
+    "precast-ov-int4w-draft": (
+        "precast",
+        "ov-int4w",
+        "fp32",
+        ["--spec", "draft"],
+        ("b1",),
+        "precast-ov-int4w",
+    ),
     "ov-fp32": ("ov", "ov", None, ["--force-f32"], ("b1", "quote", "c8", "c32"), "precast-fp32"),
     "ov-fp32-draft": ("ov", "ov", "ov", ["--force-f32", "--spec", "draft"], ("b1",), "precast-fp32"),
     "ov-fp32-ngram": ("ov", "ov", None, ["--force-f32", "--spec", "ngram"], ("b1", "quote"), "precast-fp32"),
@@ -103,6 +120,18 @@ def build_precast(folder: Path, out: Path, prec: str) -> Path:
         if not (out / "manifest.json").is_file():
             print(f"compiling {out.name}", flush=True)
             compile_model(str(folder), out, CompileOptions(targets=("openvino",), task="causal-lm"))
+        return out
+    if prec == "ov-int4":  # the same, NNCF INT4 weights (group 32, f32 compute; bench_llm.py's budget)
+        if not (out / "manifest.json").is_file():
+            print(f"compiling {out.name}", flush=True)
+            options = {"weights": "int4", "group_size": "32"}
+            opts = CompileOptions(
+                targets=("openvino",),
+                task="causal-lm",
+                accuracy_budget="cosine>=0.95",
+                target_options=options,
+            )
+            compile_model(str(folder), out, opts)
         return out
     if not (out / "manifest.json").is_file():
         print(f"compiling {out.name}", flush=True)
@@ -311,6 +340,7 @@ def main(argv=None) -> None:
 
     from spec_distill import distilled
     from spec_pair import heldout_prompts, spec_pair
+    from spec_widen import widened
     from tokenizers import Tokenizer
 
     from precast.runtime.llm.tokenizer import TextTokenizer
@@ -323,6 +353,14 @@ def main(argv=None) -> None:
     builds = {
         ("precast", "fp32", "t"): lambda: build_precast(target_dir, a.work / "precast-target-fp32", "fp32"),
         ("precast", "int4", "t"): lambda: build_precast(target_dir, a.work / "precast-target-int4", "int4"),
+        ("precast", "int4w", "t"): lambda: build_precast(
+            widened(a.work, target_dir), a.work / f"precast-{widened(a.work, target_dir).name}-int4", "int4"
+        ),
+        ("precast", "ov-int4w", "t"): lambda: build_precast(
+            widened(a.work, target_dir),
+            a.work / f"precast-{widened(a.work, target_dir).name}-ov-int4",
+            "ov-int4",
+        ),
         ("precast", "ov-fp32", "t"): lambda: build_precast(
             target_dir, a.work / "precast-target-ov", "ov-fp32"
         ),

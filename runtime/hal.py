@@ -5,7 +5,8 @@
 ``path`` is an artifact directory, a multi-target index, or a packed file (unpacked, checksums and signature
 checked, into a temp dir the caller then owns). An index's targets are tried best first (``prefer``; then,
 given the ``concurrency`` the caller will run at, the target whose measured rate at that load is highest (a
-causal-lm compile records each target's decode rate alone and its aggregate rate at 8 and 32 requests); else
+causal-lm compile records each target's decode rate alone and its aggregate rate at 8 and 32 requests; a
+speculating caller alone also weighs the rate of one request's 8-token verify rows); else
 the compile's measured ``fallback_order``; else PREFERENCE): ``open(root, manifest)`` opens one, and a
 TargetUnavailableError from it passes to the next, its reason kept in ``skipped``. runtime.load opens a
 backend session this way, Engine.load a step runner; both get the same order, signature policy and errors.
@@ -87,28 +88,39 @@ def preference_order(names: Iterable[str], prefer: str | None = None) -> list[st
 # The rates a causal-lm compile measures per target (its manifest's parity.speed), by the concurrency each
 # stands for (compiler/decoder/llm_speed.py).
 SPEED_FIGURES = ((1, "decode_b1_tok_s"), (8, "batch8_tok_s"), (32, "batch32_tok_s"))
+# One request's tokens per second in steps of 8 rows (a chunked prefill: the shape of a speculative verify
+# step of 7 drafts). Speculation at batch 1 pays by that rate against the decode rate: a backend whose
+# weights are read once for 8 rows (OpenVINO's INT4 MatMul) can win there while ONNX Runtime, whose INT4
+# MatMul's cost grows with every row, wins plain decoding (issue 43, measured on a 150 MB INT4 target).
+VERIFY_FIGURE = "verify8_b1_tok_s"
 
 
-def rate_at(speed: object, concurrency: int) -> float | None:
+def _figure(speed: Mapping, key: str) -> float | None:
+    v = speed.get(key)
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+    return float(v) if ok else None
+
+
+def rate_at(speed: object, concurrency: int, speculative: bool = False) -> float | None:
     """The recorded rate measured nearest ``concurrency`` requests (on a log scale: 1, 8, 32), or None when
-    ``speed`` records none (an artifact is untrusted data: only finite, non-negative numbers count)."""
+    ``speed`` records none (an artifact is untrusted data: only finite, non-negative numbers count).
+    ``speculative`` at batch 1 (where speculation runs: it turns itself off in large batches): the geometric
+    mean of the decode rate and the verify-row rate, where both are recorded (what speculation reaches lies
+    between them, by its acceptance: all rejected, it decodes at the first; all kept, near the second)."""
     if not isinstance(speed, Mapping):
         return None
-    figures = [
-        (n, float(v))
-        for n, key in SPEED_FIGURES
-        if isinstance(v := speed.get(key), (int, float))
-        and not isinstance(v, bool)
-        and math.isfinite(v)
-        and v >= 0
-    ]
+    figures = [(n, v) for n, key in SPEED_FIGURES if (v := _figure(speed, key)) is not None]
     if not figures:
         return None
     at = math.log(max(1, int(concurrency)))
-    return min(figures, key=lambda f: abs(math.log(f[0]) - at))[1]
+    n, rate = min(figures, key=lambda f: abs(math.log(f[0]) - at))
+    verify = _figure(speed, VERIFY_FIGURE) if speculative and n == 1 else None
+    return math.sqrt(rate * verify) if verify is not None else rate
 
 
-def _measured_order(root: Path, entries: Mapping[str, str], concurrency: int) -> list[str] | None:
+def _measured_order(
+    root: Path, entries: Mapping[str, str], concurrency: int, speculative: bool = False
+) -> list[str] | None:
     """The index's targets by their recorded rate at ``concurrency`` (fastest first), or None unless every
     target records one."""
     rates = {}
@@ -117,14 +129,18 @@ def _measured_order(root: Path, entries: Mapping[str, str], concurrency: int) ->
             speed = (read_manifest(root / rel).parity or {}).get("speed")
         except (ArtifactError, OSError):
             return None
-        rates[name] = rate_at(speed, concurrency)
+        rates[name] = rate_at(speed, concurrency, speculative)
         if rates[name] is None:
             return None
     return sorted(entries, key=lambda n: -rates[n])
 
 
 def target_order(
-    root: Path, manifest: Manifest, prefer: str | None = None, concurrency: int | None = None
+    root: Path,
+    manifest: Manifest,
+    prefer: str | None = None,
+    concurrency: int | None = None,
+    speculative: bool = False,
 ) -> list[str]:
     """An index's targets in the order to try: ``prefer`` first; then, for a caller that says the
     ``concurrency`` it will run at, by the rate each target recorded nearest that load; else the index's
@@ -134,7 +150,7 @@ def target_order(
         raise ArtifactError(
             f"{root}: no target '{prefer}' in this artifact (has: {', '.join(sorted(entries))})"
         )
-    measured = _measured_order(root, entries, concurrency) if concurrency is not None else None
+    measured = _measured_order(root, entries, concurrency, speculative) if concurrency is not None else None
     if measured is not None:
         return sorted(measured, key=lambda n: n != prefer)
     recorded = manifest.fallback_order or []
@@ -154,13 +170,15 @@ def resolve(
     now: datetime | None = None,
     verify: bool = True,
     concurrency: int | None = None,
+    speculative: bool = False,
 ) -> Resolved[T]:
     """The target of the artifact at ``path`` that this host runs, opened by ``open`` (see the module doc).
 
     ``pubkey`` requires a packed artifact's signed statement (artifact/signing.py): a valid Ed25519
     signature, not expired at ``now``, named ``expect_name`` and at least ``min_version`` when given.
     ``verify``: the sha256 of every file of the manifests read on the way. ``concurrency``: the requests the
-    caller will run at once (an LLM engine's batch): an index's targets are ranked by their rate there."""
+    caller will run at once (an LLM engine's batch): an index's targets are ranked by their rate there;
+    ``speculative``: the caller speculates (rate_at)."""
     if prefer is not None:  # a typo: exit 4 with the close match, not "no target ... in this artifact"
         check_target_name(prefer)
     from precast.artifact.signing import signature_policy
@@ -172,26 +190,32 @@ def resolve(
             raise ArtifactError(
                 f"{root}: signatures live in packed artifacts; pack it, or drop the public key"
             )
-        return _resolve_dir(root, open, prefer, verify, concurrency)
+        return _resolve_dir(root, open, prefer, verify, concurrency, speculative)
     from precast.artifact.archive import remove_temp, unpack_to_temp
 
     temp = unpack_to_temp(root, policy=policy, now=now)
     try:
-        return dataclasses.replace(_resolve_dir(temp, open, prefer, verify, concurrency), temp=temp)
+        found = _resolve_dir(temp, open, prefer, verify, concurrency, speculative)
+        return dataclasses.replace(found, temp=temp)
     except BaseException:
         remove_temp(temp)
         raise
 
 
 def _resolve_dir(
-    root: Path, open: Opener[T], prefer: str | None, verify: bool, concurrency: int | None = None
+    root: Path,
+    open: Opener[T],
+    prefer: str | None,
+    verify: bool,
+    concurrency: int | None = None,
+    speculative: bool = False,
 ) -> Resolved[T]:
     manifest = read_manifest(root)
     if verify:
         check_integrity(root, manifest)
     if manifest.is_multi_target:
         entries, skipped = manifest.target_dirs(), {}
-        for name in target_order(root, manifest, prefer, concurrency):
+        for name in target_order(root, manifest, prefer, concurrency, speculative):
             try:
                 found = _resolve_dir(root / entries[name], open, None, verify)
             except TargetUnavailableError as e:

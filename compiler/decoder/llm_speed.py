@@ -7,8 +7,11 @@ different loads (issue 43: ONNX Runtime at batch 1, OpenVINO at 32 requests), so
 nearest the load they will run (runtime/hal.py's ``rate_at``): ``precast generate`` by the batch-1 rate,
 ``precast serve`` and ``Engine.load(config=...)`` by ``--max-num-seqs``. The index's ``fallback_order`` (the
 geometric mean of the b1 and 8-request rates) is the order for a caller that says no load; ``--prefer``
-overrides both. Each target's parity block keeps its numbers (``speed``). It is this host's
-measurement: a deployment host unlike it may rank them otherwise (``precast bench`` says).
+overrides both. A fourth figure, one request's prompt read in steps of 8 tokens (the rows of a speculative
+verify step), ranks them for a speculating engine at batch 1: ONNX Runtime's INT4 MatMul costs more with
+every row, OpenVINO's reads its weights once for all 8 (issue 43). Each target's parity block keeps its
+numbers (``speed``). It is this host's measurement: a deployment host unlike it may rank them otherwise
+(``precast bench`` says).
 """
 
 from __future__ import annotations
@@ -26,13 +29,44 @@ NEW_TOKENS = 16
 REPS = 3  # each rate: the median of this many runs
 BATCH = 8
 BATCH_LARGE = 32
+VERIFY_ROWS = 8  # a verify step's rows: 7 drafts and the token before them
 
 
 def llm_speed(path: Path, threads: int | None = None, reps: int = REPS) -> dict[str, float]:
-    """{'decode_b1_tok_s', 'batch8_tok_s', 'batch32_tok_s'} of the causal-lm artifact at ``path`` on this host:
-    each the median of ``reps`` runs. The batch-1 rate is timed between one request's own tokens (first to
-    last), not by subtracting a separately measured time to first token: on a tiny model that difference was
-    noise, once negative (a rate of 1.6e10 tok/s)."""
+    """{'decode_b1_tok_s', 'batch8_tok_s', 'batch32_tok_s', 'verify8_b1_tok_s'} of the causal-lm artifact at
+    ``path`` on this host: each the median of ``reps`` runs. The batch-1 rate is timed between one request's
+    own tokens (first to last), not by subtracting a separately measured time to first token: on a tiny model
+    that difference was noise, once negative (a rate of 1.6e10 tok/s)."""
+    rates = _decode_rates(path, threads, reps)
+    rates["verify8_b1_tok_s"] = _verify_rate(path, threads, reps)
+    return rates
+
+
+def _verify_rate(path: Path, threads: int | None, reps: int) -> float:
+    """One request's prompt tokens per second, read VERIFY_ROWS tokens a step (the scheduler's token budget):
+    a speculative verify step's shape, at contexts up to the prompt's length."""
+    from precast.runtime.llm import Engine, SchedulerConfig
+    from precast.runtime.llm.sampler import SamplingParams
+
+    config = SchedulerConfig(max_num_batched_tokens=VERIFY_ROWS)
+    engine = Engine.load(path, threads=threads, enable_prefix_caching=False, verify=False, config=config)
+    try:
+        n = max(VERIFY_ROWS, min(128, engine.max_context // 2) // VERIFY_ROWS * VERIFY_ROWS)
+        rng = np.random.default_rng(1)
+        one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+        engine.generate([rng.integers(0, engine.vocab, VERIFY_ROWS).tolist()], one)  # warm-up
+        rates = []
+        for _ in range(reps):
+            prompt = rng.integers(0, engine.vocab, n).tolist()
+            t0 = time.perf_counter()
+            engine.generate([prompt], one)
+            rates.append(n / (time.perf_counter() - t0))
+    finally:
+        engine.close()
+    return round(statistics.median(rates), 2)
+
+
+def _decode_rates(path: Path, threads: int | None, reps: int) -> dict[str, float]:
     from precast.runtime.llm import Engine
     from precast.runtime.llm.sampler import SamplingParams
 

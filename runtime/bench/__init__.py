@@ -310,7 +310,12 @@ def bench(path: str | os.PathLike, options: BenchOptions, progress: Progress | N
         if top.is_multi_target:  # a causal LM's index: the target its loaders would open at this load
             from precast.runtime.llm.engine import llm_index_target
 
-            sub = llm_index_target(root, options.prefer, concurrency=max(options.concurrency))
+            sub = llm_index_target(
+                root,
+                options.prefer,
+                concurrency=max(options.concurrency),
+                speculative=options.speculative is not None,
+            )
             if sub is not None:
                 root, top = sub, read_manifest(sub)
         if top.llm is not None:

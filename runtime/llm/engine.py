@@ -170,7 +170,8 @@ class Engine:
         can run in the index's order, which the compile measured (the faster first); ``prefer`` names one
         to put first (runtime/hal.py, as load's). ``concurrency``: the requests it will run at once (default:
         ``config.max_num_seqs`` when a config is given, else unknown): an index's targets are then ranked by the
-        rate each recorded at the compile nearest that load (1, 8, 32 requests), not by its overall order.
+        rate each recorded at the compile nearest that load (1, 8, 32 requests), not by its overall order
+        (a speculating engine alone also by the rate of its 8-token verify rows: hal.rate_at).
         ``speculative``: speculative decoding (speculative.SpeculativeConfig: a draft artifact with the same
         tokenizer, or prompt lookup), for requests that are not grammar-constrained."""
         from precast.runtime.hal import resolve
@@ -198,6 +199,7 @@ class Engine:
             now=now,
             verify=options.verify,
             concurrency=concurrency,
+            speculative=speculative is not None,
         )
         runner, tokenizer = found.opened
         draft = draft_temp = None
@@ -758,9 +760,11 @@ def _spare_core(threads: int | None) -> bool:
     return threads is not None and threads < cpus
 
 
-def llm_index_target(root: Path, prefer: str | None = None, concurrency: int | None = None) -> Path | None:
+def llm_index_target(
+    root: Path, prefer: str | None = None, concurrency: int | None = None, speculative: bool = False
+) -> Path | None:
     """For a multi-target index of a causal LM: the sub-artifact Engine.load opens (else None), for
-    ``concurrency`` requests at once when given (runtime/hal.py)."""
+    ``concurrency`` requests at once when given, speculating or not (runtime/hal.py)."""
     from precast.artifact.manifest import read_manifest
     from precast.runtime.hal import resolve
 
@@ -776,6 +780,7 @@ def llm_index_target(root: Path, prefer: str | None = None, concurrency: int | N
         prefer=prefer,
         verify=False,
         concurrency=concurrency,
+        speculative=speculative,
     ).root
 
 

@@ -211,7 +211,8 @@ class ModelHost:
 
             # ranked for the batch it will serve (--max-num-seqs): the measured rate nearest that load
             seqs = self.llm_options.get("max_num_seqs") or SchedulerConfig().max_num_seqs
-            sub = llm_index_target(root, concurrency=seqs)
+            spec = bool(self.llm_options.get("draft") or self.llm_options.get("speculative"))
+            sub = llm_index_target(root, concurrency=seqs, speculative=spec)
             if sub is not None:
                 root, manifest = sub, read_manifest(sub)
         is_llm = manifest is not None and manifest.llm is not None

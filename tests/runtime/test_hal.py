@@ -69,3 +69,19 @@ def test_rate_at_takes_the_measured_rate_nearest_the_load():
         {"decode_b1_tok_s": "9"},
     ):
         assert rate_at(bad, 8) is None, bad
+
+
+def test_a_speculating_caller_alone_weighs_the_verify_row_rate():
+    """Speculation at batch 1 reaches between the decode rate (all drafts rejected) and the 8-token verify
+    rows' rate (all kept): a speculating caller alone ranks by their geometric mean; batched callers, the
+    ones that do not speculate and figures that are not numbers keep the plain rate."""
+    from precast.runtime.hal import rate_at
+
+    ort = {"decode_b1_tok_s": 160, "batch8_tok_s": 100, "batch32_tok_s": 96, "verify8_b1_tok_s": 431}
+    ov = {"decode_b1_tok_s": 147, "batch8_tok_s": 183, "batch32_tok_s": 176, "verify8_b1_tok_s": 696}
+    assert rate_at(ort, 1) > rate_at(ov, 1)  # plain decoding alone: ONNX Runtime
+    assert abs(rate_at(ort, 1, speculative=True) - (160 * 431) ** 0.5) < 1e-9
+    assert rate_at(ov, 1, speculative=True) > rate_at(ort, 1, speculative=True)  # speculating: OpenVINO
+    assert rate_at(ort, 32, speculative=True) == 96  # (a batch turns speculation off: the batched rate)
+    for bad in (True, float("inf"), -3, "fast", None):
+        assert rate_at({**ort, "verify8_b1_tok_s": bad}, 1, speculative=True) == 160, bad
