@@ -1,6 +1,6 @@
 """Issue 20's LLM serving table: precast's engine vs OpenVINO GenAI, onnxruntime-genai and llama.cpp.
 
-    python benchmarks/bench_llm.py [--model bench|small256|small384] [--rounds 3] [--threads 2] [--load]
+    python benchmarks/bench_llm.py [--model bench|small256|small384|dsv2] [--rounds 3] [--threads 2] [--load]
         [--engines precast-fp32,ov-fp32,...] [--rows b1,c8,c32] [--new 128] [--b1-reps 3] [--list] [--json FILE]
 
 Every engine runs in its own worker process (bench_llm_worker.py) under the interpreter that has its package
@@ -18,6 +18,7 @@ Engines (precision class: what its ratio divides by):
                                (ONNX Runtime's thread spinning "auto", precast's default: it spins while
                                the host is otherwise idle, sleeps while other processes use CPU)
   precast-fp32-spin, -int4-spin  the same with spinning always on; -calm: always off
+  precast-fp32-aa              precast-fp32 again, in its own worker (the A/A spread; opt-in)
   precast-ov-fp32, -ov-bf16,   precast's engine on --target openvino artifacts (its scheduler, block pool and
   precast-ov-int4              sampler; the step on OpenVINO's PagedAttention): fp32 = f32 compute + f32 KV;
                                bf16 = OpenVINO GenAI's defaults on optimum's fp32 IR (bf16 compute where the
@@ -70,6 +71,7 @@ ROWS = {"b1": 1, "c8": 8, "c32": 32}
 ENGINES = {  # (the -spin / -calm variants are opt-in: --engines names them)
     "precast-fp32": ("precast", "precast", "fp32", "fp32", [], ("b1", "c8", "c32")),
     "precast-int4": ("precast", "precast", "int4", "int4", [], ("b1", "c8", "c32")),
+    "precast-fp32-aa": ("precast", "precast", "fp32", "fp32", [], ("b1", "c8", "c32")),  # (A/A: opt-in)
     "precast-fp32-spin": ("precast", "precast", "fp32", "fp32", ["--spinning=on"], ("b1", "c8", "c32")),
     "precast-int4-spin": ("precast", "precast", "int4", "int4", ["--spinning=on"], ("b1", "c8", "c32")),
     "precast-fp32-calm": ("precast", "precast", "fp32", "fp32", ["--spinning=off"], ("b1", "c8", "c32")),
@@ -99,8 +101,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--model", choices=tuple(models.MODELS), default="bench")
     ap.add_argument(
         "--engines",
-        default=",".join(e for e in ENGINES if not e.endswith(("-spin", "-calm"))),
-        help="comma-separated (default: all but the -spin variants)",
+        default=",".join(e for e in ENGINES if not e.endswith(("-spin", "-calm", "-aa"))),
+        help="comma-separated (default: all but the -spin / -calm / -aa variants)",
     )
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated of b1,c8,c32")
     ap.add_argument("--rounds", type=int, default=3)

@@ -4,8 +4,15 @@
     small256   hidden 256, 4 layers, 4 / 2 heads (head 64), intermediate 704, vocab 32000
     small384   hidden 384, 6 layers, 6 / 2 heads (head 64), intermediate 1024, vocab 32000
 
-All Llama-style, tied embeddings, seeded random weights at HF's default init (0.02), the 512-token BPE
-tokenizer of tests/llm/fixtures.py (the bench feeds token ids 5..500, which that tokenizer has).
+    dsv2       DeepSeek-V2's shape scaled down (issue 41): multi-head latent attention (latent 128 + rope 32
+               per token; K heads 96 = 64 nope + 32 rope, V heads 64; queries through a rank-192 LoRA), 8
+               layers of hidden 512, the first dense, the rest MoE: 16 routed experts (4 a token) + 2 shared,
+               vocab 32000 (~110M parameters). (DeepSeek-V2-Lite has no query LoRA, and llama.cpp loads a
+               DeepSeek-V2 without one only at Lite's 26 or 27 layers: this keeps the LoRA instead.)
+
+Llama-style ones: tied embeddings, seeded random weights at HF's default init (0.02); dsv2: the tests'
+build_causal_lm (N(0, 0.1), so the router spreads tokens over its experts). The 512-token BPE tokenizer of
+tests/llm/fixtures.py (the bench feeds token ids 5..500, which that tokenizer has).
 Builds run once and are cached by their output file: precast (this interpreter), onnxruntime-genai's builder
 (--genai-python), optimum-cli's OpenVINO export (--ov-python), llama.cpp's HF converter (--llamacpp-python).
 """
@@ -47,6 +54,26 @@ MODELS: dict[str, dict] = {
         "num_attention_heads": 6,
         "num_key_value_heads": 2,
     },
+    "dsv2": {
+        "model_type": "deepseek_v2",
+        "vocab_size": 32000,
+        "max_position_embeddings": 2048,
+        "hidden_size": 512,
+        "intermediate_size": 1408,
+        "num_hidden_layers": 8,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "q_lora_rank": 192,
+        "kv_lora_rank": 128,
+        "qk_nope_head_dim": 64,
+        "qk_rope_head_dim": 32,
+        "v_head_dim": 64,
+        "moe_intermediate_size": 352,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_shared_experts": 2,
+        "first_k_dense_replace": 1,
+    },
 }
 # INT4 on every engine: block (group) 32, every linear layer; precast and genai with accuracy level 4.
 OV_INT4 = ["--weight-format", "int4", "--group-size", "32", "--ratio", "1.0"]
@@ -80,10 +107,15 @@ def build_folder(work: Path, name: str) -> Path:
     folder = model_dir(work, name) / ("llama-512" if name == "bench" else "hf")
     if not (folder / "config.json").is_file():
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-        from tests.llm.fixtures import build_llama
+        from tests.llm.fixtures import build_causal_lm, build_llama
 
         print(f"building the model folder {folder}", flush=True)
-        build_llama(folder, **MODELS[name])
+        config = dict(MODELS[name])
+        model_type = config.pop("model_type", None)
+        if model_type is None:
+            build_llama(folder, **config)
+        else:
+            build_causal_lm(folder, model_type, seed=0, **config)
     return folder
 
 

@@ -380,9 +380,10 @@ def export_step(module, spec: dict, progress: ProgressReporter = SILENT):
     feeds = sample_step(spec, batch=3, new=5, past=37, logit_rows=2)
     mapped = module.kv_layout == "mapped"
     multi = bool(spec.get("multi_logits"))
-    translations = {}
-    if mapped:
-        from precast.compiler.decoder.paged_ops import TRANSLATIONS as translations
+    from precast.compiler.decoder.generic_decoder import export_moe_op
+    from precast.compiler.decoder.paged_ops import MOE_TRANSLATIONS, TRANSLATIONS
+
+    translations = TRANSLATIONS if mapped else MOE_TRANSLATIONS
     args = _module_args(module, {k: torch.from_numpy(v) for k, v in feeds.items()}, layers)
     b, s, q = Dim("batch"), Dim("sequence"), Dim("logit_rows")
     last = {0: b, 1: q} if multi else {0: b}
@@ -394,15 +395,16 @@ def export_step(module, spec: dict, progress: ProgressReporter = SILENT):
         head = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b})
         tail = (last,) if multi else ()
         dynamic = (*head, {0: b, 1: Dim("max_blocks")}, [nb] * layers, [nb] * layers, *tail)
-    return dynamo_export(
-        module,
-        args,
-        input_names=_input_names(layers, mapped, multi),
-        output_names=_output_names(layers, mapped),
-        dynamic_shapes=dynamic,
-        custom_translation_table=translations,
-        progress=progress,
-    )
+    with export_moe_op():
+        return dynamo_export(
+            module,
+            args,
+            input_names=_input_names(layers, mapped, multi),
+            output_names=_output_names(layers, mapped),
+            dynamic_shapes=dynamic,
+            custom_translation_table=translations,
+            progress=progress,
+        )
 
 
 def _check_tokenizer(path: Path, vocab_size: int) -> None:

