@@ -61,7 +61,7 @@ def _inspect_speeds(root: Path, targets: dict) -> None:
     """A causal LM's measured serving rates per target (the compile's, on its host) and which target each load
     opens: ``precast generate`` 1 request, ``serve`` its --max-num-seqs (runtime/hal.py's rate_at)."""
     from precast.artifact.manifest import read_manifest
-    from precast.runtime.hal import SPEED_FIGURES, VERIFY_FIGURE, rate_at
+    from precast.runtime.hal import SPEED_FIGURES, VERIFY_FIGURE, rate_at, speed_figure
 
     speeds = {}
     for name, entry in targets.items():
@@ -72,12 +72,12 @@ def _inspect_speeds(root: Path, targets: dict) -> None:
     out_console.print("measured on the compiling host, tokens/s (requests at once):")
     for name, speed in speeds.items():
         figures = [(str(n), k) for n, k in SPEED_FIGURES] + [("1 in 8-token verify rows", VERIFY_FIGURE)]
-        rates = ", ".join(f"{n}: {speed[k]:g}" for n, k in figures if isinstance(speed.get(k), (int, float)))
+        rates = ", ".join(f"{n}: {v:g}" for n, k in figures if (v := speed_figure(speed, k)) is not None)
         out_console.print(f"  {name}: {rates}", markup=False)
     for n, _ in SPEED_FIGURES:
         best = max(speeds, key=lambda t: rate_at(speeds[t], n) or 0.0)
         out_console.print(f"  at {n} request{'s' if n > 1 else ''}: {best}", markup=False)
-    if all(isinstance(s.get(VERIFY_FIGURE), (int, float)) for s in speeds.values()):
+    if all(speed_figure(s, VERIFY_FIGURE) is not None for s in speeds.values()):
         best = max(speeds, key=lambda t: rate_at(speeds[t], 1, speculative=True) or 0.0)
         out_console.print(f"  at 1 request, speculating (--draft, --speculative): {best}", markup=False)
 

@@ -33,12 +33,14 @@ from precast.errors import ArtifactError, TargetUnavailableError, UnknownTargetE
 __all__ = [
     "PREFERENCE",
     "TARGET_NAMES",
+    "VERIFY_FIGURE",
     "Opener",
     "Resolved",
     "check_target_name",
     "preference_order",
     "rate_at",
     "resolve",
+    "speed_figure",
     "target_order",
 ]
 
@@ -88,17 +90,24 @@ def preference_order(names: Iterable[str], prefer: str | None = None) -> list[st
 # The rates a causal-lm compile measures per target (its manifest's parity.speed), by the concurrency each
 # stands for (compiler/decoder/llm_speed.py).
 SPEED_FIGURES = ((1, "decode_b1_tok_s"), (8, "batch8_tok_s"), (32, "batch32_tok_s"))
-# One request's tokens per second in steps of 8 rows (a chunked prefill: the shape of a speculative verify
-# step of 7 drafts). Speculation at batch 1 pays by that rate against the decode rate: a backend whose
+# One request's tokens per second in steps of 8 rows (a chunked prefill: a speculative verify step's rows
+# through the layers, at most 7 drafts; a verify step also takes those rows through the lm head, a prefill
+# chunk one). Speculation at batch 1 pays by that rate against the decode rate: a backend whose
 # weights are read once for 8 rows (OpenVINO's INT4 MatMul) can win there while ONNX Runtime, whose INT4
 # MatMul's cost grows with every row, wins plain decoding (issue 43, measured on a 150 MB INT4 target).
 VERIFY_FIGURE = "verify8_b1_tok_s"
 
 
-def _figure(speed: Mapping, key: str) -> float | None:
-    v = speed.get(key)
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
-    return float(v) if ok else None
+def speed_figure(speed: object, key: str) -> float | None:
+    """speed[key] when it is a finite, non-negative number (an artifact is untrusted data), else None."""
+    v = speed.get(key) if isinstance(speed, Mapping) else None
+    if not isinstance(v, (int, float)) or isinstance(v, bool):
+        return None
+    try:
+        v = float(v)  # (a JSON integer of 400 digits: OverflowError)
+    except OverflowError:
+        return None
+    return v if math.isfinite(v) and v >= 0 else None
 
 
 def rate_at(speed: object, concurrency: int, speculative: bool = False) -> float | None:
@@ -109,12 +118,12 @@ def rate_at(speed: object, concurrency: int, speculative: bool = False) -> float
     between them, by its acceptance: all rejected, it decodes at the first; all kept, near the second)."""
     if not isinstance(speed, Mapping):
         return None
-    figures = [(n, v) for n, key in SPEED_FIGURES if (v := _figure(speed, key)) is not None]
+    figures = [(n, v) for n, key in SPEED_FIGURES if (v := speed_figure(speed, key)) is not None]
     if not figures:
         return None
     at = math.log(max(1, int(concurrency)))
     n, rate = min(figures, key=lambda f: abs(math.log(f[0]) - at))
-    verify = _figure(speed, VERIFY_FIGURE) if speculative and n == 1 else None
+    verify = speed_figure(speed, VERIFY_FIGURE) if speculative and n == 1 else None
     return math.sqrt(rate * verify) if verify is not None else rate
 
 
@@ -123,12 +132,16 @@ def _measured_order(
 ) -> list[str] | None:
     """The index's targets by their recorded rate at ``concurrency`` (fastest first), or None unless every
     target records one."""
-    rates = {}
+    speeds = {}
     for name, rel in entries.items():
         try:
-            speed = (read_manifest(root / rel).parity or {}).get("speed")
+            speeds[name] = (read_manifest(root / rel).parity or {}).get("speed")
         except (ArtifactError, OSError):
             return None
+    # (the verify-row rate only where every target records one: one unit for all)
+    speculative = speculative and all(speed_figure(sp, VERIFY_FIGURE) is not None for sp in speeds.values())
+    rates = {}
+    for name, speed in speeds.items():
         rates[name] = rate_at(speed, concurrency, speculative)
         if rates[name] is None:
             return None

@@ -23,6 +23,7 @@ torch is imported by the caller (this module is only imported on the compile sid
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import re
 from dataclasses import dataclass, field
 
@@ -205,7 +206,9 @@ def precast_paged_attention(
     return torch.matmul(probs, values).transpose(1, 2).contiguous(), None
 
 
-_MOE_OP = False  # inside export_moe_op(): eligible experts trace to precast::moe (ONNX Runtime's MoE kernel)
+# inside export_moe_op(): eligible experts trace to precast::moe (ONNX Runtime's MoE kernel). A context
+# variable, so that a conversion traced on another thread meanwhile (OpenVINO's) keeps the dense experts.
+_MOE_OP: contextvars.ContextVar[bool] = contextvars.ContextVar("precast_moe_op", default=False)
 
 
 @contextlib.contextmanager
@@ -214,17 +217,18 @@ def export_moe_op():
     biases, no post-expert norm) trace to precast::moe, which computes only the picked experts
     (compiler/decoder/paged_ops.py). Outside it (the eager checks, OpenVINO's conversion) every expert runs
     on every token, as below."""
-    global _MOE_OP
-    before, _MOE_OP = _MOE_OP, True
+    token = _MOE_OP.set(True)
     try:
         yield
     finally:
-        _MOE_OP = before
+        _MOE_OP.reset(token)
 
 
 def _moe_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(fc1 [E,2I,H] with gate and up rows interleaved, fc2 [E,H,I]) for experts the MoE kernel computes
-    exactly, else None. Built once per module (a plain tensor attribute: the export takes it as a constant)."""
+    exactly, else None. Computed from the module's weights at each call (no cache: under the exporter they
+    are its placeholders, and the interleave is a few reshapes over initializers that ONNX Runtime folds
+    when the session loads)."""
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:
@@ -235,17 +239,12 @@ def _moe_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None
     concatenated = getattr(experts, "is_concatenated", True)  # ([gate; up], not interleaved already)
     if not (getattr(experts, "has_gate", False) and default_gate and silu and plain and concatenated):
         return None
-    cached = getattr(experts, "_precast_moe_weights", None)
-    if cached is None:
-        with torch.no_grad():
-            gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
-            if getattr(experts, "is_transposed", False):  # [E,H,2I], [E,I,H]
-                gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-            gate, up = gate_up.chunk(2, dim=1)  # [E,I,H] each
-            fc1 = torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1, gate.shape[2]).contiguous()
-            cached = (fc1, down.contiguous())
-        experts._precast_moe_weights = cached
-    return cached
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if getattr(experts, "is_transposed", False):  # [E,H,2I], [E,I,H]
+        gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
+    gate, up = gate_up.chunk(2, dim=1)  # [E,I,H] each
+    fc1 = torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1, gate.shape[2])
+    return fc1, down
 
 
 def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):
@@ -261,7 +260,7 @@ def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_wei
     which the exporter cannot take; only the order of the final sum differs. E times the expert FLOPs of a
     top-k dispatch: what OpenVINO's step and experts the MoE kernel cannot express run; an ONNX Runtime step
     of SwiGLU experts runs only the picked ones (export_moe_op)."""
-    if _MOE_OP and hidden_states.dtype == torch.float32:
+    if _MOE_OP.get() and hidden_states.dtype == torch.float32:
         weights = _moe_weights(self)
         if weights is not None:
             from precast.compiler.decoder.paged_ops import moe

@@ -38,20 +38,25 @@ def llm_speed(path: Path, threads: int | None = None, reps: int = REPS) -> dict[
     own tokens (first to last), not by subtracting a separately measured time to first token: on a tiny model
     that difference was noise, once negative (a rate of 1.6e10 tok/s)."""
     rates = _decode_rates(path, threads, reps)
-    rates["verify8_b1_tok_s"] = _verify_rate(path, threads, reps)
+    verify = _verify_rate(path, threads, reps)
+    if verify is not None:
+        rates["verify8_b1_tok_s"] = verify
     return rates
 
 
-def _verify_rate(path: Path, threads: int | None, reps: int) -> float:
+def _verify_rate(path: Path, threads: int | None, reps: int) -> float | None:
     """One request's prompt tokens per second, read VERIFY_ROWS tokens a step (the scheduler's token budget):
-    a speculative verify step's shape, at contexts up to the prompt's length."""
+    a speculative verify step's rows through the layers (its lm head reads them all, a prefill chunk's one),
+    at contexts up to the prompt's length. None for a context too short to hold two such steps."""
     from precast.runtime.llm import Engine, SchedulerConfig
     from precast.runtime.llm.sampler import SamplingParams
 
     config = SchedulerConfig(max_num_batched_tokens=VERIFY_ROWS)
     engine = Engine.load(path, threads=threads, enable_prefix_caching=False, verify=False, config=config)
     try:
-        n = max(VERIFY_ROWS, min(128, engine.max_context // 2) // VERIFY_ROWS * VERIFY_ROWS)
+        n = min(128, engine.max_context // 2) // VERIFY_ROWS * VERIFY_ROWS
+        if n < 2 * VERIFY_ROWS:
+            return None
         rng = np.random.default_rng(1)
         one = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
         engine.generate([rng.integers(0, engine.vocab, VERIFY_ROWS).tolist()], one)  # warm-up

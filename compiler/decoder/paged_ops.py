@@ -272,10 +272,14 @@ def _(x, top_k_index, top_k_weights, fc1, fc2, k):
 def _moe_onnx(x, top_k_index, top_k_weights, fc1, fc2, k: int):
     # The kernel routes by itself (softmax over router logits, top k): logits log(w) at the picked experts
     # and -1e4 elsewhere make its picks the model's and its weights w / sum(w); times sum(w) after, the
-    # model's own weights (routers give positive ones; the compile's parity check stands behind that).
+    # model's own weights. The weights are summed per expert first (a router may list an expert twice, e.g.
+    # with a zero weight) and an expert of weight 0 counts as not picked. Routers give weights >= 0 (softmax,
+    # sigmoid); a negative one would be dropped, and the compile's parity check would fail it.
     rows = op.Concat(op.Shape(x, start=0, end=1), op.Shape(fc1, start=0, end=1), axis=0)
-    logits = op.Expand(op.Constant(value_float=_NOT_PICKED), rows)
-    logits = op.ScatterElements(logits, top_k_index, op.Log(top_k_weights), axis=1)
+    zeros = op.Expand(op.Constant(value_float=0.0), rows)
+    per_expert = op.ScatterElements(zeros, top_k_index, top_k_weights, axis=1, reduction="add")  # [T,E]
+    picked = op.Greater(per_expert, op.Constant(value_float=0.0))
+    logits = op.Where(picked, op.Log(per_expert), op.Constant(value_float=_NOT_PICKED))
     out = _MOE(
         x,
         logits,
@@ -289,7 +293,8 @@ def _moe_onnx(x, top_k_index, top_k_weights, fc1, fc2, k: int):
         activation_beta=0.0,
         normalize_routing_weights=0,
     )
-    return op.Mul(out, op.ReduceSum(top_k_weights, op.Constant(value_ints=[1]), keepdims=1))
+    kept = op.Where(picked, per_expert, zeros)
+    return op.Mul(out, op.ReduceSum(kept, op.Constant(value_ints=[1]), keepdims=1))
 
 
 MOE_TRANSLATIONS = {torch.ops.precast.moe.default: _moe_onnx}

@@ -240,6 +240,16 @@ def test_ort_steps_run_only_the_picked_experts_through_the_moe_kernel(model_type
         assert abs(got - want).max() <= 1e-5 * max(1.0, abs(want).max()), n
         if n == 9:
             assert len({tuple(sorted(r)) for r in index.tolist()}) >= 3  # tokens pick different experts
+    # an expert listed twice (once with weight 0, as routers with "zero experts" do) and a row of zeros
+    x = torch.randn(3, hf.config.hidden_size, generator=gen)
+    k = index.shape[1]
+    index = torch.tensor([[1] * k, [0] + [2] * (k - 1), [3] * k])
+    weights = torch.tensor([[0.6] + [0.0] * (k - 1), [0.3] + [0.5] * (k - 1), [0.0] * k])
+    with torch.no_grad():
+        want = gd.precast_dense_experts(block.experts, x, index, weights).numpy()
+    feeds = dict(zip([i.name for i in session.get_inputs()], (x.numpy(), index.numpy(), weights.numpy())))
+    got = session.run(None, feeds)[0]
+    assert abs(got - want).max() <= 1e-5 * max(1.0, abs(want).max())
 
 
 def test_a_clamped_gate_keeps_the_dense_experts(tmp_path):

@@ -354,6 +354,12 @@ def _loaders_rank_by_the_rate_at_their_load(out, runner_of, capsys):
     assert llm_index_target(out, concurrency=1) == out / "ort-cpu"
     assert llm_index_target(out, concurrency=64) == out / "openvino"
     assert llm_index_target(out, concurrency=1, speculative=True) == out / "openvino"
+    # a target without the verify figure (an older compile): all rank by their decode rate, one unit for all
+    older = dict(figures["ort-cpu"])
+    del older["verify8_b1_tok_s"]
+    edit_manifest(out / "ort-cpu", lambda m: m["parity"].update(speed=older))
+    assert llm_index_target(out, concurrency=1, speculative=True) == out / "ort-cpu"
+    edit_manifest(out / "ort-cpu", lambda m: m["parity"].update(speed=figures["ort-cpu"]))
     capsys.readouterr()
     with pytest.raises(SystemExit) as exited:
         main(["inspect", str(out)])

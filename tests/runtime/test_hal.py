@@ -67,6 +67,7 @@ def test_rate_at_takes_the_measured_rate_nearest_the_load():
         {"batch8_tok_s": float("nan")},
         {"batch32_tok_s": -1},
         {"decode_b1_tok_s": "9"},
+        {"decode_b1_tok_s": 10**400},  # (a JSON integer float() cannot hold)
     ):
         assert rate_at(bad, 8) is None, bad
 
@@ -83,5 +84,5 @@ def test_a_speculating_caller_alone_weighs_the_verify_row_rate():
     assert abs(rate_at(ort, 1, speculative=True) - (160 * 431) ** 0.5) < 1e-9
     assert rate_at(ov, 1, speculative=True) > rate_at(ort, 1, speculative=True)  # speculating: OpenVINO
     assert rate_at(ort, 32, speculative=True) == 96  # (a batch turns speculation off: the batched rate)
-    for bad in (True, float("inf"), -3, "fast", None):
+    for bad in (True, float("inf"), -3, "fast", None, 10**400):
         assert rate_at({**ort, "verify8_b1_tok_s": bad}, 1, speculative=True) == 160, bad
