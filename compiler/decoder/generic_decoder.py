@@ -213,8 +213,8 @@ _MOE_OP: contextvars.ContextVar[bool] = contextvars.ContextVar("precast_moe_op",
 
 @contextlib.contextmanager
 def export_moe_op():
-    """While an ONNX Runtime step graph is exported: SwiGLU experts (the default gate: silu(gate) * up, no
-    biases, no post-expert norm) trace to precast::moe, which computes only the picked experts
+    """While an ONNX Runtime step graph is exported: SwiGLU experts (the default gate, silu(gate) * up, or
+    gpt-oss's clamped one; see _moe_weights) trace to precast::moe, which computes only the picked experts
     (compiler/decoder/paged_ops.py). Outside it (the eager checks, OpenVINO's conversion) every expert runs
     on every token, as below."""
     token = _MOE_OP.set(True)
@@ -224,27 +224,40 @@ def export_moe_op():
         _MOE_OP.reset(token)
 
 
-def _moe_weights(experts: nn.Module) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(fc1 [E,2I,H] with gate and up rows interleaved, fc2 [E,H,I]) for experts the MoE kernel computes
-    exactly, else None. Computed from the module's weights at each call (no cache: under the exporter they
-    are its placeholders, and the interleave is a few reshapes over initializers that ONNX Runtime folds
-    when the session loads)."""
+def _moe_weights(experts: nn.Module) -> dict | None:
+    """precast::moe's weights and gate constants for experts the MoE kernel computes exactly, else None:
+    the default gate (silu(gate) * up, [gate; up] concatenated, no biases) or gpt-oss's (gate and up
+    interleaved, clamped at its limit, (up + 1) * gate * sigmoid(alpha * gate), biases); no post-expert norm.
+    fc1 [E,2I,H] has gate and up rows interleaved, fc2 is [E,H,I]. Computed from the module's weights at each
+    call (no cache: under the exporter they are its placeholders; the reshapes over initializers fold)."""
     try:
         from transformers.integrations.moe import _default_apply_gate
     except ImportError:
         return None
-    default_gate = getattr(type(experts), "_apply_gate", None) is _default_apply_gate
-    silu = type(getattr(experts, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
-    plain = not getattr(experts, "has_bias", False) and not getattr(experts, "has_post_expert_norm", False)
-    concatenated = getattr(experts, "is_concatenated", True)  # ([gate; up], not interleaved already)
-    if not (getattr(experts, "has_gate", False) and default_gate and silu and plain and concatenated):
+    if not getattr(experts, "has_gate", False) or getattr(experts, "has_post_expert_norm", False):
+        return None
+    gate_fn = getattr(type(experts), "_apply_gate", None)
+    bias = getattr(experts, "has_bias", False)
+    if gate_fn is _default_apply_gate:
+        silu = type(getattr(experts, "act_fn", None)).__name__ in ("SiLU", "SiLUActivation")
+        if not silu or bias or not getattr(experts, "is_concatenated", True):
+            return None
+        constants = {"alpha": 1.0, "beta": 0.0, "limit": 0.0}
+    elif type(experts).__name__ == "GptOssExperts" and not getattr(experts, "is_concatenated", True):
+        limit = float(experts.limit)
+        if not limit > 0:
+            return None
+        constants = {"alpha": float(experts.alpha), "beta": 1.0, "limit": limit}
+    else:
         return None
     gate_up, down = experts.gate_up_proj, experts.down_proj
     if getattr(experts, "is_transposed", False):  # [E,H,2I], [E,I,H]
         gate_up, down = gate_up.transpose(1, 2), down.transpose(1, 2)
-    gate, up = gate_up.chunk(2, dim=1)  # [E,I,H] each
-    fc1 = torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1, gate.shape[2])
-    return fc1, down
+    if getattr(experts, "is_concatenated", True):  # [gate; up] -> rows interleaved
+        gate, up = gate_up.chunk(2, dim=1)  # [E,I,H] each
+        gate_up = torch.stack([gate, up], dim=2).reshape(gate.shape[0], -1, gate.shape[2])
+    biases = (experts.gate_up_proj_bias, experts.down_proj_bias) if bias else (None, None)
+    return {"fc1": gate_up, "fc2": down, "fc1_bias": biases[0], "fc2_bias": biases[1], **constants}
 
 
 def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_weights):
@@ -265,8 +278,20 @@ def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_wei
         if weights is not None:
             from precast.compiler.decoder.paged_ops import moe
 
-            k = int(top_k_index.shape[1])
-            return moe(hidden_states, top_k_index.long(), top_k_weights.float(), *weights, k)
+            w = weights
+            return moe(
+                hidden_states,
+                top_k_index.long(),
+                top_k_weights.float(),
+                w["fc1"],
+                w["fc2"],
+                w["fc1_bias"],
+                w["fc2_bias"],
+                int(top_k_index.shape[1]),
+                w["alpha"],
+                w["beta"],
+                w["limit"],
+            )
     e = int(self.num_experts)
     experts = torch.arange(e, device=top_k_index.device)
     hit = top_k_index[None] == experts[:, None, None]  # [E,T,K]

@@ -11,7 +11,7 @@ uses instead of decomposing it:
     precast::last_token(hidden [B,S,E], index [B,1] int64) -> [B,E]   ==>  GatherND(batch_dims=1)   (1 node)
 
     precast::moe(x [T,H], top_k_index [T,K], top_k_weights [T,K], fc1 [E,2I,H] gate/up interleaved,
-                 fc2 [E,H,I]) -> [T,H]                                         ==>  MoE(swiglu, k=K) (a few nodes)
+                 fc2 [E,H,I], biases, K, alpha, beta, limit) -> [T,H]          ==>  MoE(swiglu, k=K) (a few nodes)
 
 The last is any step's (not only the mapped decoder's): see ``moe``.
 
@@ -227,7 +227,14 @@ def _last_token_onnx(hidden, index):
 # --- precast::moe ----------------------------------------------------------------------------------
 _MOE = _msft_op(
     "MoE",
-    ["input", "router_probs", "fc1_experts_weights", "fc1_experts_bias?", "fc2_experts_weights"],
+    [
+        "input",
+        "router_probs",
+        "fc1_experts_weights",
+        "fc1_experts_bias?",
+        "fc2_experts_weights",
+        "fc2_experts_bias?",
+    ],
     ["output"],
     {
         "k": _INT,
@@ -235,6 +242,7 @@ _MOE = _msft_op(
         "swiglu_fusion": _INT,
         "activation_alpha": _FLOAT,
         "activation_beta": _FLOAT,
+        "swiglu_limit": _FLOAT,
         "normalize_routing_weights": _INT,
     },
 )
@@ -248,28 +256,55 @@ def moe(
     top_k_weights: torch.Tensor,
     fc1: torch.Tensor,
     fc2: torch.Tensor,
+    fc1_bias: torch.Tensor | None,
+    fc2_bias: torch.Tensor | None,
     k: int,
+    alpha: float,
+    beta: float,
+    limit: float,
 ) -> torch.Tensor:
     """A SwiGLU mixture of experts that computes only the experts each token picked (the model's own router
-    chose them and their weights): out[t] = sum_k w[t,k] * fc2[e] @ (silu(g) * u), [g, u] = fc1[e] @ x[t] with
-    fc1's rows interleaved (gate row i at 2i, up row i at 2i+1), e = top_k_index[t,k]. The reference loops
-    over the picks; ONNX Runtime's MoE kernel runs it (_moe_onnx): 7x faster than every expert on every token
-    at one token, 3x at 256 (16 experts, 4 a token, hidden 512: measured)."""
+    chose them and their weights): out[t] = sum_k w[t,k] * (fc2[e] @ h + fc2_bias[e]), e = top_k_index[t,k]
+    (k < ``k``), where [g, u] = fc1[e] @ x[t] + fc1_bias[e] with fc1's rows interleaved (gate row i at 2i,
+    up row i at 2i+1) and h = g' * sigmoid(alpha * g') * (u' + beta); with ``limit`` > 0, g' = min(g, limit)
+    and u' = clamp(u, -limit, limit) (gpt-oss), else g' = g, u' = u (alpha 1, beta 0: silu(g) * u). The
+    reference loops over the picks; ONNX Runtime's MoE kernel runs it (_moe_onnx): 7x faster than every
+    expert on every token at one token, 3x at 256 (16 experts, 4 a token, hidden 512: measured)."""
     out = torch.zeros_like(x)
     for j in range(k):
-        w1, w2 = fc1[top_k_index[:, j]], fc2[top_k_index[:, j]]  # [T,2I,H], [T,H,I]
-        gu = torch.matmul(w1, x[:, :, None])[..., 0]  # [T,2I]
-        h = torch.nn.functional.silu(gu[:, 0::2]) * gu[:, 1::2]
-        out = out + top_k_weights[:, j, None] * torch.matmul(w2, h[:, :, None])[..., 0]
+        e = top_k_index[:, j]
+        gu = torch.matmul(fc1[e], x[:, :, None])[..., 0]  # [T,2I]
+        if fc1_bias is not None:
+            gu = gu + fc1_bias[e]
+        g, u = gu[:, 0::2], gu[:, 1::2]
+        if limit > 0:
+            g, u = g.clamp(max=limit), u.clamp(min=-limit, max=limit)
+        h = g * torch.sigmoid(alpha * g) * (u + beta)
+        y = torch.matmul(fc2[e], h[:, :, None])[..., 0]
+        if fc2_bias is not None:
+            y = y + fc2_bias[e]
+        out = out + top_k_weights[:, j, None] * y
     return out
 
 
 @moe.register_fake
-def _(x, top_k_index, top_k_weights, fc1, fc2, k):
+def _(x, top_k_index, top_k_weights, fc1, fc2, fc1_bias, fc2_bias, k, alpha, beta, limit):
     return torch.empty_like(x)
 
 
-def _moe_onnx(x, top_k_index, top_k_weights, fc1, fc2, k: int):
+def _moe_onnx(
+    x,
+    top_k_index,
+    top_k_weights,
+    fc1,
+    fc2,
+    fc1_bias,
+    fc2_bias,
+    k: int,
+    alpha: float,
+    beta: float,
+    limit: float,
+):
     # The kernel routes by itself (softmax over router logits, top k): logits log(w) at the picked experts
     # and -1e4 elsewhere make its picks the model's and its weights w / sum(w); times sum(w) after, the
     # model's own weights. The weights are summed per expert first (a router may list an expert twice, e.g.
@@ -284,13 +319,15 @@ def _moe_onnx(x, top_k_index, top_k_weights, fc1, fc2, k: int):
         x,
         logits,
         fc1,
-        None,
+        fc1_bias,
         fc2,
+        fc2_bias,
         k=k,
         activation_type="swiglu",
         swiglu_fusion=1,
-        activation_alpha=1.0,
-        activation_beta=0.0,
+        activation_alpha=alpha,
+        activation_beta=beta,
+        swiglu_limit=limit if limit > 0 else None,  # (None: no attribute, no clamp)
         normalize_routing_weights=0,
     )
     kept = op.Where(picked, per_expert, zeros)

@@ -191,31 +191,44 @@ def test_dense_experts_equal_the_models_own_loop(model_type, generic_dirs):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("model_type", MOE)
+def _moe_block(model_type: str, generic_dirs, tmp_path):
+    """(the config, the experts' block of layer 1, its router: x -> (weights, index))."""
+    import transformers
+
+    if model_type == "gpt_oss":  # (a 2-layer config with its clamped, biased experts: test_state_kinds')
+        from tests.llm.test_state_kinds import GPT_OSS
+
+        folder = build_causal_lm(tmp_path / "oss", "gpt_oss", seed=3, **GPT_OSS)
+    else:
+        folder = generic_dirs(model_type)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+    block = hf.model.layers[1].mlp
+    router = getattr(block, "gate", None) or block.router  # (gpt-oss: router)
+    return hf.config, block, lambda x: router(x)[1:]
+
+
+@pytest.mark.parametrize("model_type", (*MOE, "gpt_oss"))
 def test_ort_steps_run_only_the_picked_experts_through_the_moe_kernel(model_type, generic_dirs, tmp_path):
-    """Exported for ONNX Runtime, SwiGLU experts become one com.microsoft MoE node (no MatMul over every
-    expert), and ONNX Runtime's numbers equal the dense experts' for 1 and 9 tokens routed to different
-    experts. gpt-oss's clamped gate (its own _apply_gate) keeps the dense experts."""
+    """Exported for ONNX Runtime, SwiGLU experts (gpt-oss's clamped, biased ones too) become one
+    com.microsoft MoE node (no MatMul over every expert), and ONNX Runtime's numbers equal the dense
+    experts' for 1 and 9 tokens routed to different experts, and for an expert listed twice (once with
+    weight 0) and a row of zero weights."""
     import onnxruntime as ort
     import torch
-    import transformers
 
     from precast.compiler.decoder import generic_decoder as gd
     from precast.compiler.decoder.paged_ops import MOE_TRANSLATIONS
 
-    hf = transformers.AutoModelForCausalLM.from_pretrained(
-        str(generic_dirs(model_type)), local_files_only=True
-    ).eval()
-    block = hf.model.layers[1].mlp
+    config, block, route = _moe_block(model_type, generic_dirs, tmp_path)
 
     class Experts(torch.nn.Module):
         def forward(self, x, index, weights):
             return gd.precast_dense_experts(block.experts, x, index, weights)
 
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(5, hf.config.hidden_size, generator=gen)
+    x = torch.randn(5, config.hidden_size, generator=gen)
     with torch.no_grad():
-        _, weights, index = block.gate(x)
+        weights, index = route(x)
     t = torch.export.Dim("tokens")
     with gd.export_moe_op(), torch.no_grad():
         program = torch.onnx.export(
@@ -230,39 +243,37 @@ def test_ort_steps_run_only_the_picked_experts_through_the_moe_kernel(model_type
     ops = [n.op_type for n in program.model.graph]
     assert ops.count("MoE") == 1 and "MatMul" not in ops, ops
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    for n in (1, 9):
-        x = torch.randn(n, hf.config.hidden_size, generator=gen)
-        with torch.no_grad():
-            _, weights, index = block.gate(x)
-            want = gd.precast_dense_experts(block.experts, x, index, weights).numpy()
-        feeds = dict(zip([i.name for i in session.get_inputs()], (x.numpy(), index.numpy(), weights.numpy())))
-        got = session.run(None, feeds)[0]
-        assert abs(got - want).max() <= 1e-5 * max(1.0, abs(want).max()), n
-        if n == 9:
-            assert len({tuple(sorted(r)) for r in index.tolist()}) >= 3  # tokens pick different experts
-    # an expert listed twice (once with weight 0, as routers with "zero experts" do) and a row of zeros
-    x = torch.randn(3, hf.config.hidden_size, generator=gen)
+    names = [i.name for i in session.get_inputs()]
     k = index.shape[1]
-    index = torch.tensor([[1] * k, [0] + [2] * (k - 1), [3] * k])
-    weights = torch.tensor([[0.6] + [0.0] * (k - 1), [0.3] + [0.5] * (k - 1), [0.0] * k])
-    with torch.no_grad():
-        want = gd.precast_dense_experts(block.experts, x, index, weights).numpy()
-    feeds = dict(zip([i.name for i in session.get_inputs()], (x.numpy(), index.numpy(), weights.numpy())))
-    got = session.run(None, feeds)[0]
-    assert abs(got - want).max() <= 1e-5 * max(1.0, abs(want).max())
+    cases = []
+    for n in (1, 9):
+        x = torch.randn(n, config.hidden_size, generator=gen) * 3  # (gpt-oss: past its clamp)
+        with torch.no_grad():
+            weights, index = route(x)
+        cases.append((x, index, weights))
+    assert len({tuple(sorted(r)) for r in cases[1][1].tolist()}) >= 3  # tokens pick different experts
+    x = torch.randn(3, config.hidden_size, generator=gen)
+    duplicate = torch.tensor([[1] * k, [0] + [2] * (k - 1), [3] * k])
+    cases.append((x, duplicate, torch.tensor([[0.6] + [0.0] * (k - 1), [0.3] + [0.5] * (k - 1), [0.0] * k])))
+    for x, index, weights in cases:
+        with torch.no_grad():
+            want = gd.precast_dense_experts(block.experts, x, index, weights).numpy()
+        feeds = dict(zip(names, (x.numpy(), index.numpy(), weights.numpy())))
+        got = session.run(None, feeds)[0]
+        assert abs(got - want).max() <= 1e-5 * max(1.0, abs(want).max()), len(x)
 
 
-def test_a_clamped_gate_keeps_the_dense_experts(tmp_path):
-    """gpt-oss's experts gate with a clamp and an offset (their own _apply_gate): not the MoE kernel's
-    SwiGLU, so they stay on the dense path."""
-    import transformers
+def test_experts_the_kernel_cannot_compute_keep_the_dense_path(generic_dirs, tmp_path):
+    """A gate other than SwiGLU's (here GELU where the model says SiLU) is not the MoE kernel's: those
+    experts stay on the dense path."""
+    import torch
 
     from precast.compiler.decoder import generic_decoder as gd
-    from tests.llm.test_state_kinds import GPT_OSS
 
-    folder = build_causal_lm(tmp_path / "oss", "gpt_oss", seed=3, **GPT_OSS)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
-    assert gd._moe_weights(hf.model.layers[0].mlp.experts) is None
+    _, block, _ = _moe_block("mixtral", generic_dirs, tmp_path)
+    assert gd._moe_weights(block.experts) is not None
+    block.experts.act_fn = torch.nn.GELU()
+    assert gd._moe_weights(block.experts) is None
 
 
 INT4 = ("qwen3", "phi3", "gemma2", "mixtral")
