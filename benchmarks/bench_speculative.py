@@ -41,6 +41,7 @@ target's on the same training text, from the text-trained draft's weights; --no-
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import subprocess
@@ -113,31 +114,26 @@ ROWS = {"b1": 1, "quote": 1, "sampled": 1, "c8": 8, "c32": 32}
 
 
 # -- builds ----------------------------------------------------------------------------------------------
+# precast builds: (target, passes, accuracy budget, target options). OpenVINO: its PagedAttention step, f32
+# compute and KV; INT4 = NNCF group 32 there, MatMulNBits RTN block 32 (accuracy level 4) on ort-cpu, both held
+# to bench_llm.py's INT4 budget.
+PRECAST_BUILDS = {
+    "fp32": ("ort-cpu", None, None, {}),
+    "int4": ("ort-cpu", "default,quantize-int4{accuracy_level=4}", "cosine>=0.95", {}),
+    "ov-fp32": ("openvino", None, None, {}),
+    "ov-int4": ("openvino", None, "cosine>=0.95", {"weights": "int4", "group_size": "32"}),
+}
+
+
 def build_precast(folder: Path, out: Path, prec: str) -> Path:
     from precast.compiler.driver import CompileOptions, compile_model
 
-    if prec == "ov-fp32":  # precast's OpenVINO backend (PagedAttention step; f32 compute and KV)
-        if not (out / "manifest.json").is_file():
-            print(f"compiling {out.name}", flush=True)
-            compile_model(str(folder), out, CompileOptions(targets=("openvino",), task="causal-lm"))
-        return out
-    if prec == "ov-int4":  # the same, NNCF INT4 weights (group 32, f32 compute; bench_llm.py's budget)
-        if not (out / "manifest.json").is_file():
-            print(f"compiling {out.name}", flush=True)
-            options = {"weights": "int4", "group_size": "32"}
-            opts = CompileOptions(
-                targets=("openvino",),
-                task="causal-lm",
-                accuracy_budget="cosine>=0.95",
-                target_options=options,
-            )
-            compile_model(str(folder), out, opts)
-        return out
     if not (out / "manifest.json").is_file():
         print(f"compiling {out.name}", flush=True)
-        passes = "default,quantize-int4{accuracy_level=4}" if prec == "int4" else None
-        budget = "cosine>=0.95" if prec == "int4" else None  # (bench_llm.py's INT4 budget)
-        opts = CompileOptions(targets=("ort-cpu",), task="causal-lm", passes=passes, accuracy_budget=budget)
+        target, passes, budget, options = PRECAST_BUILDS[prec]
+        opts = CompileOptions(
+            targets=(target,), task="causal-lm", passes=passes, accuracy_budget=budget, target_options=options
+        )
         compile_model(str(folder), out, opts)
     return out
 
@@ -350,16 +346,15 @@ def main(argv=None) -> None:
     tok = TextTokenizer.from_file(target_dir / "tokenizer.json")
     need = a.check_prompts + a.rounds * a.prompts + 32 + 8
     held = heldout_prompts(need, a.prompt, Tokenizer.from_file(str(target_dir / "tokenizer.json")))
+    wide = functools.cache(lambda: widened(a.work, target_dir))  # (hashes the target's weights: once)
     builds = {
         ("precast", "fp32", "t"): lambda: build_precast(target_dir, a.work / "precast-target-fp32", "fp32"),
         ("precast", "int4", "t"): lambda: build_precast(target_dir, a.work / "precast-target-int4", "int4"),
         ("precast", "int4w", "t"): lambda: build_precast(
-            widened(a.work, target_dir), a.work / f"precast-{widened(a.work, target_dir).name}-int4", "int4"
+            wide(), a.work / f"precast-{wide().name}-int4", "int4"
         ),
         ("precast", "ov-int4w", "t"): lambda: build_precast(
-            widened(a.work, target_dir),
-            a.work / f"precast-{widened(a.work, target_dir).name}-ov-int4",
-            "ov-int4",
+            wide(), a.work / f"precast-{wide().name}-ov-int4", "ov-int4"
         ),
         ("precast", "ov-fp32", "t"): lambda: build_precast(
             target_dir, a.work / "precast-target-ov", "ov-fp32"

@@ -70,8 +70,8 @@ def _inspect_speeds(root: Path, targets: dict) -> None:
             return
         speeds[name] = speed
     out_console.print("measured on the compiling host, tokens/s (requests at once):")
+    figures = [(str(n), k) for n, k in SPEED_FIGURES] + [("1 in 8-token verify rows", VERIFY_FIGURE)]
     for name, speed in speeds.items():
-        figures = [(str(n), k) for n, k in SPEED_FIGURES] + [("1 in 8-token verify rows", VERIFY_FIGURE)]
         rates = ", ".join(f"{n}: {v:g}" for n, k in figures if (v := speed_figure(speed, k)) is not None)
         out_console.print(f"  {name}: {rates}", markup=False)
     for n, _ in SPEED_FIGURES:

@@ -116,8 +116,6 @@ def rate_at(speed: object, concurrency: int, speculative: bool = False) -> float
     ``speculative`` at batch 1 (where speculation runs: it turns itself off in large batches): the geometric
     mean of the decode rate and the verify-row rate, where both are recorded (what speculation reaches lies
     between them, by its acceptance: all rejected, it decodes at the first; all kept, near the second)."""
-    if not isinstance(speed, Mapping):
-        return None
     figures = [(n, v) for n, key in SPEED_FIGURES if (v := speed_figure(speed, key)) is not None]
     if not figures:
         return None

@@ -278,20 +278,8 @@ def precast_dense_experts(self: nn.Module, hidden_states, top_k_index, top_k_wei
         if weights is not None:
             from precast.compiler.decoder.paged_ops import moe
 
-            w = weights
-            return moe(
-                hidden_states,
-                top_k_index.long(),
-                top_k_weights.float(),
-                w["fc1"],
-                w["fc2"],
-                w["fc1_bias"],
-                w["fc2_bias"],
-                int(top_k_index.shape[1]),
-                w["alpha"],
-                w["beta"],
-                w["limit"],
-            )
+            k = int(top_k_index.shape[1])
+            return moe(hidden_states, top_k_index.long(), top_k_weights.float(), k=k, **weights)
     e = int(self.num_experts)
     experts = torch.arange(e, device=top_k_index.device)
     hit = top_k_index[None] == experts[:, None, None]  # [E,T,K]

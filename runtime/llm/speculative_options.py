@@ -46,10 +46,15 @@ class SpeculativeOptions:
         max=MAX_SPEC_TOKENS,
     )
 
+    @property
+    def asked(self) -> bool:
+        """Whether a flag asks for speculation (--draft or --speculative)."""
+        return self.speculative is not None or self.draft is not None
+
     def config(self) -> SpeculativeConfig | None:
         """The engine's SpeculativeConfig, or None when no flag asks for speculation. UsageError for a
         combination that makes no sense, ArtifactError for a draft that is not there (as for the target)."""
-        if self.speculative is None and self.draft is None:
+        if not self.asked:
             if self.num_speculative_tokens is not None:
                 raise UsageError("--num-speculative-tokens needs --draft DIR or --speculative ngram")
             return None

@@ -208,10 +208,12 @@ class ModelHost:
         if manifest is not None and manifest.is_multi_target:  # a causal LM's index: its fastest target here
             from precast.runtime.llm.engine import llm_index_target
             from precast.runtime.llm.scheduler import SchedulerConfig
+            from precast.runtime.llm.speculative_options import SpeculativeOptions
 
-            # ranked for the batch it will serve (--max-num-seqs): the measured rate nearest that load
-            seqs = self.llm_options.get("max_num_seqs") or SchedulerConfig().max_num_seqs
-            spec = bool(self.llm_options.get("draft") or self.llm_options.get("speculative"))
+            # ranked for the batch it will serve (--max-num-seqs) and whether it speculates
+            o = self.llm_options
+            seqs = o.get("max_num_seqs") or SchedulerConfig().max_num_seqs
+            spec = SpeculativeOptions(draft=o.get("draft"), speculative=o.get("speculative")).asked
             sub = llm_index_target(root, concurrency=seqs, speculative=spec)
             if sub is not None:
                 root, manifest = sub, read_manifest(sub)
