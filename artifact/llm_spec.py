@@ -11,7 +11,7 @@ from precast.errors import ArtifactError
 if TYPE_CHECKING:
     from precast.artifact.manifest import Manifest
 
-__all__ = ["LLMSpec", "KV_LAYOUTS", "LIMITS", "DEFAULT_POOL_BYTES"]
+__all__ = ["LLMSpec", "KV_LAYOUTS", "LIMITS", "DEFAULT_POOL_BYTES", "StateSpec"]
 
 # "ov-paged": OpenVINO's PagedAttention reads and writes the pool itself (runtime/llm/runners/openvino.py): no KV outputs.
 KV_LAYOUTS = ("paged", "mapped", "ov-paged")
@@ -34,6 +34,51 @@ LIMITS = {
 # --num-blocks or --kv-cache-memory): 4 full-context requests, but at most this many bytes of float32 K/V.
 DEFAULT_POOL_REQUESTS = 4
 DEFAULT_POOL_BYTES = 4 << 30
+
+
+STATE_KINDS = ("conv", "ssm")
+# The most float32 elements one request's recurrent state of one layer may hold (Falcon-H1-34B's SSM state is
+# 1.3 M; the runner reserves slots x this per state)
+STATE_MAX_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class StateSpec(Record):
+    """One recurrent state of the step graph (a hybrid or state-space model): input ``name`` [B, *shape]
+    float32, output ``new_`` + name, held per request in a slot (docs/llm-step-contract.md)."""
+
+    name: str
+    layer: int
+    kind: str
+    shape: tuple[int, ...]
+
+    def validate(self, where: str) -> None:
+        if self.kind not in STATE_KINDS:
+            raise ArtifactError(f"{where}: state {self.name!r}: kind must be one of {', '.join(STATE_KINDS)}")
+        if not self.shape or any(d < 1 for d in self.shape):
+            raise ArtifactError(
+                f"{where}: state {self.name!r}: shape must be positive sizes, got {list(self.shape)}"
+            )
+        elements = 1
+        for d in self.shape:
+            elements *= d
+        if elements > STATE_MAX_ELEMENTS:
+            raise ArtifactError(
+                f"{where}: state {self.name!r}: {elements} elements per request, at most {STATE_MAX_ELEMENTS}"
+            )
+        if not 0 <= self.layer <= LIMITS["layers"]:
+            raise ArtifactError(f"{where}: state {self.name!r}: layer must be in [0, {LIMITS['layers']}]")
+
+    @property
+    def output(self) -> str:
+        return f"new_{self.name}"
+
+    @property
+    def elements(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
 
 
 @dataclass(frozen=True)
@@ -63,6 +108,9 @@ class LLMSpec(Record):
     # logits_indices lists them): speculative decoding verifies its draft tokens in one step. Older artifacts:
     # one row per request.
     multi_logits: bool = False
+    # Recurrent states (Mamba / Mamba2 mixers, short convolutions, gated delta nets): per request a slot, not
+    # blocks. A state-space model has none of the K/V above: ``layers`` 0, no kv_inputs / kv_outputs.
+    states: tuple[StateSpec, ...] = ()
 
     WRITE_NONE: ClassVar[bool] = True
 
@@ -82,10 +130,19 @@ class LLMSpec(Record):
         out = super().to_json()
         if not self.multi_logits:  # (left out: a manifest written before it reads and writes back the same)
             out.pop("multi_logits")
+        if not self.states:
+            out.pop("states")
         return out
+
+    @property
+    def state_bytes(self) -> int:
+        """Bytes of one request's recurrent states (all layers; 0 without any)."""
+        return 4 * sum(st.elements for st in self.states)
 
     def validate(self, where: str) -> None:
         for name in _SIZES:  # (a 0 block_size would divide by zero later)
+            if name == "layers" and self.layers == 0 and self.states:
+                continue  # a state-space model: no K/V layers
             if getattr(self, name) < 1:
                 raise ArtifactError(
                     f"{where}: {name} must be a positive integer, got {getattr(self, name)!r}"
@@ -117,6 +174,17 @@ class LLMSpec(Record):
                 f"{where}: expected a KV layout of {', '.join(KV_LAYOUTS)} with {self.layers} layers of KV "
                 f"input names and {outputs} of KV output names"
             )
+        if self.states:
+            names = [st.name for st in self.states]
+            kv = {n for pair in (*self.kv_inputs, *self.kv_outputs) for n in pair}
+            if len(set(names)) != len(names) or kv & {*names, *(st.output for st in self.states)}:
+                raise ArtifactError(f"{where}: state names must be distinct and not K/V names, got {names}")
+            if self.kv_layout != "paged":
+                raise ArtifactError(
+                    f"{where}: recurrent states need kv_layout 'paged', got {self.kv_layout!r}"
+                )
+            if self.state_bytes * 2 > DEFAULT_POOL_BYTES:
+                raise ArtifactError(f"{where}: {self.state_bytes} bytes of state per request is too large")
 
     def check_logits_shape(self, shape, where: str) -> None:
         """The step graph's logits shape (ints static, anything else dynamic): its last dim, where the graph
@@ -139,4 +207,6 @@ class LLMSpec(Record):
         or `precast serve --num-blocks` / `--kv-cache-memory`."""
         block_bytes = self.layers * 2 * self.kv_heads * self.block_size * self.head_size * 4
         wanted = DEFAULT_POOL_REQUESTS * self.blocks_for(self.max_context)
+        if block_bytes == 0:  # a state-space model: blocks only count tokens
+            return wanted
         return max(1, min(wanted, DEFAULT_POOL_BYTES // block_bytes))

@@ -159,7 +159,19 @@ def llm_block(folder: Path, config: dict, module) -> dict:
         "batched_prefill": not mapped,
         # True: the graph takes last_index [B,Q] and returns logits [B*Q,V] (speculative verification)
         "multi_logits": bool(getattr(module, "multi_logits", False)),
+        # recurrent states (hybrid and state-space models): a slot per request, not blocks per token
+        **({"states": [_state_entry(st) for st in _states(module)]} if _states(module) else {}),
     }
+
+
+def _states(module) -> tuple:
+    """The step module's recurrent states (recurrent.StateLayer), () for a pure K/V decoder."""
+    shape = getattr(module, "shape", None)
+    return tuple(getattr(shape, "states", ()) or ())
+
+
+def _state_entry(st) -> dict:
+    return {"name": st.name, "layer": st.layer, "kind": st.kind, "shape": list(st.shape)}
 
 
 KV_LAYOUTS = ("mapped", "paged")
@@ -257,18 +269,24 @@ def _kv_output_names(i: int, mapped: bool) -> tuple[str, str]:
     return (f"present_key.{i}", f"present_value.{i}") if mapped else (f"new_key.{i}", f"new_value.{i}")
 
 
-def _input_names(layers: int, mapped: bool = False, multi: bool = False) -> list[str]:
-    """The step graph's inputs in order (``multi``: a paged graph's last_index [B,Q] comes last)."""
+def _input_names(layers: int, mapped: bool = False, multi: bool = False, states: tuple = ()) -> list[str]:
+    """The step graph's inputs in order (``multi``: a paged graph's last_index [B,Q] after the pools, then
+    the recurrent ``states``' names)."""
     names = ["input_ids", "positions"] + (
         list(MAPPED_STEP_INPUTS) if mapped else ["past_lens", "new_lens", "block_tables"]
     )
     pairs = [_kv_input_names(i, mapped) for i in range(layers)]
     tail = ["last_index"] if multi and not mapped else []
-    return names + [k for k, _ in pairs] + [v for _, v in pairs] + tail
+    return names + [k for k, _ in pairs] + [v for _, v in pairs] + tail + list(states)
 
 
-def _output_names(layers: int, mapped: bool = False) -> list[str]:
-    return ["logits"] + [n for i in range(layers) for n in _kv_output_names(i, mapped)]
+def _output_names(layers: int, mapped: bool = False, states: tuple = ()) -> list[str]:
+    kv = [n for i in range(layers) for n in _kv_output_names(i, mapped)]
+    return ["logits", *kv, *(f"new_{name}" for name in states)]
+
+
+def _state_names(spec: dict) -> tuple[str, ...]:
+    return tuple(st["name"] for st in spec.get("states", ()))
 
 
 def kv_valid_rule(spec: dict) -> dict | None:
@@ -327,7 +345,11 @@ def sample_step(
     for i in range(spec["layers"]):
         for name in _kv_input_names(i, mapped):
             feeds[name] = rng.standard_normal(shape).astype(np.float32)
-    order = _input_names(spec["layers"], mapped, multi)
+    for st in spec.get("states", ()):  # a request's recurrent state as earlier steps left it (row 0's only:
+        state = rng.standard_normal((batch, *st["shape"])).astype(np.float32)  # the others start at 0)
+        state[past_lens == 0] = 0.0
+        feeds[st["name"]] = state
+    order = _input_names(spec["layers"], mapped, multi, _state_names(spec))
     return dict(sorted(feeds.items(), key=lambda kv_: order.index(kv_[0])))
 
 
@@ -357,12 +379,13 @@ def _module_args(module, t: dict, layers: int) -> tuple:
         return (t["input_ids"], t["positions"], *(t[n] for n in MAPPED_STEP_INPUTS), keys, values)
     head = (t["input_ids"], t["positions"], t["past_lens"], t["new_lens"])
     tail = (t["last_index"],) if getattr(module, "multi_logits", False) else ()
-    return (*head, t["block_tables"], keys, values, *tail)
+    states = [t[st.name] for st in _states(module)]
+    return (*head, t["block_tables"], keys, values, *tail, *((states,) if states else ()))
 
 
 def step_reference(module, layers: int):
     """The torch paged decoder as a feeds -> outputs callable (the compile driver's parity reference)."""
-    names = _output_names(layers, module.kv_layout == "mapped")
+    names = _output_names(layers, module.kv_layout == "mapped", tuple(st.name for st in _states(module)))
 
     def run(feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {n: o.numpy() for n, o in zip(names, _call(module, feeds, layers))}
@@ -394,13 +417,15 @@ def export_step(module, spec: dict, progress: ProgressReporter = SILENT):
         nb = {0: Dim("num_blocks")}
         head = ({0: b, 1: s}, {0: b, 1: s}, {0: b}, {0: b})
         tail = (last,) if multi else ()
+        states = _state_names(spec)
+        tail = (*tail, [{0: b}] * len(states)) if states else tail
         dynamic = (*head, {0: b, 1: Dim("max_blocks")}, [nb] * layers, [nb] * layers, *tail)
     with export_moe_op():
         return dynamo_export(
             module,
             args,
-            input_names=_input_names(layers, mapped, multi),
-            output_names=_output_names(layers, mapped),
+            input_names=_input_names(layers, mapped, multi, _state_names(spec)),
+            output_names=_output_names(layers, mapped, _state_names(spec)),
             dynamic_shapes=dynamic,
             custom_translation_table=translations,
             progress=progress,
@@ -450,7 +475,7 @@ def load_causal_lm(
     spec = llm_block(folder, config, module)
     model = export_step(module, spec, progress)
     got = [v.name for v in model.graph.outputs]
-    if got != _output_names(spec["layers"], spec["kv_layout"] == "mapped"):
+    if got != _output_names(spec["layers"], spec["kv_layout"] == "mapped", _state_names(spec)):
         raise ExportError(f"{folder}: exported outputs {got[:3]}... do not match the step contract")
     kv_rule = kv_valid_rule(spec)
     from precast.compiler.decoder.ov_decoder import (

@@ -67,9 +67,22 @@ class _Step:
     new_keys: dict = field(default_factory=dict)
     new_values: dict = field(default_factory=dict)
     layers: list = field(default_factory=list)  # probe: (kv_heads, head_size, window, softcap) per call
+    # recurrent-state layers (recurrent.py): the rows' real new tokens, each state in ((kind, layer, index)
+    # -> [B, *shape]) and after the step; the probe records each one's StateLayer
+    new_lens: torch.Tensor | None = None
+    states: dict = field(default_factory=dict)
+    new_states: dict = field(default_factory=dict)
+    state_layers: dict = field(default_factory=dict)
+    conv_layer: int = -1  # the layer of the last convolution (the gated delta rule's, recurrent.py)
+    kv_index: dict = field(default_factory=dict)  # model layer index -> its pool (hybrids: attention only)
 
 
 _ACTIVE: _Step | None = None
+
+
+def current_step() -> _Step | None:
+    """The precast step running now (None outside one)."""
+    return _ACTIVE
 
 
 def in_step() -> bool:
@@ -154,6 +167,8 @@ def precast_paged_attention(
     idx = getattr(module, "layer_idx", None)
     i = idx if isinstance(idx, int) else step.calls
     step.calls += 1
+    if not step.probe:
+        i = step.kv_index.get(i, i)
     b, h, s, d = query.shape
     kv = key.shape[1]
     if scaling is None:
@@ -309,7 +324,10 @@ def register() -> None:
     """Register ``precast_paged`` (attention) and ``precast_dense`` (experts) in transformers (idempotent)."""
     from transformers import AttentionInterface
 
+    from precast.compiler.decoder.recurrent import install
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, precast_paged_attention)
+    install()
     try:
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     except ImportError:  # transformers without the experts interface: MoE models keep their own forward
@@ -374,7 +392,7 @@ class DecoderOverHF(nn.Module):
 class DecoderShape:
     """What the ``llm`` block needs, read off one forward of the model."""
 
-    layers: int
+    layers: int  # layers with a K/V cache (a hybrid's attention layers; 0 for a state-space model)
     heads: int
     kv_heads: int
     head_size: int
@@ -384,44 +402,62 @@ class DecoderShape:
     # V's head size when smaller than K's (multi-head latent attention, DeepSeek: K 48 = 32 nope + 16 rope, V 32):
     # the pool holds V padded to head_size, the attention reads its first value_size columns
     value_size: int | None = None
+    # the model's index of each K/V layer (a hybrid's attention layers among its recurrent ones); () = 0..layers-1
+    attention_layers: tuple = ()
+    # recurrent states (recurrent.StateLayer: Mamba mixers, short convolutions), in the step graph's order
+    states: tuple = ()
+
+
+def _family(hf: nn.Module) -> str:
+    cfg = hf.config.get_text_config()
+    return f"'{getattr(cfg, 'model_type', None) or type(hf).__name__}'"
 
 
 def probe(hf: nn.Module, where: str) -> DecoderShape:
-    """One eager forward of 4 tokens through the registered attention: the model's layers, heads and options."""
+    """One eager forward of 4 tokens through the registered attention and recurrent functions: the model's
+    attention layers (heads, options) and recurrent states."""
     from precast.compiler.decoder.attention_swaps import swap_attention
 
     cfg = hf.config.get_text_config()
-    family = f"'{getattr(cfg, 'model_type', None) or type(hf).__name__}'"
-    names = {type(m).__name__ for m in hf.modules()}
-    recurrent = sorted(n for n in names if _RECURRENT.search(n))
-    if recurrent:  # (before a forward: a hybrid's own forward may not even run under the probe)
-        hybrid = any("Attention" in n and not _RECURRENT.search(n) for n in names)
-        kind = "a hybrid model: beside attention it has" if hybrid else "a state-space model: it has"
-        raise ModelLoadError(
-            f"{where}: {family} is {kind} recurrent-state layers ({', '.join(recurrent)}: a fixed-size state "
-            "per request, not a K/V cache); not supported for task causal-lm yet"
-        )
+    family = _family(hf)
     register()
     swap_attention(hf)  # falcon / bloom: their own attention code, pointed at precast_paged_attention
     set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
     step = _Step(probe=True)
-    ids = torch.arange(4)[None] % int(hf.config.get_text_config().vocab_size)
-    with torch.no_grad(), _active(step):
-        hf(input_ids=ids, position_ids=torch.arange(4)[None], use_cache=False)
-    if not step.layers:
+    ids = torch.arange(4)[None] % int(cfg.vocab_size)
+    recurrent = _recurrent_layers(hf)
+    try:
+        with torch.no_grad(), _active(step):
+            hf(input_ids=ids, position_ids=torch.arange(4)[None], use_cache=False)
+    except Exception as e:  # (a recurrent layer's own code ran on precast's step, and failed there)
+        if not recurrent:
+            raise
+        raise ModelLoadError(_unrouted(where, family, cfg, recurrent, set(recurrent))) from e
+    states = tuple(step.state_layers[k] for k in sorted(step.state_layers, key=lambda k: (k[1], k[0], k[2])))
+    unrouted = set(recurrent) - {s.layer for s in states}
+    if unrouted:
+        raise ModelLoadError(_unrouted(where, family, cfg, recurrent, unrouted))
+    layers = sorted(step.layers)
+    n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
+    attn = [e[0] for e in layers]
+    if not layers and not states:
         raise ModelLoadError(
             f"{where}: {family} has no attention layer that goes through transformers' attention interface "
             "(needed for task causal-lm)"
         )
-    layers = sorted(step.layers)
-    n_layers = int(getattr(cfg, "num_hidden_layers", 0) or 0)
-    if [entry[0] for entry in layers] != list(range(len(layers))) or (n_layers and len(layers) != n_layers):
-        attn = {e[0] for e in layers}
-        others = [i for i in range(max(n_layers, max(attn) + 1)) if i not in attn]
+    stateful = {s.layer for s in states}
+    if len(set(attn)) != len(attn) or (
+        n_layers and any(i not in stateful and i not in attn for i in range(n_layers))
+    ):
+        others = [
+            i for i in range(max(n_layers, max(attn, default=0) + 1)) if i not in attn and i not in stateful
+        ]
         raise ModelLoadError(
-            f"{where}: {family} is a hybrid model: layers {others} are {_layer_kinds(cfg, others)}, not "
-            "attention with a K/V cache; not supported for task causal-lm yet"
+            f"{where}: {family} is a hybrid model: layers {others} are {_layer_kinds(cfg, others)}, neither "
+            "attention with a K/V cache nor a recurrent layer precast routes; not supported for task causal-lm yet"
         )
+    if not layers:  # a state-space model: no K/V pool (its sizes are placeholders the runner never reads)
+        return DecoderShape(0, 1, 1, 1, (), (), (), None, (), states)
     shapes = {(e[1], e[2], e[3]) for e in layers}
     if any(e[2] < e[3] for e in layers):
         k, v = layers[0][2], layers[0][3]
@@ -445,6 +481,8 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
         softcaps=tuple(e[5] for e in layers),
         sinks=tuple(e[6] for e in layers),
         value_size=dv,
+        attention_layers=tuple(attn) if states else (),
+        states=states,
     )
 
 
@@ -453,10 +491,31 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
 _RECURRENT = re.compile(r"Mixer$|ShortConv|GatedDeltaNet|LinearAttention")
 
 
+def _recurrent_layers(hf: nn.Module) -> dict[int, str]:
+    """Layer index -> class name of each recurrent-state module (by its ``layer_idx``)."""
+    out = {}
+    for m in hf.modules():
+        name = type(m).__name__
+        idx = getattr(m, "layer_idx", None)
+        if _RECURRENT.search(name) and isinstance(idx, int):
+            out[idx] = name
+    return out
+
+
+def _unrouted(where: str, family: str, cfg, recurrent: dict, layers: set) -> str:
+    indices = sorted(layers)
+    kinds = ", ".join(sorted({recurrent[i] for i in indices}))
+    return (
+        f"{where}: {family} has recurrent-state layers precast cannot serve yet: layers {indices} are "
+        f"{_layer_kinds(cfg, indices)} ({kinds}); precast routes Mamba / Mamba2 mixers and short convolutions "
+        "(docs/llm-step-contract.md); not supported for task causal-lm"
+    )
+
+
 def _layer_kinds(cfg, indices: list[int]) -> str:
     """What the config says layers ``indices`` are (Jamba's layers_block_type, LFM2 / Qwen3-Next's layer_types),
     e.g. "mamba" or "conv, linear_attention"; "not attention layers" when it does not say."""
-    types = getattr(cfg, "layer_types", None) or getattr(cfg, "layers_block_type", None)
+    types = getattr(cfg, "layers_block_type", None) or getattr(cfg, "layer_types", None)
     if isinstance(types, (list, tuple)) and all(i < len(types) for i in indices):
         return ", ".join(sorted({str(types[i]) for i in indices})) + " layers"
     return "layers of another kind"
@@ -492,12 +551,20 @@ class GenericDecoder(DecoderOverHF):
         key_caches: list,
         value_caches: list,
         last_index=None,
+        states: list | None = None,
     ):
         """The paged step (docs/llm-step-contract.md). ``last_index`` [B,Q] int64: the rows whose logits come
-        back, as [B*Q, V] (row b's Q back to back); None: each request's last real new token (Q = 1)."""
+        back, as [B*Q, V] (row b's Q back to back); None: each request's last real new token (Q = 1).
+        ``states``: each of ``shape.states``' [B, *shape] (a hybrid or state-space model's recurrent states)."""
         if last_index is None:
             last_index = (new_lens - 1)[:, None]
         step = _Step(past_lens, block_tables, list(key_caches), list(value_caches))
+        step.new_lens = new_lens
+        step.kv_index = {layer: j for j, layer in enumerate(self.shape.attention_layers)}
+        if self.shape.states:
+            if states is None or len(states) != len(self.shape.states):
+                raise ValueError(f"the step takes {len(self.shape.states)} recurrent states")
+            step.states = {(s.kind, s.layer, s.index): t for s, t in zip(self.shape.states, states)}
         self._step, self._last_index = step, last_index
         try:
             with _active(step):
@@ -508,19 +575,26 @@ class GenericDecoder(DecoderOverHF):
             raise ModelLoadError(f"{type(self.hf).__name__}: its forward does not call its lm head module")
         logits = out.logits.reshape(-1, out.logits.shape[-1])
         n = self.shape.layers
-        return (logits, *[t for i in range(n) for t in (step.new_keys[i], step.new_values[i])])
+        kv = [t for i in range(n) for t in (step.new_keys[i], step.new_values[i])]
+        return (logits, *kv, *(step.new_states[(s.kind, s.layer, s.index)] for s in self.shape.states))
 
 
 def check_against_hf(module: GenericDecoder, hf_eager_attn: str, where: str, block_size: int) -> None:
     """Greedy-free self check before export: the paged decoder over a pool (prefill in two chunks, then
     decode steps) gives the logits of the model's own forward (``hf_eager_attn``, e.g. 'eager') on the
-    whole sequence. Prompt longer than the smallest window, so windows are exercised. -> ParityError."""
+    whole sequence. Prompt longer than the smallest window, so windows are exercised; recurrent states carry
+    from step to step as the runner's slots would. -> ParityError."""
     hf = module.hf
     windows = [w for w in module.shape.windows if w]
     n = min(max(24, (min(windows) + 8) if windows else 0), 80)
     gen = torch.Generator().manual_seed(0)
     vocab = int(hf.config.get_text_config().vocab_size)
     ids = torch.randint(0, vocab, (1, n), generator=gen)
+    layers = module.shape.layers
+
+    def zero_states(b: int) -> list:
+        return [torch.zeros(b, *st.shape) for st in module.shape.states]
+
     with torch.no_grad():
         set_attention(hf, hf_eager_attn, "eager")  # the model's own attention and expert loop
         try:
@@ -529,30 +603,55 @@ def check_against_hf(module: GenericDecoder, hf_eager_attn: str, where: str, blo
             set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
         nb = -(-n // block_size) + 1
         shape = (nb, module.kv_heads, block_size, module.head_dim)
-        kc = [torch.zeros(shape) for _ in range(module.shape.layers)]
-        vc = [torch.zeros(shape) for _ in range(module.shape.layers)]
+        kc = [torch.zeros(shape) for _ in range(layers)]
+        vc = [torch.zeros(shape) for _ in range(layers)]
         table = torch.randperm(nb, generator=gen)[None, : nb - 1]
         cut = [0, n // 2, n - 3, n - 2, n - 1, n]  # two prefill chunks, then three decode steps
         worst = 0.0
+        states = zero_states(1)
         for a, e in zip(cut, cut[1:]):
             pos = torch.arange(a, e)[None]
-            out = module(ids[:, a:e], pos, torch.tensor([a]), torch.tensor([e - a]), table, kc, vc)
-            for i in range(module.shape.layers):
+            out = module(
+                ids[:, a:e], pos, torch.tensor([a]), torch.tensor([e - a]), table, kc, vc, None, states
+            )
+            for i in range(layers):
                 for pool, new in ((kc[i], out[1 + 2 * i]), (vc[i], out[2 + 2 * i])):
                     for t in range(e - a):
                         p = a + t
                         pool[table[0, p // block_size], :, p % block_size] = new[0, :, t]
+            states = list(out[1 + 2 * layers :])
             got, want = out[0][0], ref[e - 1]
             worst = max(worst, float((got - want).abs().max() / (want.abs().max() + 1e-6)))
-        # A padded batch: row 1 holds 5 real tokens of S (what batched prefill looks like).
+        # A padded batch: row 1 holds 5 real tokens of S (what batched prefill looks like), and the states
+        # it leaves are those of its 5 tokens alone.
         s = n // 2
         pad = torch.zeros(1, s, dtype=torch.long)
         batch_ids = torch.cat([ids[:, :s], torch.cat([ids[:, :5], pad[:, 5:]], 1)])
         batch_pos = torch.cat([torch.arange(s)[None], torch.cat([torch.arange(5), pad[0, 5:]])[None]])
         tables = torch.cat([table, table.flip(1)])
-        zero = [torch.zeros(shape) for _ in range(module.shape.layers)]
-        out = module(batch_ids, batch_pos, torch.tensor([0, 0]), torch.tensor([s, 5]), tables, zero, zero)
+        zero = [torch.zeros(shape) for _ in range(layers)]
+        args = (batch_ids, batch_pos, torch.tensor([0, 0]), torch.tensor([s, 5]), tables, zero, zero)
+        out = module(*args, None, zero_states(2))
         for got, want in ((out[0][0], ref[s - 1]), (out[0][1], ref[4])):
+            worst = max(worst, float((got - want).abs().max() / (want.abs().max() + 1e-6)))
+        if module.shape.states:  # row 1's states, one more token on: the logits of token 5
+            one = [torch.zeros(shape) for _ in range(2 * layers)]  # row 1's K/V of its 5 tokens
+            for i in range(2 * layers):
+                for t in range(5):
+                    one[i][tables[1, t // block_size], :, t % block_size] = out[1 + i][1, :, t]
+            row = [st[1:2] for st in out[1 + 2 * layers :]]
+            nxt = module(
+                ids[:, 5:6],
+                torch.tensor([[5]]),
+                torch.tensor([5]),
+                torch.tensor([1]),
+                tables[1:2],
+                one[0::2],
+                one[1::2],
+                None,
+                row,
+            )
+            got, want = nxt[0][0], ref[5]
             worst = max(worst, float((got - want).abs().max() / (want.abs().max() + 1e-6)))
     if worst > 1e-3:
         raise ParityError(

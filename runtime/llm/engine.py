@@ -84,7 +84,11 @@ class Engine:
         self.vocab = int(spec.vocab)
         num_blocks = int(runner.num_blocks)
         self.pool = BlockPool(num_blocks, self.block_size)
-        self.kv = KVCacheManager(self.pool, bool(enable_prefix_caching))
+        # a hybrid or state-space model: a recurrent state slot per request, and no prefix caching (a slot
+        # holds the state after all of a request's tokens; runners/recurrent.py)
+        slots = int(getattr(runner, "num_state_slots", 0))
+        self.prefix_caching = bool(enable_prefix_caching) and not slots
+        self.kv = KVCacheManager(self.pool, self.prefix_caching, state_slots=slots)
         self.scheduler = Scheduler(self.kv, config, eos_ids=spec.eos_ids or ())
         self.counters = EngineCounters()
         self.output = OutputProcessor(tokenizer, self.counters, self.scheduler.finish)
@@ -122,6 +126,13 @@ class Engine:
 
     def _start_speculation(self, config: SpeculativeConfig, draft_runner) -> None:
         config = config.validate()
+        for role, r in (("target", self.runner), ("draft", draft_runner)):
+            if r is not None and getattr(r, "num_state_slots", 0):
+                raise UsageError(
+                    f"speculative decoding: the {role} {r.spec.model_type or 'model'!r} has recurrent-state "
+                    "layers (a rejected draft token cannot be taken back out of a recurrent state); serve it "
+                    "without speculation"
+                )
         if not self.runner.multi_logits:
             raise UsageError(
                 "speculative decoding needs a step graph that returns several logits rows per request; this "

@@ -7,7 +7,8 @@
         -> [(src, dst)] | None          is copied first (the engine copies the K/V); None = no room, nothing changed
     commit(rid, tokens, n_computed)     hash the blocks that are now full, so later prompts can reuse them
     trim(rid, n)                        drop the blocks past position n (speculative tokens rejected)
-    free(rid)                           drop the request's blocks
+    free(rid)                           drop the request's blocks (and its state slot)
+    state_slot(rid) -> int              the request's recurrent state slot (hybrid / state-space models)
 
 Block hashes are chained: hash(block i) covers block i's tokens and the hash of block i-1, so equal
 hashes mean equal prefixes, not just equal blocks. Memory grows with the tokens a request holds.
@@ -16,6 +17,7 @@ hashes mean equal prefixes, not just equal blocks. Memory grows with the tokens 
 from __future__ import annotations
 
 import hashlib
+import heapq
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,12 +43,29 @@ def block_hashes(tokens: Sequence[int], block_size: int, start: int = 0, parent:
 
 
 class KVCacheManager:
-    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True):
+    """Block tables over ``pool``; with ``state_slots`` > 0 (a hybrid or state-space model) also one recurrent
+    state slot per request, taken with its first blocks and given back with them (``free``): a request is
+    admitted only when both a slot and its blocks are free. Slots go lowest first, so the slots ever used
+    stay the peak of requests at once. Prefix caching cannot apply to such a model (a slot holds the state
+    after all of a request's tokens, not after a shared prefix): the engine turns it off."""
+
+    def __init__(self, pool: BlockPool, enable_prefix_caching: bool = True, state_slots: int = 0):
         self.pool = pool
         self.block_size = pool.block_size
         self.enable_prefix_caching = enable_prefix_caching
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[bytes]] = {}
+        self.state_slots = int(state_slots)
+        self._free_slots = list(range(self.state_slots))  # a heap
+        self._slots: dict[str, int] = {}
+
+    def state_slot(self, rid: str) -> int:
+        """The request's state slot (-1: none; a model without recurrent states)."""
+        return self._slots.get(rid, -1)
+
+    @property
+    def num_slots_used(self) -> int:
+        return len(self._slots)
 
     def block_table(self, rid: str) -> list[int]:
         return self._tables.get(rid, [])
@@ -75,6 +94,16 @@ class KVCacheManager:
         return min(len(hits) * self.block_size, len(tokens) - 1)
 
     def allocate_slots(self, rid: str, start: int, n: int) -> list[tuple[int, int]] | None:
+        if self.state_slots and rid not in self._slots:
+            if not self._free_slots:
+                return None  # (nothing taken: no blocks either)
+            copies = self._allocate_blocks(rid, start, n)
+            if copies is not None:
+                self._slots[rid] = heapq.heappop(self._free_slots)
+            return copies
+        return self._allocate_blocks(rid, start, n)
+
+    def _allocate_blocks(self, rid: str, start: int, n: int) -> list[tuple[int, int]] | None:
         table = self._tables.setdefault(rid, [])
         bs = self.block_size
         first, last = start // bs, (start + n - 1) // bs
@@ -122,6 +151,9 @@ class KVCacheManager:
             del self._hashes[rid][keep:]
 
     def free(self, rid: str) -> None:
+        slot = self._slots.pop(rid, None)
+        if slot is not None:
+            heapq.heappush(self._free_slots, slot)
         table = self._tables.pop(rid, [])
         self._hashes.pop(rid, None)
         self.pool.free(table)

@@ -65,12 +65,18 @@ class SchedulerOutput:
     total_tokens: int = 0  # sum(num_new)
     # Speculative verification (engine): Q_i logits rows per row, its last Q_i new tokens (None: one per row)
     logit_rows: list[int] | None = None
+    # Each row's recurrent state slot (KVCacheManager.state_slot; -1 for a model without recurrent states)
+    state_slots: list[int] = field(default_factory=list)
 
-    def add_row(self, req: Request, n: int, table: list[int], copies: list[tuple[int, int]]) -> None:
-        """Schedule ``n`` tokens of ``req`` over ``table``, after the block ``copies`` its allocation made."""
+    def add_row(
+        self, req: Request, n: int, table: list[int], copies: list[tuple[int, int]], slot: int = -1
+    ) -> None:
+        """Schedule ``n`` tokens of ``req`` over ``table`` (and state ``slot``), after the block ``copies`` its
+        allocation made."""
         self.rows.append(req)
         self.num_new.append(n)
         self.block_tables.append(table)
+        self.state_slots.append(slot)
         self.copies.extend(copies)
         self.total_tokens += n
 
@@ -196,7 +202,8 @@ class Scheduler:
                 todo.remove(victim)
             if copies is None:
                 continue
-            out.add_row(req, n, self.kv.block_table(req.request_id), copies)
+            rid = req.request_id
+            out.add_row(req, n, self.kv.block_table(rid), copies, self.kv.state_slot(rid))
             budget -= n
         return budget
 
@@ -220,7 +227,8 @@ class Scheduler:
             req.num_computed = cached
             req.status = Status.RUNNING
             self.running.append(req)
-            out.add_row(req, n, self.kv.block_table(req.request_id), copies)
+            rid = req.request_id
+            out.add_row(req, n, self.kv.block_table(rid), copies, self.kv.state_slot(rid))
             out.new_requests.append(req)
             budget -= n
 
@@ -332,8 +340,13 @@ class Scheduler:
             return
         if out is not self._run:  # (the delta of the run: no copies, preemptions or admissions again)
             rows, num_new, tables, total = out.rows, out.num_new, out.block_tables, out.total_tokens
-            self._run = SchedulerOutput(StepKind.DECODE, rows, num_new, tables, total_tokens=total)
-            self._steady = SchedulerOutput(StepKind.STEADY, rows, num_new, tables, total_tokens=total)
+            slots = out.state_slots
+            self._run = SchedulerOutput(
+                StepKind.DECODE, rows, num_new, tables, total_tokens=total, state_slots=slots
+            )
+            self._steady = SchedulerOutput(
+                StepKind.STEADY, rows, num_new, tables, total_tokens=total, state_slots=slots
+            )
         # Row r wrote position num_computed-1 in a private block (allocate_slots copied a shared one):
         # positions up to the block's end need no allocation.
         self._steady_left = min(-r.num_computed % self.kv.block_size for r in out.rows)

@@ -91,6 +91,7 @@ class RunnerBase:
     # Whether the runner's _step takes ``last`` (last_index [B,Q]) when its graph does (spec.multi_logits)
     TAKES_LAST_INDEX = False
     kv_blocks_touched = 0  # 1 + the highest block id a step has written (or copied into)
+    num_state_slots = 0  # recurrent state slots (runners/recurrent.py); the engine gives each request one
     kv_bytes = 0  # (a property of the runners that own pools)
     spin_switch = (
         None  # a SpinSwitch (ONNX Runtime runners with spinning="auto"): the session each step runs on

@@ -87,6 +87,8 @@ def open_runner(
     where = root if where is None else where
     if manifest.llm is None:
         raise ArtifactError(f"{where}: not a causal-lm artifact (manifest has no 'llm' block)")
+    if manifest.stages is not None and manifest.llm.states:
+        raise ArtifactError(f"{where}: a step graph with recurrent states cannot run in pipeline stages")
     if manifest.stages is not None:  # one worker per stage, micro-batches pipelined through them
         from precast.runtime.llm.runners.staged import open_staged_runner
 
@@ -126,6 +128,10 @@ def runner_on(session, spec: LLMSpec, num_blocks: int, path: Path | None = None)
         from precast.runtime.llm.runners.mapped import MappedModelRunner
 
         return MappedModelRunner(session, spec, num_blocks, path)
+    if spec.states:  # a hybrid or state-space model: recurrent states in per-request slots
+        from precast.runtime.llm.runners.recurrent import RecurrentRunner
+
+        return RecurrentRunner(session, spec, num_blocks, path)
     from precast.runtime.llm.runners.gather import ModelRunner
 
     return ModelRunner(session, spec, num_blocks, path)

@@ -199,18 +199,32 @@ def check_graph_matches_spec(session, spec: LLMSpec, path) -> None:
     step_inputs = _LAYOUT_INPUTS[spec.kv_layout]
     if spec.multi_logits and "last_index" not in step_inputs:  # (a paged graph's own last_index, last)
         step_inputs = (*step_inputs, "last_index")
-    for name in (*step_inputs, *(n for pair in spec.kv_inputs for n in pair)):
+    states = tuple(st.name for st in spec.states)
+    for name in (*step_inputs, *(n for pair in spec.kv_inputs for n in pair), *states):
         if name not in ins:
             raise ArtifactError(
                 f"{where} does not match the model: {name!r} is not an input of the step graph "
                 f"(kv_layout {spec.kv_layout!r})"
             )
-    for name in ("logits", *(n for pair in spec.kv_outputs for n in pair)):
+    for name in (
+        "logits",
+        *(n for pair in spec.kv_outputs for n in pair),
+        *(st.output for st in spec.states),
+    ):
         if name not in outs:
             raise ArtifactError(
                 f"{where} does not match the model: {name!r} is not an output of the step graph"
             )
-    fed = {*step_inputs, *(n for pair in spec.kv_inputs for n in pair)}
+    for st in spec.states:  # [B, *shape]: the runner's slots are sized by the block
+        for dims in (ins[st.name], outs[st.output]):
+            if len(dims) != 1 + len(st.shape) or any(
+                isinstance(g, int) and g != w for g, w in zip(dims[1:], st.shape)
+            ):
+                raise ArtifactError(
+                    f"{where} does not match the model: state {st.name!r} is {dims} in the graph, the block "
+                    f"says [B, {', '.join(map(str, st.shape))}]"
+                )
+    fed = {*step_inputs, *(n for pair in spec.kv_inputs for n in pair), *states}
     extra = sorted(set(ins) - fed)
     if extra:  # (the first step would fail inside ONNX Runtime on the missing feed)
         raise ArtifactError(
