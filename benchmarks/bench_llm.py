@@ -1,6 +1,6 @@
 """Issue 20's LLM serving table: precast's engine vs OpenVINO GenAI, onnxruntime-genai and llama.cpp.
 
-    python benchmarks/bench_llm.py [--model bench|small256|small384|dsv2] [--rounds 3] [--threads 2] [--load]
+    python benchmarks/bench_llm.py [--model bench|small256|small384|dsv2|mamba130m] [--rounds 3] [--threads 2] [--load]
         [--engines precast-fp32,ov-fp32,...] [--rows b1,c8,c32] [--new 128] [--b1-reps 3] [--list] [--json FILE]
 
 Every engine runs in its own worker process (bench_llm_worker.py) under the interpreter that has its package

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 from pathlib import Path
 
 import numpy as np
@@ -203,6 +204,9 @@ def build_paged_decoder(
     from precast.compiler.decoder.paged_ops import supports_gqa
 
     transformers.utils.logging.disable_progress_bar()  # precast prints its own progress (or none: -q)
+    # (recurrent layers' "falling back to its reference PyTorch implementation" notes: the reference is what
+    # precast compares against and replaces, never what it ships)
+    logging.getLogger("transformers.integrations.hub_kernels").setLevel(logging.ERROR)
     progress.step(f"loading {folder.name} with transformers")
     try:
         hf = transformers.AutoModelForCausalLM.from_pretrained(

@@ -153,6 +153,13 @@ def ov_refusal(model_type: str, shape) -> str | None:
     """Why this model cannot take the OpenVINO step graph (None: it can). ``shape``: generic_decoder.probe's."""
     if model_type in _SWAPPED:
         return f"'{model_type}' computes its own attention (not through transformers' interface)"
+    if shape.states:
+        layers = sorted({st.layer for st in shape.states})
+        kinds = "/".join(sorted({st.kind for st in shape.states}))
+        return (
+            f"'{model_type}' has recurrent-state layers {layers} ({kinds} state per request), not lowered to "
+            "OpenVINO yet (ort-cpu serves it)"
+        )
     if shape.value_size is not None and shape.value_size != shape.head_size:
         return (
             f"'{model_type}' has multi-head latent attention (K heads {shape.head_size}, V heads "
