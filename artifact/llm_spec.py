@@ -111,6 +111,10 @@ class LLMSpec(Record):
     # Recurrent states (Mamba / Mamba2 mixers, short convolutions, gated delta nets): per request a slot, not
     # blocks. A state-space model has none of the K/V above: ``layers`` 0, no kv_inputs / kv_outputs.
     states: tuple[StateSpec, ...] = ()
+    # V's head size when it differs from K's (None: head_size). 0: no V pool: multi-head latent attention
+    # (DeepSeek) stores each token's compressed latent and rotary key as its one K head, and the attention
+    # reads its values from that latent (docs/llm-step-contract.md)
+    value_size: int | None = None
 
     WRITE_NONE: ClassVar[bool] = True
 
@@ -132,7 +136,14 @@ class LLMSpec(Record):
             out.pop("multi_logits")
         if not self.states:
             out.pop("states")
+        if self.value_size is None:
+            out.pop("value_size")
         return out
+
+    @property
+    def value_head_size(self) -> int:
+        """The V pool's head size (0: none)."""
+        return self.head_size if self.value_size is None else self.value_size
 
     @property
     def state_bytes(self) -> int:
@@ -174,6 +185,12 @@ class LLMSpec(Record):
                 f"{where}: expected a KV layout of {', '.join(KV_LAYOUTS)} with {self.layers} layers of KV "
                 f"input names and {outputs} of KV output names"
             )
+        if self.value_size is not None and not 0 <= self.value_size <= self.head_size:
+            raise ArtifactError(
+                f"{where}: value_size must be in [0, head_size={self.head_size}], got {self.value_size}"
+            )
+        if self.value_size is not None and self.kv_layout != "paged":
+            raise ArtifactError(f"{where}: value_size needs kv_layout 'paged', got {self.kv_layout!r}")
         if self.states:
             names = [st.name for st in self.states]
             kv = {n for pair in (*self.kv_inputs, *self.kv_outputs) for n in pair}
@@ -205,7 +222,9 @@ class LLMSpec(Record):
         capped at DEFAULT_POOL_BYTES of float32 K/V (at least one block). A pool smaller than the context
         still serves shorter requests (the engine caps each request at the pool); size it with num_blocks,
         or `precast serve --num-blocks` / `--kv-cache-memory`."""
-        block_bytes = self.layers * 2 * self.kv_heads * self.block_size * self.head_size * 4
+        block_bytes = (
+            self.layers * self.kv_heads * self.block_size * (self.head_size + self.value_head_size) * 4
+        )
         wanted = DEFAULT_POOL_REQUESTS * self.blocks_for(self.max_context)
         if block_bytes == 0:  # a state-space model: blocks only count tokens
             return wanted

@@ -207,16 +207,21 @@ def _check_llm_against_io(llm: LLMSpec, io: IOSignature, where: str) -> None:
                 f"{where}: llm block does not match 'io': 'logits' is {logits.shape_str()}, the block says "
                 f"vocab={llm.vocab}"
             )
-    for name in (n for pair in llm.kv_inputs for n in pair):  # [rows or blocks, KV heads, rows, head size]
+    sizes = [(n, k) for k, v in llm.kv_inputs for n in ((k, "head_size"), (v, "value_size"))]
+    for name, size_key in sizes:  # [rows or blocks, KV heads, rows, head size]
         kv = specs.get(name)
         if kv is None or kv.shape is None or len(kv.shape) != 4:
             continue
-        for axis, key in ((1, "kv_heads"), (3, "head_size")):
+        want = {
+            "kv_heads": llm.kv_heads,
+            size_key: llm.head_size if size_key == "head_size" else llm.value_head_size,
+        }
+        for axis, key in ((1, "kv_heads"), (3, size_key)):
             dim = kv.shape[axis]
-            if isinstance(dim, int) and dim != getattr(llm, key):
+            if isinstance(dim, int) and dim != want[key]:
                 raise ArtifactError(
                     f"{where}: llm block does not match 'io': {name!r} is {kv.shape_str()}, the block says "
-                    f"{key}={getattr(llm, key)}"
+                    f"{key}={want[key]}"
                 )
 
 

@@ -82,6 +82,25 @@ def _inspect_speeds(root: Path, targets: dict) -> None:
         out_console.print(f"  at 1 request, speculating (--draft, --speculative): {best}", markup=False)
 
 
+def _inspect_states(states) -> None:
+    """A hybrid or state-space LLM's recurrent states (the llm block, already checked on read)."""
+    if not states:
+        return
+    layers = sorted({st["layer"] for st in states})
+    kinds = "/".join(sorted({st["kind"] for st in states}))
+    elements = 0
+    for st in states:
+        n = 1
+        for d in st["shape"]:
+            n *= d
+        elements += n
+    out_console.print(
+        f"recurrent state: {len(layers)} layer(s) ({kinds}), {elements * 4 / 1024:.1f} KiB per request, one slot "
+        "each; prefix caching off, no speculative decoding",
+        markup=False,
+    )
+
+
 def _inspect_one(path: Path, m: dict) -> None:
     t = m["target"]
     src = m.get("source", {})
@@ -102,6 +121,7 @@ def _inspect_one(path: Path, m: dict) -> None:
         + (f", session {t['session']}" if t.get("session") else "")
     )
     out_console.print(escape(f"pipeline: {m.get('pipeline') or '(none)'}"))
+    _inspect_states((m.get("llm") or {}).get("states"))
     io = Table(title="IO signature", title_justify="left")
     for col in ("", "name", "dtype", "shape"):
         io.add_column(col)

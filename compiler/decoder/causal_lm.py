@@ -160,6 +160,8 @@ def llm_block(folder: Path, config: dict, module) -> dict:
         "batched_prefill": not mapped,
         # True: the graph takes last_index [B,Q] and returns logits [B*Q,V] (speculative verification)
         "multi_logits": bool(getattr(module, "multi_logits", False)),
+        # multi-head latent attention: the pool's one K head is the latent, no V pool
+        **({"value_size": 0} if getattr(getattr(module, "shape", None), "value_size", None) == 0 else {}),
         # recurrent states (hybrid and state-space models): a slot per request, not blocks per token
         **({"states": [_state_entry(st) for st in _states(module)]} if _states(module) else {}),
     }
@@ -346,9 +348,10 @@ def sample_step(
         shape = (nb, kv, bs, d)
     if multi:  # each row's last logit_rows tokens (a row with fewer new tokens: its last one, repeated)
         feeds["last_index"] = last_indices(new_lens, np.minimum(new_lens, logit_rows), logit_rows)
+    v_shape = (*shape[:-1], spec.get("value_size", d))  # (latent attention: no V, size 0)
     for i in range(spec["layers"]):
-        for name in _kv_input_names(i, mapped):
-            feeds[name] = rng.standard_normal(shape).astype(np.float32)
+        for name, dims in zip(_kv_input_names(i, mapped), (shape, v_shape)):
+            feeds[name] = rng.standard_normal(dims).astype(np.float32)
     for st in spec.get("states", ()):  # a request's recurrent state as earlier steps left it (row 0's only:
         state = rng.standard_normal((batch, *st["shape"])).astype(np.float32)  # the others start at 0)
         state[past_lens == 0] = 0.0

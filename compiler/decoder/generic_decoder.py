@@ -174,6 +174,8 @@ def precast_paged_attention(
     if scaling is None:
         scaling = d**-0.5
     window = int(sliding_window) if sliding_window else None
+    if getattr(module, "precast_latent", False) and value.shape[-1] == 0:
+        return _latent_attention(module, step, i, query, key, value, scaling)
     if step.probe:
         step.layers.append(
             (
@@ -219,6 +221,58 @@ def precast_paged_attention(
     else:
         probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
     return torch.matmul(probs, values).transpose(1, 2).contiguous(), None
+
+
+def _latent_expand(module: nn.Module, k_nope: torch.Tensor, k_rot: torch.Tensor):
+    """DeepSeek's ``expand_kv`` inside a precast step: the latent itself, not K/V expanded per head.
+    ``key`` [B,1,S,r+rope] = the normalized compressed latent and the rotary key (what the pool stores: one
+    head per token), ``value`` [B,1,S,0] (none: the values are the latent). Outside a step, the model's own."""
+    if not in_step():
+        return type(module).expand_kv(module, k_nope, k_rot)
+    return torch.cat([k_nope, k_rot], dim=-1), k_nope[..., :0]
+
+
+def _latent_layers(hf: nn.Module) -> None:
+    """Point every multi-head latent attention module (a ``kv_b_proj`` and an ``expand_kv`` method: DeepSeek-V2
+    / V3) at the latent cache for precast's steps."""
+    for m in hf.modules():
+        if hasattr(m, "kv_b_proj") and callable(getattr(type(m), "expand_kv", None)):
+            m.expand_kv = _latent_expand.__get__(m)
+            m.precast_latent = True
+
+
+def _latent_attention(module, step: _Step, i: int, query, key, value, scaling: float):
+    """Multi-head latent attention over the latent cache, absorbed (as DeepSeek's own inference and llama.cpp):
+
+        kv_b_proj [H*(nope+v), r] -> W_UK [H,nope,r], W_UV [H,v,r]
+        scores = (q_nope W_UK) . latent + q_rope . k_rope       (= q_nope . (latent W_UK^T) + q_rope . k_rope)
+        out    = (probs @ latent) W_UV^T                          (= probs @ (latent W_UV^T))
+
+    query [B,H,S,nope+rope], key [B,1,S,r+rope] (this step's latent and rotary key), value [B,1,S,0]. The
+    pool holds r+rope floats a token and layer, not 2 x H x (nope+rope)."""
+    b, h, s, _ = query.shape
+    r = int(module.kv_lora_rank)
+    nope, vd = int(module.qk_nope_head_dim), int(module.v_head_dim)
+    if step.probe:
+        step.layers.append((i, 1, key.shape[-1], 0, None, None, False))
+        keys, past_lens = key, torch.zeros(b, dtype=torch.long, device=query.device)
+    else:
+        step.new_keys[i], step.new_values[i] = key, value
+        keys, past_lens = (
+            torch.cat([gather_past(step.key_caches[i], step.block_tables), key], dim=2),
+            step.past_lens,
+        )
+    w = module.kv_b_proj.weight.reshape(h, nope + vd, r)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # [H,nope,r], [H,v,r]
+    q_lat = torch.matmul(query[..., :nope], w_uk)  # [B,H,S,r]
+    q = torch.cat([q_lat, query[..., nope:]], dim=-1)  # [B,H,S,r+rope]
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scaling  # [B,H,S,P+S] (the one K head broadcast)
+    mask = _mask(past_lens, s, keys.shape[2] - s, None)
+    scores = torch.where(mask, scores, torch.full_like(scores, _NEG))
+    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
+    out_lat = torch.matmul(probs, keys[..., :r])  # [B,H,S,r]
+    out = torch.matmul(out_lat, w_uv.transpose(1, 2))  # [B,H,S,v]
+    return out.transpose(1, 2).contiguous(), None
 
 
 # inside export_moe_op(): eligible experts trace to precast::moe (ONNX Runtime's MoE kernel). A context
@@ -422,6 +476,7 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
     family = _family(hf)
     register()
     swap_attention(hf)  # falcon / bloom: their own attention code, pointed at precast_paged_attention
+    _latent_layers(hf)  # DeepSeek's multi-head latent attention: the pool holds the latent
     set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
     step = _Step(probe=True)
     ids = torch.arange(4)[None] % int(cfg.vocab_size)
@@ -434,7 +489,16 @@ def probe(hf: nn.Module, where: str) -> DecoderShape:
             raise
         raise ModelLoadError(_unrouted(where, family, cfg, recurrent, set(recurrent))) from e
     states = tuple(step.state_layers[k] for k in sorted(step.state_layers, key=lambda k: (k[1], k[0], k[2])))
-    unrouted = set(recurrent) - {s.layer for s in states}
+    kinds: dict[int, set] = {}
+    for st in states:
+        kinds.setdefault(st.layer, set()).add(st.kind)
+    # a short convolution holds a conv state; a Mamba mixer or gated delta net a conv and a scan state: a
+    # layer with fewer kept part of its state outside the step (a function precast does not route)
+    unrouted = {
+        i
+        for i, name in recurrent.items()
+        if kinds.get(i, set()) < ({"conv"} if "ShortConv" in name else {"conv", "ssm"})
+    }
     if unrouted:
         raise ModelLoadError(_unrouted(where, family, cfg, recurrent, unrouted))
     layers = sorted(step.layers)
@@ -603,8 +667,9 @@ def check_against_hf(module: GenericDecoder, hf_eager_attn: str, where: str, blo
             set_attention(hf, ATTN_IMPLEMENTATION, EXPERTS_IMPLEMENTATION)
         nb = -(-n // block_size) + 1
         shape = (nb, module.kv_heads, block_size, module.head_dim)
+        v_shape = shape[:-1] + ((0,) if module.shape.value_size == 0 else shape[-1:])  # (latent: no V)
         kc = [torch.zeros(shape) for _ in range(layers)]
-        vc = [torch.zeros(shape) for _ in range(layers)]
+        vc = [torch.zeros(v_shape) for _ in range(layers)]
         table = torch.randperm(nb, generator=gen)[None, : nb - 1]
         cut = [0, n // 2, n - 3, n - 2, n - 1, n]  # two prefill chunks, then three decode steps
         worst = 0.0
@@ -629,13 +694,14 @@ def check_against_hf(module: GenericDecoder, hf_eager_attn: str, where: str, blo
         batch_ids = torch.cat([ids[:, :s], torch.cat([ids[:, :5], pad[:, 5:]], 1)])
         batch_pos = torch.cat([torch.arange(s)[None], torch.cat([torch.arange(5), pad[0, 5:]])[None]])
         tables = torch.cat([table, table.flip(1)])
-        zero = [torch.zeros(shape) for _ in range(layers)]
-        args = (batch_ids, batch_pos, torch.tensor([0, 0]), torch.tensor([s, 5]), tables, zero, zero)
+        zero_k = [torch.zeros(shape) for _ in range(layers)]
+        zero_v = [torch.zeros(v_shape) for _ in range(layers)]
+        args = (batch_ids, batch_pos, torch.tensor([0, 0]), torch.tensor([s, 5]), tables, zero_k, zero_v)
         out = module(*args, None, zero_states(2))
         for got, want in ((out[0][0], ref[s - 1]), (out[0][1], ref[4])):
             worst = max(worst, float((got - want).abs().max() / (want.abs().max() + 1e-6)))
         if module.shape.states:  # row 1's states, one more token on: the logits of token 5
-            one = [torch.zeros(shape) for _ in range(2 * layers)]  # row 1's K/V of its 5 tokens
+            one = [torch.zeros(shape if j % 2 == 0 else v_shape) for j in range(2 * layers)]  # row 1's K/V
             for i in range(2 * layers):
                 for t in range(5):
                     one[i][tables[1, t // block_size], :, t % block_size] = out[1 + i][1, :, t]

@@ -160,10 +160,15 @@ def ov_refusal(model_type: str, shape) -> str | None:
             f"'{model_type}' has recurrent-state layers {layers} ({kinds} state per request), not lowered to "
             "OpenVINO yet (ort-cpu serves it)"
         )
+    if shape.value_size == 0:
+        return (
+            f"'{model_type}' has multi-head latent attention (a latent cache of {shape.head_size} floats a "
+            "token and layer), not lowered to OpenVINO's PagedAttention yet (ort-cpu serves it)"
+        )
     if shape.value_size is not None and shape.value_size != shape.head_size:
         return (
-            f"'{model_type}' has multi-head latent attention (K heads {shape.head_size}, V heads "
-            f"{shape.value_size}), not lowered to OpenVINO's PagedAttention yet (ort-cpu serves it)"
+            f"'{model_type}' has K heads of {shape.head_size} and V heads of {shape.value_size}, not lowered to "
+            "OpenVINO's PagedAttention yet (ort-cpu serves it)"
         )
     if any(shape.sinks):
         return f"'{model_type}' has attention sinks, not lowered to OpenVINO's PagedAttention yet (ort-cpu serves it)"

@@ -50,13 +50,18 @@ def block_bytes(spec) -> int:
         from precast.runtime.llm.runners.mapped_kv import page_block_size
 
         block_size = page_block_size(spec.head_size, at_least=block_size)
-    return spec.layers * 2 * spec.kv_heads * block_size * spec.head_size * KV_ITEMSIZE
+    value = getattr(spec, "value_head_size", spec.head_size)  # (latent attention: 0, no V pool)
+    return spec.layers * spec.kv_heads * block_size * (spec.head_size + value) * KV_ITEMSIZE
 
 
 def blocks_for_memory(spec, nbytes: int) -> int:
     """The most KV blocks that fit in ``nbytes`` (at least one, else UsageError). A pool smaller than the
     context still serves short requests; a prompt too long for it is a 400."""
     per_block = block_bytes(spec)
+    if (
+        per_block == 0
+    ):  # a state-space model: no K/V, its blocks only count tokens (states: one slot a request)
+        return int(spec.default_num_blocks())
     blocks = nbytes // per_block
     if blocks < 1:
         raise UsageError(

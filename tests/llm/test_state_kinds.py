@@ -1,5 +1,5 @@
 """Decoders whose state is not one plain K/V per layer (issue 41): gpt-oss's attention sinks and DeepSeek-V2 / V3's
-multi-head latent attention (V heads padded to K's size in the pool) through the generic paged path, and a
+multi-head latent attention (the pool holds each token's compressed latent + rotary key) through the generic paged path, and a
 one-line refusal naming the family and the layer kind for what the engine cannot hold yet (state-space and
 hybrid models)."""
 
@@ -98,7 +98,8 @@ RECURRENT = {
 
 SERVED = {
     "gpt_oss": GPT_OSS,
-    # multi-head latent attention: K heads 48 (32 nope + 16 rope), V heads 32; MoE 4 experts, 2 a token
+    # multi-head latent attention: 4 heads of K 48 (32 nope + 16 rope), V 32 over a latent of 16 (+ 16 rope);
+    # MoE 4 experts, 2 a token
     "deepseek_v2": dict(DEEPSEEK, q_lora_rank=None),  # (its complex rotary runs in reals in the step)
     "deepseek_v3": dict(DEEPSEEK, q_lora_rank=24, n_group=1, topk_group=1),
     **RECURRENT,
@@ -225,3 +226,27 @@ def test_a_multi_target_compile_writes_ort_cpu_and_inspect_shows_why_openvino_is
     shown = cli("inspect", out)
     assert shown.code == 0
     assert "openvino: not built" in shown.out and "attention sinks" in shown.out, shown.out
+
+
+@pytest.mark.slow
+def test_mla_pool_holds_the_latent_not_expanded_k_and_v(cli, tmp_path):
+    """DeepSeek's pool: one K head of kv_lora_rank + rope floats a token and layer, no V pool (the values are
+    the latent), against 2 x heads x (nope + rope) floats expanded (V padded to K): 12x less here."""
+    from precast.runtime.llm import Engine
+
+    config = SERVED["deepseek_v2"]
+    folder = build_causal_lm(tmp_path / "dsv2", "deepseek_v2", seed=3, **config)
+    out = tmp_path / "art"
+    assert cli("compile", folder, "-o", out, "--task", "causal-lm", "--target", "ort-cpu", "-q").code == 0
+    eng = Engine.load(out, num_blocks=8)
+    try:
+        spec, runner = eng.runner.spec, eng.runner
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        assert (spec.kv_heads, spec.head_size, spec.value_head_size) == (1, latent, 0)
+        per_token = runner.kv_bytes // (runner.num_blocks * spec.block_size)
+        assert per_token == spec.layers * latent * 4
+        heads = 4  # (the fixtures' num_attention_heads)
+        expanded = spec.layers * 2 * heads * (config["qk_nope_head_dim"] + config["qk_rope_head_dim"]) * 4
+        assert expanded == 12 * per_token
+    finally:
+        eng.close()

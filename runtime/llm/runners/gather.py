@@ -47,9 +47,10 @@ class ModelRunner(RunnerBase):
         self.num_blocks = int(num_blocks)
         self._session = session
         shape = (spec.layers, self.num_blocks, spec.kv_heads, spec.block_size, spec.head_size)
+        v_shape = (*shape[:-1], spec.value_head_size)  # (0: a latent-attention model has no V pool)
         # One array per K/V holding every layer's pool; key_cache[i] / value_cache[i] are its views, so
         # the step's scatter is one indexed write for all layers instead of one per layer.
-        self._k_all, self._v_all = np.zeros(shape, dtype=np.float32), np.zeros(shape, dtype=np.float32)
+        self._k_all, self._v_all = np.zeros(shape, dtype=np.float32), np.zeros(v_shape, dtype=np.float32)
         self.key_cache = list(self._k_all)
         self.value_cache = list(self._v_all)
         self._views = (tuple(self.key_cache), tuple(self.value_cache))
@@ -229,17 +230,17 @@ def check_graph_matches_spec(session, spec: LLMSpec, path) -> None:
     if extra:  # (the first step would fail inside ONNX Runtime on the missing feed)
         raise ArtifactError(
             f"{where} does not match the model: the step graph's input {extra[0]!r} is not among the "
-            f"block's kv_inputs (layers={spec.layers})"
+            f"block's kv_inputs (layers={spec.layers})" + (" or states" if spec.states else "")
         )
     spec.check_logits_shape(outs["logits"], where)
     for pair in spec.kv_inputs:
-        for name in pair:
+        for name, size in zip(pair, (spec.head_size, spec.value_head_size)):
             dims = ins[name]
             graph = (dims[1], dims[3]) if len(dims) == 4 else None
             if graph is None or any(
-                isinstance(g, int) and g != w for g, w in zip(graph, (spec.kv_heads, spec.head_size))
+                isinstance(g, int) and g != w for g, w in zip(graph, (spec.kv_heads, size))
             ):
                 raise ArtifactError(
                     f"{where} does not match the model: {name!r} is {dims} in the graph, the block says "
-                    f"kv_heads={spec.kv_heads}, head_size={spec.head_size}"
+                    f"kv_heads={spec.kv_heads}, head size {size}"
                 )
