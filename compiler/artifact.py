@@ -228,7 +228,9 @@ def save_tensors(arrays: Mapping[str, np.ndarray], folder: Path, rel_prefix: str
         if isinstance(arr, (list, tuple)):  # a sequence: one .npy per element in a '<name>.seq' folder
             seq = fname.removesuffix(".npy") + SEQUENCE_SUFFIX
             (folder / seq).mkdir()
-            (folder / seq / SEQUENCE_LENGTH).write_text(f"{len(arr)}\n")  # an empty sequence has no other file
+            (folder / seq / SEQUENCE_LENGTH).write_text(
+                f"{len(arr)}\n"
+            )  # an empty sequence has no other file
             for j, elem in enumerate(arr):
                 np.save(folder / seq / f"{j:06d}.npy", _storable(elem), allow_pickle=False)
             index[name] = f"{rel_prefix}/{seq}"
@@ -309,6 +311,14 @@ def build_manifest(
     llm_spec = LLMSpec.from_json(llm, f"source {source.name}") if llm is not None else None
     if llm_spec is not None and stages is not None:  # a staged causal LM: each stage owns its layers' KV
         from precast.runtime.llm.runners.staged import staged_llm_block
+
+        if llm_spec.states:
+            from precast.errors import UsageError
+
+            raise UsageError(
+                f"{source.name}: '{llm_spec.model_type}' has recurrent-state layers; its step graph cannot be "
+                "split into pipeline stages (drop split-stages)"
+            )
 
         stages = staged_llm_block(stages, llm_spec)
     return Manifest(

@@ -441,3 +441,24 @@ def test_a_half_routed_mamba_mixer_is_still_refused(name, folders, monkeypatch):
     msg = str(info.value)
     assert "\n" not in msg and "not supported for task causal-lm" in msg, msg
     assert "'mamba' has recurrent-state layers" in msg and "MambaMixer" in msg, msg
+
+
+@pytest.mark.slow
+def test_pipeline_stages_refuse_a_recurrent_model_at_compile(folders, cli, tmp_path):
+    """split-stages on a hybrid: one line naming the family and the layer kind, no artifact."""
+    out = tmp_path / "staged"
+    passes = "default,split-stages{n=2}"
+    res = cli("compile", folders["lfm2"], "-o", out, "--task", "causal-lm", "--passes", passes, "-q")
+    lines = res.err.strip().splitlines()
+    assert res.code != 0 and len(lines) == 1, res.err
+    assert "'lfm2' has recurrent-state layers" in lines[0] and "pipeline stages" in lines[0], lines[0]
+    assert not out.exists()
+
+
+@pytest.mark.slow
+def test_inspect_shows_the_recurrent_state_and_what_is_off(mamba_art, cli):
+    res = cli("inspect", mamba_art)
+    assert res.code == 0, res.err
+    # 2 layers x (conv 128 x 3 + ssm 128 x 8) floats = 11 KiB a request
+    assert "recurrent state: 2 layer(s) (conv/ssm), 11.0 KiB per request" in res.out, res.out
+    assert "prefix caching off, no speculative decoding" in res.out
