@@ -40,6 +40,7 @@ STATE_KINDS = ("conv", "ssm")
 # The most float32 elements one request's recurrent state of one layer may hold (Falcon-H1-34B's SSM state is
 # 1.3 M; the runner reserves slots x this per state)
 STATE_MAX_ELEMENTS = 1 << 24
+STATE_MAX_BYTES = 1 << 30  # all of one request's states
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,10 @@ class LLMSpec(Record):
                 raise ArtifactError(
                     f"{where}: recurrent states need kv_layout 'paged', got {self.kv_layout!r}"
                 )
-            if self.state_bytes * 2 > DEFAULT_POOL_BYTES:
-                raise ArtifactError(f"{where}: {self.state_bytes} bytes of state per request is too large")
+            if self.state_bytes > STATE_MAX_BYTES:
+                raise ArtifactError(
+                    f"{where}: {self.state_bytes} bytes of recurrent state per request, at most {STATE_MAX_BYTES}"
+                )
 
     def check_logits_shape(self, shape, where: str) -> None:
         """The step graph's logits shape (ints static, anything else dynamic): its last dim, where the graph
@@ -226,6 +229,6 @@ class LLMSpec(Record):
             self.layers * self.kv_heads * self.block_size * (self.head_size + self.value_head_size) * 4
         )
         wanted = DEFAULT_POOL_REQUESTS * self.blocks_for(self.max_context)
-        if block_bytes == 0:  # a state-space model: blocks only count tokens
-            return wanted
+        if block_bytes == 0:  # a state-space model: blocks only count tokens (64 full-context requests)
+            return 64 * self.blocks_for(self.max_context)
         return max(1, min(wanted, DEFAULT_POOL_BYTES // block_bytes))

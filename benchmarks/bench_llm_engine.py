@@ -131,7 +131,7 @@ def main(argv=None) -> None:
         )
 
     n_out = args.requests * args.new
-    per_token = 2 * spec.layers * spec.kv_heads * spec.head_size * 4
+    per_token = spec.layers * spec.kv_heads * (spec.head_size + spec.value_head_size) * 4
     held = blocks * spec.block_size * per_token
     contiguous = args.requests * spec.max_context * per_token
     print(

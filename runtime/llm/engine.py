@@ -196,6 +196,9 @@ class Engine:
             raise UsageError(f"concurrency must be a positive integer (or None), got {concurrency!r}")
         if concurrency is None and config is not None:
             concurrency = config.max_num_seqs
+        if options.state_slots is None:  # (a recurrent model's slots: one per request the scheduler runs)
+            slots = (config or SchedulerConfig()).max_num_seqs
+            options = dataclasses.replace(options, state_slots=slots)
 
         def open_target(root: Path, manifest) -> tuple:
             return _open_llm_target(root, manifest, num_blocks, options, where=path)

@@ -106,6 +106,8 @@ def score_windows(
         )
     maxb = spec.blocks_for(longest)
     batch = min(batch, len(windows), max(1, runner.num_blocks // maxb))
+    if runner.num_state_slots:  # (a recurrent model: a state slot per window at once)
+        batch = min(batch, runner.num_state_slots)
     if runner.num_blocks < maxb:
         raise InputError(f"the runner's {runner.num_blocks} KV blocks cannot hold a {longest}-token window")
     logprobs, argmax = [], []
@@ -257,4 +259,6 @@ def _runner_for_text(root, manifest, text, window, stride, max_tokens, batch, th
     s = max(1, int(stride if stride is not None else w))
     nb = max(1, min(batch, -(-len(ids) // s))) * spec.blocks_for(max(2, min(w, len(ids))))
     # (spinning: ONNX Runtime's default, as a loaded Model runs; one session, no spin switch)
-    return open_runner(root, manifest, nb, RunnerOptions(threads=threads, spinning=True)), ids
+    slots = max(1, min(batch, -(-len(ids) // s)))  # (a recurrent model's state slots: one per window at once)
+    options = RunnerOptions(threads=threads, spinning=True, state_slots=slots)
+    return open_runner(root, manifest, nb, options), ids

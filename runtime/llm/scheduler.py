@@ -222,8 +222,9 @@ class Scheduler:
                 req.num_cached_prompt_tokens = cached
             if req.t_scheduled is None:
                 req.t_scheduled = time.perf_counter()
-            self.prefix_hit_tokens += cached
-            self.prefix_query_tokens += len(req.token_ids)
+            if self.kv.enable_prefix_caching:  # (off: nothing is looked up)
+                self.prefix_hit_tokens += cached
+                self.prefix_query_tokens += len(req.token_ids)
             req.num_computed = cached
             req.status = Status.RUNNING
             self.running.append(req)

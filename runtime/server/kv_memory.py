@@ -1,7 +1,8 @@
 """KV cache memory as a size (``--kv-cache-memory 2GiB``) -> blocks of the artifact's KV pool.
 
 One block holds ``block_size`` tokens of K and V for every layer and KV head, in float32 (what both model
-runners allocate):  layers x 2 x kv_heads x block_size x head_size x 4 bytes. A ``mapped`` pool may round
+runners allocate):  layers x kv_heads x block_size x (K + V head size) x 4 bytes (V 0 for latent attention).
+A hybrid model's recurrent state slots come out of the same size first. A ``mapped`` pool may round
 the block size up to whole pages on this host (mapped_kv.page_block_size), and is sized with that.
 """
 
@@ -54,19 +55,27 @@ def block_bytes(spec) -> int:
     return spec.layers * spec.kv_heads * block_size * (spec.head_size + value) * KV_ITEMSIZE
 
 
-def blocks_for_memory(spec, nbytes: int) -> int:
-    """The most KV blocks that fit in ``nbytes`` (at least one, else UsageError). A pool smaller than the
-    context still serves short requests; a prompt too long for it is a 400."""
+def blocks_for_memory(spec, nbytes: int, max_num_seqs: int = 64) -> int:
+    """The most KV blocks that fit in ``nbytes`` (at least one, else UsageError) beside a hybrid model's
+    recurrent state slots (one per request at once: ``max_num_seqs`` x its state bytes). A pool smaller than
+    the context still serves short requests; a prompt too long for it is a 400."""
     per_block = block_bytes(spec)
-    if (
-        per_block == 0
-    ):  # a state-space model: no K/V, its blocks only count tokens (states: one slot a request)
-        return int(spec.default_num_blocks())
-    blocks = nbytes // per_block
+    states = max_num_seqs * int(getattr(spec, "state_bytes", 0) or 0)
+    if per_block == 0:  # a state-space model: no K/V to size
+        raise UsageError(
+            f"--kv-cache-memory sizes a K/V cache and '{spec.model_type}' has none: each running request holds "
+            f"{spec.state_bytes} bytes of recurrent state (--max-num-seqs {max_num_seqs}: {states} bytes)"
+        )
+    if states and nbytes - states < per_block:
+        raise UsageError(
+            f"--kv-cache-memory {nbytes} bytes holds the recurrent state slots ({max_num_seqs} requests x "
+            f"{spec.state_bytes} bytes = {states}) and no KV block of {per_block} bytes beside them"
+        )
+    blocks = (nbytes - states) // per_block
     if blocks < 1:
         raise UsageError(
             f"--kv-cache-memory {nbytes} bytes holds no KV block (one block is {per_block} bytes: "
-            f"{spec.layers} layers x 2 x {spec.kv_heads} KV heads x block {spec.block_size} x head {spec.head_size} "
-            f"x {KV_ITEMSIZE} bytes)"
+            f"{spec.layers} layers x {spec.kv_heads} KV heads x block {spec.block_size} x (K head {spec.head_size} "
+            f"+ V head {getattr(spec, 'value_head_size', spec.head_size)}) x {KV_ITEMSIZE} bytes)"
         )
     return int(blocks)

@@ -459,12 +459,12 @@ def _engine_options(
     from precast.runtime.server.kv_memory import blocks_for_memory
 
     spec = LLMSpec.from_manifest(read_manifest(path), str(path))
+    sizes = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
+    config = checked_config(SchedulerConfig(**{k: v for k, v in sizes.items() if v is not None}))
     if kv_cache_memory is not None:
         if num_blocks is not None:
             raise UsageError("--kv-cache-memory and --num-blocks both size the KV pool: give one of them")
-        num_blocks = blocks_for_memory(spec, kv_cache_memory)
-    sizes = {"max_num_seqs": max_num_seqs, "max_num_batched_tokens": max_num_batched_tokens}
-    config = checked_config(SchedulerConfig(**{k: v for k, v in sizes.items() if v is not None}))
+        num_blocks = blocks_for_memory(spec, kv_cache_memory, config.max_num_seqs)
     if spec.kv_layout == "mapped" and config.max_num_seqs > _MAPPED_SLOTS:
         raise UsageError(
             f"--max-num-seqs {config.max_num_seqs}: this artifact's mapped KV pool runs at most "

@@ -153,11 +153,11 @@ def test_hybrid_memory_grows_with_requests_at_once_and_with_tokens(lfm2_art):
 
 @pytest.mark.slow
 def test_state_space_model_has_no_kv_pool_and_its_default_pool_counts_tokens(mamba_art):
-    """Mamba: no attention layer, so no K/V at all; its bytes are the state slots only, and the default pool
-    (block_bytes 0: no byte cap to divide by) is DEFAULT_POOL_REQUESTS full-context requests of blocks."""
-    from precast.artifact.llm_spec import DEFAULT_POOL_REQUESTS
+    """Mamba: no attention layer, so no K/V at all; its bytes are the state slots only (one per request the
+    scheduler runs at once: max_num_seqs, 64 by default), and the default pool (block_bytes 0: blocks cost
+    nothing) is 64 full-context requests of blocks, so blocks never preempt it before slots run out."""
     from precast.runtime.llm import Engine
-    from precast.runtime.llm.runners.recurrent import MAX_STATE_SLOTS
+    from precast.runtime.llm.scheduler import SchedulerConfig
 
     eng = Engine.load(mamba_art)
     try:
@@ -171,9 +171,9 @@ def test_state_space_model_has_no_kv_pool_and_its_default_pool_counts_tokens(mam
             ("ssm", 1, (128, 8)),
         ]
         assert spec.state_bytes == 4 * 2 * (128 * 3 + 128 * 8)
-        want_blocks = DEFAULT_POOL_REQUESTS * -(-spec.max_context // spec.block_size)
+        want_blocks = 64 * -(-spec.max_context // spec.block_size)
         assert spec.default_num_blocks() == runner.num_blocks == want_blocks
-        assert runner.num_state_slots == min(want_blocks, MAX_STATE_SLOTS)
+        assert runner.num_state_slots == SchedulerConfig().max_num_seqs == 64
         assert runner.kv_bytes == eng.metrics().kv_bytes_reserved == runner.num_state_slots * spec.state_bytes
         done = eng.generate([_prompt(5), _prompt(30, seed=1)], _params())
         assert [len(c.token_ids) for c in done] == [NEW, NEW]
@@ -186,12 +186,12 @@ def test_state_space_model_has_no_kv_pool_and_its_default_pool_counts_tokens(mam
 
 @pytest.mark.slow
 def test_more_requests_than_state_slots_wait_for_one_and_start_from_a_zero_state(mamba_art):
-    """num_blocks=2: 2 state slots. 5 requests at once run 2 at a time, each slot reused by a later request
+    """max_num_seqs=2: 2 state slots. 5 requests at once run 2 at a time, each slot reused by a later request
     (which must start from zeros, not the state its last holder left): each == the request alone."""
-    from precast.runtime.llm import Engine
+    from precast.runtime.llm import Engine, SchedulerConfig
 
     prompts = [_prompt(3 + 2 * i, seed=i) for i in range(5)]
-    eng = Engine.load(mamba_art, num_blocks=2)
+    eng = Engine.load(mamba_art, num_blocks=64, config=SchedulerConfig(max_num_seqs=2))
     try:
         assert eng.runner.num_state_slots == 2
         got = _run(eng, prompts)
@@ -306,14 +306,14 @@ HOSTILE = {
         _states(lambda s: s.__setitem__(0, "conv_state.0")),
         "'states[0]' must be a JSON object",
     ),
-    # each under the per-state cap, 33 x 64 MiB together: more than the default pool holds twice over
+    # each under the per-state cap, 33 x 64 MiB together: more than the 1 GiB a request's states may hold
     "too large together": (
         _states(
             lambda s: s.extend(
                 {"name": f"x.{i}", "layer": 0, "kind": "ssm", "shape": [4096, 4096]} for i in range(33)
             )
         ),
-        "bytes of state per request is too large",
+        "bytes of recurrent state per request, at most 1073741824",
     ),
     "not paged": (lambda m: m["llm"].update(kv_layout="mapped"), "recurrent states need kv_layout 'paged'"),
     "no states, no layers": (
@@ -462,3 +462,22 @@ def test_inspect_shows_the_recurrent_state_and_what_is_off(mamba_art, cli):
     # 2 layers x (conv 128 x 3 + ssm 128 x 8) floats = 11 KiB a request
     assert "recurrent state: 2 layer(s) (conv/ssm), 11.0 KiB per request" in res.out, res.out
     assert "prefix caching off, no speculative decoding" in res.out
+
+
+@pytest.mark.slow
+def test_kv_cache_memory_counts_the_state_slots_and_refuses_a_state_space_model(lfm2_art, mamba_art):
+    """--kv-cache-memory: a hybrid's blocks are what is left after max_num_seqs state slots; a size that
+    holds only the slots is refused; a state-space model (no K/V) is refused, naming its state bytes."""
+    from precast.artifact.manifest import read_manifest
+    from precast.errors import UsageError
+    from precast.runtime.server.kv_memory import block_bytes, blocks_for_memory
+
+    lfm2, mamba = (read_manifest(a).llm for a in (lfm2_art, mamba_art))
+    per_block, slots = block_bytes(lfm2), 8 * lfm2.state_bytes
+    assert blocks_for_memory(lfm2, slots + 10 * per_block + 1, max_num_seqs=8) == 10
+    with pytest.raises(UsageError, match="holds the recurrent state slots"):
+        blocks_for_memory(lfm2, slots + per_block - 1, max_num_seqs=8)
+    with pytest.raises(
+        UsageError, match=f"'mamba' has none: each running request holds {mamba.state_bytes} bytes"
+    ):
+        blocks_for_memory(mamba, 1 << 30, max_num_seqs=8)

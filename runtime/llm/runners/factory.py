@@ -35,12 +35,15 @@ class RunnerOptions:
     file, checked by the HAL before the runner opens. ``spinning``: whether ONNX Runtime's idle threads
     spin-wait between runs (True, False or "auto": both sessions, runners/spin_switch.py); None is the runner's
     default ("auto"; a staged artifact's False; OpenVINO has none). ``micro_batches``: a staged
-    artifact's micro-batches per step (default one per stage)."""
+    artifact's micro-batches per step (default one per stage). ``state_slots``: a hybrid or state-space
+    model's recurrent state slots, the most requests it runs at once (Engine.load: the scheduler's
+    max_num_seqs; default runners/recurrent.MAX_STATE_SLOTS)."""
 
     threads: int | None = None
     verify: bool = True
     spinning: bool | str | None = None
     micro_batches: int | None = None
+    state_slots: int | None = None
 
     @classmethod
     def from_kwargs(cls, kwargs: Mapping[str, object], caller: str) -> RunnerOptions:
@@ -107,14 +110,20 @@ def open_runner(
     model = open_resolved(root, manifest, threads=options.threads, spinning=False if auto else spinning)
     spec = LLMSpec.from_manifest(model.manifest, str(root))
     runner = runner_on(
-        model.session, spec, spec.default_num_blocks() if num_blocks is None else num_blocks, root
+        model.session,
+        spec,
+        spec.default_num_blocks() if num_blocks is None else num_blocks,
+        root,
+        options.state_slots,
     )
     if auto and spec.kv_layout != "ov-paged":
         _add_spin_switch(runner, model, options.threads)
     return runner
 
 
-def runner_on(session, spec: LLMSpec, num_blocks: int, path: Path | None = None) -> StepRunner:
+def runner_on(
+    session, spec: LLMSpec, num_blocks: int, path: Path | None = None, state_slots: int | None = None
+) -> StepRunner:
     """A runner over an open session of a step graph (no stages), by the spec's ``kv_layout``."""
     if spec.kv_layout == "ov-paged":  # OpenVINO's PagedAttention over the engine's block tables
         from precast.runtime.backends.openvino import OpenVINOSession
@@ -131,7 +140,7 @@ def runner_on(session, spec: LLMSpec, num_blocks: int, path: Path | None = None)
     if spec.states:  # a hybrid or state-space model: recurrent states in per-request slots
         from precast.runtime.llm.runners.recurrent import RecurrentRunner
 
-        return RecurrentRunner(session, spec, num_blocks, path)
+        return RecurrentRunner(session, spec, num_blocks, path, state_slots)
     from precast.runtime.llm.runners.gather import ModelRunner
 
     return ModelRunner(session, spec, num_blocks, path)

@@ -216,11 +216,9 @@ def check_graph_matches_spec(session, spec: LLMSpec, path) -> None:
             raise ArtifactError(
                 f"{where} does not match the model: {name!r} is not an output of the step graph"
             )
-    for st in spec.states:  # [B, *shape]: the runner's slots are sized by the block
+    for st in spec.states:  # [B, *shape], static: the runner's slots are sized by the block
         for dims in (ins[st.name], outs[st.output]):
-            if len(dims) != 1 + len(st.shape) or any(
-                isinstance(g, int) and g != w for g, w in zip(dims[1:], st.shape)
-            ):
+            if len(dims) != 1 + len(st.shape) or any(g != w for g, w in zip(dims[1:], st.shape)):
                 raise ArtifactError(
                     f"{where} does not match the model: state {st.name!r} is {dims} in the graph, the block "
                     f"says [B, {', '.join(map(str, st.shape))}]"

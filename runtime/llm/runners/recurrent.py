@@ -26,8 +26,11 @@ from precast.runtime.llm.scheduler import SchedulerOutput
 __all__ = ["MAX_STATE_SLOTS", "RecurrentRunner"]
 
 # State slots when the caller sizes none: one per request the scheduler may run at once (its default
-# max_num_seqs is 64), never more than the pool's blocks (each request holds at least one).
+# max_num_seqs is 64). Engine.load sizes them by its config's max_num_seqs.
 MAX_STATE_SLOTS = 64
+# The most address space the slot pools reserve (np.zeros maps them lazily; an untrusted manifest's state sizes
+# cannot make the runner reserve more: the slots are cut to fit, at least one)
+STATE_RESERVE_MAX = 64 << 30
 
 
 class RecurrentRunner(ModelRunner):
@@ -35,9 +38,10 @@ class RecurrentRunner(ModelRunner):
         self, session, spec, num_blocks: int, path: Path | None = None, num_slots: int | None = None
     ):
         super().__init__(session, spec, num_blocks, path)
-        slots = min(self.num_blocks, MAX_STATE_SLOTS) if num_slots is None else int(num_slots)
+        slots = MAX_STATE_SLOTS if num_slots is None else int(num_slots)
         if slots < 1:
             raise InputError(f"state slots must be >= 1, got {slots}")
+        slots = max(1, min(slots, STATE_RESERVE_MAX // max(1, spec.state_bytes)))
         self.num_state_slots = slots
         # np.zeros maps lazily: a slot's pages appear when a request first writes it
         self._state_pools = [np.zeros((slots, *st.shape), dtype=np.float32) for st in spec.states]
