@@ -106,8 +106,9 @@ def score_windows(
         )
     maxb = spec.blocks_for(longest)
     batch = min(batch, len(windows), max(1, runner.num_blocks // maxb))
-    if runner.num_state_slots:  # (a recurrent model: a state slot per window at once)
-        batch = min(batch, runner.num_state_slots)
+    slots = getattr(runner, "num_state_slots", 0)  # (a recurrent model: a state slot per window at once)
+    if slots:
+        batch = min(batch, slots)
     if runner.num_blocks < maxb:
         raise InputError(f"the runner's {runner.num_blocks} KV blocks cannot hold a {longest}-token window")
     logprobs, argmax = [], []

@@ -51,7 +51,7 @@ def test_ov_layout_needs_an_openvino_session_and_model_runner_refuses_mapped():
 
 def test_runner_options_name_the_unknown_one_and_fake_runner_is_a_step_runner():
     with pytest.raises(
-        UsageError, match="unknown option 'foo' .*known: micro_batches, spinning, threads, verify"
+        UsageError, match="unknown option 'foo' .*known: micro_batches, spinning, state_slots, threads, verify"
     ):
         RunnerOptions.from_kwargs({"foo": 1}, "Engine.load")
     assert RunnerOptions.from_kwargs({"threads": 2}, "x") == RunnerOptions(threads=2)
