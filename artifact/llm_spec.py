@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
@@ -60,12 +61,9 @@ class StateSpec(Record):
             raise ArtifactError(
                 f"{where}: state {self.name!r}: shape must be positive sizes, got {list(self.shape)}"
             )
-        elements = 1
-        for d in self.shape:
-            elements *= d
-        if elements > STATE_MAX_ELEMENTS:
+        if self.elements > STATE_MAX_ELEMENTS:
             raise ArtifactError(
-                f"{where}: state {self.name!r}: {elements} elements per request, at most {STATE_MAX_ELEMENTS}"
+                f"{where}: state {self.name!r}: {self.elements} elements per request, at most {STATE_MAX_ELEMENTS}"
             )
         if not 0 <= self.layer <= LIMITS["layers"]:
             raise ArtifactError(f"{where}: state {self.name!r}: layer must be in [0, {LIMITS['layers']}]")
@@ -76,10 +74,7 @@ class StateSpec(Record):
 
     @property
     def elements(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import click
@@ -88,12 +89,7 @@ def _inspect_states(states) -> None:
         return
     layers = sorted({st["layer"] for st in states})
     kinds = "/".join(sorted({st["kind"] for st in states}))
-    elements = 0
-    for st in states:
-        n = 1
-        for d in st["shape"]:
-            n *= d
-        elements += n
+    elements = sum(math.prod(st["shape"]) for st in states)
     out_console.print(
         f"recurrent state: {len(layers)} layer(s) ({kinds}), {elements * 4 / 1024:.1f} KiB per request, one slot "
         "each; prefix caching off, no speculative decoding",

@@ -59,18 +59,22 @@ def greedy(runner: ModelRunner, prompts: list[list[int]], new_tokens: int, chunk
     return out
 
 
-def hf_greedy(folder, prompt: list[int], new_tokens: int) -> list[int]:
+def hf_greedy(folder, prompt: list[int], new_tokens: int, argmax_eos: bool = False) -> list[int]:
+    """HF generate()'s greedy tokens, EOS suppressed until ``new_tokens``; ``argmax_eos``: the argmax every
+    step, EOS included (what precast gives with ignore_eos)."""
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
+    if argmax_eos:
+        model.generation_config.eos_token_id = None
     with torch.no_grad():
         ids = model.generate(
             torch.tensor([prompt]),
             attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
             do_sample=False,
             max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
+            min_new_tokens=None if argmax_eos else new_tokens,
             pad_token_id=0,
         )
     return ids[0, len(prompt) :].tolist()

@@ -114,21 +114,14 @@ def gpt_oss(tmp_path_factory):
 def _reference(folder, model_type: str, prompt: list[int]) -> list[int]:
     """HF's greedy tokens. DeepSeek-V2: its own forward without a cache, token by token (transformers 5.25's
     cached generate() drifts from that forward after a few tokens on this model; precast matches the forward)."""
+    from tests.llm.test_causal_lm import hf_greedy
+
+    if model_type != "deepseek_v2":  # argmax every step, EOS included (as precast with ignore_eos)
+        return hf_greedy(folder, prompt, NEW, argmax_eos=True)
     import torch
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(str(folder), local_files_only=True).eval()
-    if model_type != "deepseek_v2":  # argmax every step, EOS included (as precast with ignore_eos)
-        model.generation_config.eos_token_id = None
-        with torch.no_grad():
-            out = model.generate(
-                torch.tensor([prompt]),
-                attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                do_sample=False,
-                max_new_tokens=NEW,
-                pad_token_id=0,
-            )
-        return out[0, len(prompt) :].tolist()
     ids = list(prompt)
     with torch.no_grad():
         for _ in range(NEW):

@@ -133,6 +133,14 @@ class ModelRunner(RunnerBase):
         return self._run(ids, pos, past, new, tables, last)
 
     def _run(self, ids, pos, past, new, tables, last=None) -> np.ndarray:
+        feeds, tables, intact = self._graph_feeds(ids, pos, past, new, tables, last)
+        out = self._active_session().run(self._outputs, feeds)
+        self._store_kv(out[1:], ids, past, new, tables, intact)
+        return out[0]
+
+    def _graph_feeds(self, ids, pos, past, new, tables, last=None) -> tuple[dict, np.ndarray, bool]:
+        """The step graph's feeds (the pools included), the block tables trimmed to the blocks the rows use,
+        and whether the pools are still the views of the one K and one V array (``_store_kv``'s fast paths)."""
         # The graph gathers every block of the table: hand it only the blocks this step's requests use.
         used = self.spec.blocks_for(int((past + new).max()))
         if tables.shape[1] > used:
@@ -155,23 +163,27 @@ class ModelRunner(RunnerBase):
             for i, (k_name, v_name) in enumerate(self.spec.kv_inputs):
                 feeds[k_name] = self.key_cache[i]
                 feeds[v_name] = self.value_cache[i]
-        out = self._active_session().run(self._outputs, feeds)
+        return feeds, tables, intact
+
+    def _store_kv(self, kv: list, ids, past, new, tables, intact: bool) -> None:
+        """Write the step's new K/V (``kv``: new_key.0, new_value.0, new_key.1, ...) into the pools."""
+        if not kv:  # (a state-space model: no K/V layers)
+            return
         if intact and ids.shape == (1, 1):  # batch-1 decode: one slot, basic indexing (no fancy scatter)
             slot = int(past[0])
             block, offset = int(tables[0, slot // self.spec.block_size]), slot % self.spec.block_size
             # new_key.i [1, KV, 1, D] of every layer -> [L, KV, D] into the slot [L, KV, D] of [L, NB, KV, bs, D]
-            self._k_all[:, block, :, offset] = np.concatenate(out[1::2], axis=2)[0].transpose(1, 0, 2)
-            self._v_all[:, block, :, offset] = np.concatenate(out[2::2], axis=2)[0].transpose(1, 0, 2)
-            return out[0]
+            self._k_all[:, block, :, offset] = np.concatenate(kv[0::2], axis=2)[0].transpose(1, 0, 2)
+            self._v_all[:, block, :, offset] = np.concatenate(kv[1::2], axis=2)[0].transpose(1, 0, 2)
+            return
         b_idx, s_idx, blocks, offsets = new_slots(ids.shape[1], past, new, tables, self.spec.block_size)
         if intact:  # all layers at once: [L, n, KV, D] into [L, NB, KV, bs, D]
-            self._k_all[:, blocks, :, offsets] = np.stack(out[1::2])[:, b_idx, :, s_idx]
-            self._v_all[:, blocks, :, offsets] = np.stack(out[2::2])[:, b_idx, :, s_idx]
-            return out[0]
+            self._k_all[:, blocks, :, offsets] = np.stack(kv[0::2])[:, b_idx, :, s_idx]
+            self._v_all[:, blocks, :, offsets] = np.stack(kv[1::2])[:, b_idx, :, s_idx]
+            return
         for i in range(self.spec.layers):  # a caller replaced a pool array: write layer by layer
-            self.key_cache[i][blocks, :, offsets] = out[1 + 2 * i][b_idx, :, s_idx]
-            self.value_cache[i][blocks, :, offsets] = out[2 + 2 * i][b_idx, :, s_idx]
-        return out[0]
+            self.key_cache[i][blocks, :, offsets] = kv[2 * i][b_idx, :, s_idx]
+            self.value_cache[i][blocks, :, offsets] = kv[2 * i + 1][b_idx, :, s_idx]
 
 
 def new_slots(width: int, past, new, tables, block_size: int) -> tuple[np.ndarray, ...]:

@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from precast.errors import InputError
-from precast.runtime.llm.runners.gather import ModelRunner, new_slots
+from precast.runtime.llm.runners.gather import ModelRunner
 from precast.runtime.llm.scheduler import SchedulerOutput
 
 __all__ = ["MAX_STATE_SLOTS", "RecurrentRunner"]
@@ -101,20 +101,7 @@ class RecurrentRunner(ModelRunner):
         if len(slots) != ids.shape[0] or (slots < 0).any() or (slots >= self.num_state_slots).any():
             raise InputError(f"rows without a state slot in [0, {self.num_state_slots}): {slots.tolist()}")
         spec = self.spec
-        used = spec.blocks_for(int((past + new).max()))
-        if tables.shape[1] > used:
-            tables = np.ascontiguousarray(tables[:, :used])
-        feeds = {
-            "input_ids": ids,
-            "positions": pos,
-            "past_lens": past,
-            "new_lens": new,
-            "block_tables": tables,
-        }
-        if spec.multi_logits:
-            feeds["last_index"] = (new - 1)[:, None] if last is None else last
-        for i, (k_name, v_name) in enumerate(spec.kv_inputs):
-            feeds[k_name], feeds[v_name] = self.key_cache[i], self.value_cache[i]
+        feeds, tables, intact = self._graph_feeds(ids, pos, past, new, tables, last)
         fresh = past == 0
         for st, pool in zip(spec.states, self._state_pools):
             state = pool[slots]  # (a copy: the rows' states, in row order)
@@ -122,11 +109,7 @@ class RecurrentRunner(ModelRunner):
             feeds[st.name] = state
         out = self._active_session().run(self._outputs, feeds)
         layers = spec.layers
-        if layers:
-            b_idx, s_idx, blocks, offsets = new_slots(ids.shape[1], past, new, tables, spec.block_size)
-            for i in range(layers):
-                self.key_cache[i][blocks, :, offsets] = out[1 + 2 * i][b_idx, :, s_idx]
-                self.value_cache[i][blocks, :, offsets] = out[2 + 2 * i][b_idx, :, s_idx]
+        self._store_kv(out[1 : 1 + 2 * layers], ids, past, new, tables, intact)
         for j, pool in enumerate(self._state_pools):
             pool[slots] = out[1 + 2 * layers + j]
         self.state_slots_touched = max(self.state_slots_touched, int(slots.max()) + 1)
